@@ -45,3 +45,8 @@ def zero_sqgradnorm_buffers(model):
             for name, buf in module._buffers.items():
                 if name == "example_count" or name.endswith("_sqgradnorm"):
                     buf.zero_()
+
+
+def tie_weights(embedding, head):
+    """Tie the token embedding to the output head (GPT's wte = lm_head), as nanoGPT does."""
+    embedding.weight = head.weight

@@ -1,0 +1,274 @@
+"""
+The GPT language model, one file, as in nanoGPT: token + position embeddings, pre-LayerNorm
+blocks of causal self-attention and a GELU MLP, a final LayerNorm and an output head tied to
+the token embedding.
+
+The Linear / Embedding / LayerNorm classes come from layer_config, read when the model is
+constructed, so the same file builds a plain GPT or one whose layers measure per-example
+gradient norms (buffered.py, fused_gns.py).
+"""
+import inspect
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from buffered import tie_weights
+from layer_config import get_contextual_config
+
+# Peak dense FLOP/s used as the MFU denominator. The first entries are datasheet bfloat16
+# numbers; the *_eflops entries are empirically reachable ceilings for devices whose datasheet
+# peak is far from what a matmul actually gets.
+PEAK_FLOPS = {
+    'A100': 312e12,
+    'A10': 125e12,
+    'H100': 989e12,
+    'H200': 989e12,
+    'M1_eflops': 4.35e12,
+    'A10_eflops': 69e12,
+}
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # bias in Linears and LayerNorms, like GPT-2; False is a bit better and faster
+    device_name: str = 'A100'  # key of PEAK_FLOPS for estimate_mfu
+    cos_attn: list = field(default_factory=list)  # block indices using cosine attention
+    spectral_c_attn: list = field(default_factory=list)  # block indices with spectral-normalised Q/K/V
+    fp32_attention_layers: list = field(default_factory=list)  # block indices whose attention runs in float32
+
+
+class SpectralNormQKV(nn.Module):
+    """Separate Q, K, V projections, each spectrally normalised (Miyato et al. 2018) and scaled
+    by a fixed 1.1, returned as one [B, T, 3C] tensor like the fused c_attn."""
+
+    def __init__(self, n_embd, bias, Linear):
+        super().__init__()
+        sn = torch.nn.utils.parametrizations.spectral_norm
+        self.q = sn(Linear(n_embd, n_embd, bias=bias))
+        self.k = sn(Linear(n_embd, n_embd, bias=bias))
+        self.v = sn(Linear(n_embd, n_embd, bias=bias))
+        self.register_buffer('scale', torch.tensor(1.1), persistent=False)
+
+    def forward(self, x):
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1) * self.scale
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config, block_idx, layers):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
+        if block_idx in config.spectral_c_attn:
+            self.c_attn = SpectralNormQKV(config.n_embd, config.bias, layers['Linear'])
+        else:
+            self.c_attn = layers['Linear'](config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = layers['Linear'](config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.cos_attn = block_idx in config.cos_attn
+        self.fp32 = block_idx in config.fp32_attention_layers
+
+    def attend(self, q, k, v):
+        if self.cos_attn:
+            # cosine attention: unit-norm queries and keys bound every attention logit
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.fp32:
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                y = self.attend(q.float(), k.float(), v.float()).to(v.dtype)
+        else:
+            y = self.attend(q, k, v)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config, layers):
+        super().__init__()
+        self.c_fc = layers['Linear'](config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = layers['Linear'](4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config, block_idx, layers):
+        super().__init__()
+        self.ln_1 = layers['LayerNorm'](config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, block_idx, layers)
+        self.ln_2 = layers['LayerNorm'](config.n_embd, bias=config.bias)
+        self.mlp = MLP(config, layers)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        assert config.vocab_size is not None
+        assert config.block_size is not None
+        if config.device_name not in PEAK_FLOPS:
+            raise ValueError(f"unknown device_name {config.device_name!r}; choose from {sorted(PEAK_FLOPS)}")
+        self.config = config
+        layers = get_contextual_config()  # read now, not at import: see layer_config.py
+
+        self.transformer = nn.ModuleDict(dict(
+            wte=layers['Embedding'](config.vocab_size, config.n_embd),
+            wpe=layers['Embedding'](config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i, layers) for i in range(config.n_layer)]),
+            ln_f=layers['LayerNorm'](config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = layers['Linear'](config.n_embd, config.vocab_size, bias=False)
+        # weight tying (Press & Wolf 2017); buffered.tie_weights also links the per-example
+        # norm bookkeeping of the two layers so the shared parameter is measured exactly
+        tie_weights(self.transformer.wte, self.lm_head)
+        # tokens seen in training, checkpointed with the weights (the LR schedule is in tokens)
+        self.register_buffer('tokens_processed', torch.zeros((), dtype=torch.int64))
+
+        self.apply(self._init_weights)
+        # scaled init of the residual projections, per the GPT-2 paper
+        for pn, p in self.named_parameters():
+            if pn.endswith('c_proj.weight'):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        print("number of parameters: %.2fM" % (self.get_num_params() / 1e6,))
+
+    def get_num_params(self, non_embedding=True):
+        """Parameter count; by default without the position embeddings (the token embeddings
+        count, since they are also the output head's weights)."""
+        n_params = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n_params -= self.transformer.wpe.weight.numel()
+        return n_params
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        b, t = idx.size()
+        if t > self.config.block_size:
+            raise ValueError(f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}")
+        # positions get a batch dimension so the position embedding sees per-example gradients
+        pos = torch.arange(0, t, dtype=torch.long, device=idx.device).expand(b, t)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            # inference: only the last position's logits (the list keeps the time dimension)
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+    def crop_block_size(self, block_size):
+        """Model surgery to use a smaller block size than the model was built with."""
+        assert block_size <= self.config.block_size
+        self.config.block_size = block_size
+        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+        self.transformer.wpe.num_embeddings = block_size
+
+    @classmethod
+    def from_pretrained(cls, model_type, override_args=None):
+        """GPT-2 weights from Hugging Face transformers (needs the package and the network)."""
+        assert model_type in {'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'}
+        override_args = override_args or {}
+        assert all(k == 'dropout' for k in override_args)
+        from transformers import GPT2LMHeadModel
+        print("loading weights from pretrained gpt: %s" % model_type)
+        config_args = {
+            'gpt2': dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
+            'gpt2-medium': dict(n_layer=24, n_head=16, n_embd=1024),  # 350M params
+            'gpt2-large': dict(n_layer=36, n_head=20, n_embd=1280),  # 774M params
+            'gpt2-xl': dict(n_layer=48, n_head=25, n_embd=1600),  # 1558M params
+        }[model_type]
+        config_args.update(vocab_size=50257, block_size=1024, bias=True)
+        if 'dropout' in override_args:
+            config_args['dropout'] = override_args['dropout']
+        model_hf = GPT2LMHeadModel.from_pretrained(model_type)  # download first: fail before building
+        model = GPT(GPTConfig(**config_args))
+        sd = model.state_dict()
+        sd_hf = {k: v for k, v in model_hf.state_dict().items()
+                 if not k.endswith('.attn.masked_bias') and not k.endswith('.attn.bias')}
+        # OpenAI's checkpoints use Conv1D, whose weights are the transpose of a Linear's
+        transposed = ('attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight')
+        with torch.no_grad():
+            for k, v in sd_hf.items():
+                v = v.t() if k.endswith(transposed) else v
+                assert v.shape == sd[k].shape, f"shape mismatch for {k}: {v.shape} vs {sd[k].shape}"
+                sd[k].copy_(v)
+        return model
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW; matrices (>= 2-D) are weight-decayed, biases and LayerNorm gains are not."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay_params = [p for p in params if p.dim() >= 2]
+        nodecay_params = [p for p in params if p.dim() < 2]
+        optim_groups = [
+            {'params': decay_params, 'weight_decay': weight_decay},
+            {'params': nodecay_params, 'weight_decay': 0.0},
+        ]
+        print(f"num decayed parameter tensors: {len(decay_params)}, with {sum(p.numel() for p in decay_params):,} parameters")
+        print(f"num non-decayed parameter tensors: {len(nodecay_params)}, with {sum(p.numel() for p in nodecay_params):,} parameters")
+        use_fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type == 'cuda'
+        optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas,
+                                      **(dict(fused=True) if use_fused else {}))
+        print(f"using fused AdamW: {use_fused}")
+        return optimizer
+
+    def estimate_mfu(self, fwdbwd_per_iter, dt):
+        """Model FLOPs utilisation: achieved FLOP/s over the peak of config.device_name.
+        FLOPs per token from the PaLM paper, Appendix B (Chowdhery et al. 2022)."""
+        N = self.get_num_params()
+        cfg = self.config
+        L, H, Q, T = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head, cfg.block_size
+        flops_per_token = 6 * N + 12 * L * H * Q * T
+        flops_per_iter = flops_per_token * T * fwdbwd_per_iter
+        return flops_per_iter / dt / PEAK_FLOPS[cfg.device_name]
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens continuations of idx (LongTensor [b, t]), feeding each back in."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float('Inf')
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
