@@ -1,0 +1,89 @@
+"""
+nanoGPT's "poor man's configurator": configuration is plain Python globals.
+
+    python train.py config/train_shakespeare_char.py --batch_size=32 --compile=False
+
+Each positional argument is a Python file executed over the defaults; each --key=value
+overrides one existing key, with the value parsed as a Python literal (falling back to a
+string) and checked against the default's type. Bad input raises ConfigError, which train.py
+turns into one line on stderr and exit code 2.
+"""
+import os
+from ast import literal_eval
+
+
+class ConfigError(Exception):
+    pass
+
+
+def _coerce(key, value, default):
+    """Parse a --key=value string and check it against the default's type."""
+    try:
+        parsed = literal_eval(value)
+    except (SyntaxError, ValueError):
+        parsed = value  # a bare word is a string: --dataset=openwebtext
+    if default is None or parsed is None:
+        return parsed
+    if isinstance(default, bool) or isinstance(parsed, bool):
+        if isinstance(default, bool) and isinstance(parsed, bool):
+            return parsed
+        raise ConfigError(f"--{key} expects {type(default).__name__} (True/False), got {value!r}")
+    if isinstance(default, float) and isinstance(parsed, int):
+        return float(parsed)  # --learning_rate=1 means 1.0
+    if isinstance(default, (list, tuple)) and isinstance(parsed, (list, tuple)):
+        return type(default)(parsed)
+    if not isinstance(parsed, type(default)):
+        raise ConfigError(f"--{key} expects {type(default).__name__} (default {default!r}), got {value!r}")
+    return parsed
+
+
+def help_text(config, doc=""):
+    lines = [doc.strip(), "", "usage: python train.py [config/file.py ...] [--key=value ...]", "", "keys and defaults:"]
+    lines += [f"  --{k}={v!r}" for k, v in config.items()]
+    return "\n".join(lines)
+
+
+def configure(argv, config, doc=""):
+    """Apply config files and --key=value overrides in argv to the dict `config`, in place.
+    Only keys already in `config` may be set. Returns the list of what was applied."""
+    applied = []
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            print(help_text(config, doc))
+            raise SystemExit(0)
+        if not arg.startswith("--"):
+            if not os.path.isfile(arg):
+                raise ConfigError(f"config file {arg!r} not found")
+            print(f"Overriding config with {arg}:")
+            with open(arg) as f:
+                source = f.read()
+            print(source)
+            scope = dict(config)
+            try:
+                exec(compile(source, arg, "exec"), scope)
+            except Exception as e:
+                raise ConfigError(f"error in config file {arg}: {type(e).__name__}: {e}")
+            for key, value in scope.items():
+                if key.startswith("_") or key not in config and not _is_plain(value):
+                    continue
+                if key not in config:
+                    raise ConfigError(f"config file {arg} sets unknown key {key!r}")
+                config[key] = value
+            applied.append(arg)
+        else:
+            if "=" not in arg:
+                raise ConfigError(f"expected --key=value, got {arg!r}")
+            key, value = arg[2:].split("=", 1)
+            if key not in config:
+                close = [k for k in config if key.split("_")[0] in k][:5]
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"unknown config key {key!r}{hint}; see --help")
+            config[key] = _coerce(key, value, config[key])
+            print(f"Overriding: {key} = {config[key]!r}")
+            applied.append(arg)
+    return applied
+
+
+def _is_plain(value):
+    """Values a config file may set: data, not modules, functions or classes it imported."""
+    return isinstance(value, (bool, int, float, str, list, tuple, dict, type(None)))
