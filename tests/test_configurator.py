@@ -1,0 +1,58 @@
+"""configurator.py: config files and --key=value overrides, with clear errors."""
+import pytest
+
+from configurator import ConfigError, configure
+
+DEFAULTS = dict(batch_size=12, learning_rate=6e-4, compile=True, dataset='owt', cos_attn=[], init=None)
+
+
+def test_overrides_parse_literals_and_promote_int_to_float():
+    cfg = dict(DEFAULTS)
+    configure(["--batch_size=32", "--learning_rate=1", "--compile=False", "--dataset=shakespeare_char",
+               "--cos_attn=[1, 2]"], cfg)
+    assert cfg['batch_size'] == 32
+    assert cfg['learning_rate'] == 1.0 and isinstance(cfg['learning_rate'], float)
+    assert cfg['compile'] is False
+    assert cfg['dataset'] == 'shakespeare_char'
+    assert cfg['cos_attn'] == [1, 2]
+
+
+def test_config_file_then_override(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("batch_size = 64\nimport math\nlearning_rate = math.sqrt(4e-6)\n")
+    cfg = dict(DEFAULTS)
+    configure([str(f), "--batch_size=8"], cfg)
+    assert cfg['batch_size'] == 8
+    assert cfg['learning_rate'] == pytest.approx(2e-3)
+    assert 'math' not in cfg
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--bogus=1"], "unknown config key 'bogus'"),
+    (["--batch_size=abc"], "--batch_size expects int"),
+    (["--batch_size=1.5"], "--batch_size expects int"),
+    (["--compile=1"], "--compile expects bool"),
+    (["--batch_size"], "expected --key=value"),
+    (["no_such_file.py"], "not found"),
+])
+def test_bad_input_is_a_config_error(argv, words):
+    with pytest.raises(ConfigError, match=words.replace('[', r'\[')):
+        configure(argv, dict(DEFAULTS))
+
+
+def test_config_file_with_unknown_key_or_error(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("batch_sise = 64\n")
+    with pytest.raises(ConfigError, match="unknown key 'batch_sise'"):
+        configure([str(f)], dict(DEFAULTS))
+    f.write_text("batch_size = 1/0\n")
+    with pytest.raises(ConfigError, match="ZeroDivisionError"):
+        configure([str(f)], dict(DEFAULTS))
+
+
+def test_help_lists_keys(capsys):
+    with pytest.raises(SystemExit) as e:
+        configure(["--help"], dict(DEFAULTS), "Train a GPT.")
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "Train a GPT." in out and "--batch_size=12" in out
