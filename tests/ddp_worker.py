@@ -1,0 +1,166 @@
+"""
+Worker for tests/test_ddpgns.py, launched on CPU with gloo:
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_worker.py OUT_DIR
+Each rank runs every check and writes OUT_DIR/rank{r}.json; the test compares ranks and
+brute-force values there. Nothing is asserted here, so a failure shows up as a readable diff.
+"""
+import copy
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ddpgns  # noqa: E402
+from buffered import register_sqgradnorm_buffers  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+MICRO_STEPS = 2
+MICRO_BATCH = 3
+LOSS_SCALES = [1.0, 2.0 ** 10]  # step 1 stands in for a float16 GradScaler's scale
+
+
+def sq_norm(tensors):
+    return sum(float(t.double().pow(2).sum()) for t in tensors)
+
+
+def hook_vs_brute_force(rank, world, dtype):
+    """Two optimizer steps of 2 micro-steps each through a hooked DDP GPT, a plain DDP GPT and a
+    non-DDP copy of the same GPT, all on the same rank-dependent batches."""
+    torch.manual_seed(0)  # the same weights on every rank (DDP would broadcast them anyway)
+    base = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16)).to(dtype)
+    local = copy.deepcopy(base)
+    # small buckets, so that the stats must be summed over several of them
+    hooked = DDP(copy.deepcopy(base), broadcast_buffers=False, bucket_cap_mb=0.002)
+    plain = DDP(copy.deepcopy(base), broadcast_buffers=False, bucket_cap_mb=0.002)
+    hook = ddpgns.DDPGradientStatsHook(hooked)
+    steps = []
+    for step, scale in enumerate(LOSS_SCALES):
+        for micro_step in range(MICRO_STEPS):
+            g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro_step)
+            x = torch.randint(0, 32, (MICRO_BATCH, 8), generator=g)
+            y = torch.randint(0, 32, (MICRO_BATCH, 8), generator=g)
+            for m in (hooked, plain, local):
+                if m is not local:
+                    m.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
+                _, loss = m(x, y)
+                (loss / MICRO_STEPS * scale).backward()
+            if micro_step == 0:
+                buckets_after_no_sync = len(hook.local_sq)  # the hook must not have fired yet
+        n_buckets = len(hook.local_sq)
+        sq_small, sq_big = hook.get_stats(loss_scale=scale)
+        try:  # a second call in the same step has nothing new to report
+            hook.get_stats()
+            second_call_raises = False
+        except RuntimeError:
+            second_call_raises = True
+        local_grads = [p.grad for p in local.parameters()]
+        # the average DDP should produce, done by hand with one all_reduce per parameter
+        averaged = [g.clone() for g in local_grads]
+        for g in averaged:
+            dist.all_reduce(g)
+            g.div_(world)
+        hooked_grads = [p.grad for p in hooked.parameters()]
+        plain_grads = [p.grad for p in plain.parameters()]
+        steps.append(dict(
+            n_buckets=n_buckets, buckets_after_no_sync=buckets_after_no_sync,
+            second_call_raises=second_call_raises,
+            sq_small=sq_small, sq_big=sq_big,
+            local_sq=sq_norm(local_grads) / scale ** 2,
+            averaged_sq=sq_norm(averaged) / scale ** 2,
+            hooked_grad_sq=sq_norm(hooked_grads) / scale ** 2,
+            max_diff_hooked_plain=max(float((a - b).abs().max()) for a, b in zip(hooked_grads, plain_grads)),
+            max_diff_hooked_by_hand=max(float((a - b).abs().max()) for a, b in zip(hooked_grads, averaged)),
+        ))
+        for m in (hooked, plain, local):
+            m.zero_grad(set_to_none=True)
+    return steps
+
+
+def buffers_allreduce(rank, world):
+    """Fill the per-example-norm buffers of a small MLP the way the layers would, from brute-force
+    per-example gradients of this rank's batch, then make them global."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    for layer in (mlp[0], mlp[2]):
+        register_sqgradnorm_buffers(layer)
+    batch = 4  # the same on every rank, as in train.py; the data differ
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(batch, 5, generator=g), torch.randn(batch, 3, generator=g)
+    params = dict(mlp.named_parameters())
+
+    def example_loss(p, xb, yb):
+        return (torch.func.functional_call(mlp, p, (xb,)) - yb).pow(2).sum()
+
+    per_example = torch.func.vmap(torch.func.grad(example_loss), in_dims=(None, 0, 0))(params, x, y)
+    example_sq = {n: per_example[n].flatten(1).pow(2).sum(1).tolist() for n in params}  # ||g_b||^2
+    for layer, prefix in ((mlp[0], '0.'), (mlp[2], '2.')):
+        for pname in ('weight', 'bias'):
+            # what a layer sees on this rank: g_b / B_rank, squared and summed over the batch
+            getattr(layer, f'{pname}_sqgradnorm').fill_(sum(example_sq[prefix + pname]) / batch ** 2)
+        layer.example_count.fill_(batch)
+    before = {n: float(b) for n, b in mlp.named_buffers()}
+    calls = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: (calls.append(1), all_reduce(*a, **k))[1]
+    try:
+        ddpgns.allreduce_sqgradnorm_buffers(mlp)
+    finally:
+        dist.all_reduce = all_reduce
+    return dict(batch=batch, example_sq=example_sq, before=before,
+                after={n: float(b) for n, b in mlp.named_buffers()}, collectives=len(calls))
+
+
+def known_noise_scale(rank, world, steps=400, batch=8, dim=4, noise=1.0):
+    """Linear regression at fixed weights w, x ~ N(0, I), y = w*.x + noise * eps, per-example
+    loss (w.x - y)^2 / 2: with d = w - w*, the true gradient is d and the per-example covariance
+    has trace (dim + 1)|d|^2 + dim * noise^2 (Isserlis), so the GNS is known in closed form."""
+    torch.manual_seed(0)
+    lin = nn.Linear(dim, 1, bias=False, dtype=torch.float64)
+    w_star = lin.weight.detach().clone() - torch.tensor([[1.0, 0.5, 0.0, 0.0]], dtype=torch.float64)
+    model = DDP(lin, broadcast_buffers=False)
+    hook = ddpgns.DDPGradientStatsHook(model)
+    gns = ddpgns.GradientNoiseScale(beta=0.999)
+    g = torch.Generator().manual_seed(100 + rank)
+    raw = []
+    for _ in range(steps):
+        x = torch.randn(batch, dim, generator=g, dtype=torch.float64)
+        y = x @ w_star.T + noise * torch.randn(batch, 1, generator=g, dtype=torch.float64)
+        loss = 0.5 * (model(x) - y).pow(2).mean()
+        loss.backward()
+        sq_small, sq_big = hook.get_stats()
+        gns.update(sq_small, sq_big, batch, world * batch)
+        raw.append((sq_small, sq_big))
+        model.zero_grad(set_to_none=True)
+    d = (lin.weight - w_star).detach()
+    true_gtg = float(d.pow(2).sum())
+    true_trsigma = (dim + 1) * true_gtg + dim * noise ** 2
+    gtg, trsigma = gns.get_stats()
+    return dict(raw=raw, batch=batch, beta=gns.beta, gtg=gtg, trsigma=trsigma, gns=gns.get_gns(),
+                true_gtg=true_gtg, true_trsigma=true_trsigma, state=gns.state_dict(),
+                log=ddpgns.ddp_gns_log(gns, *raw[-1], batch, world * batch))
+
+
+def main():
+    out_dir = sys.argv[1]
+    # train.py keeps broadcast_buffers=False (rank-local per-example buffers); so do we
+    warnings.filterwarnings('ignore', message='`broadcast_buffers` is deprecated')
+    dist.init_process_group('gloo')
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = dict(rank=rank, world=world,
+                  float32=hook_vs_brute_force(rank, world, torch.float32),
+                  bfloat16=hook_vs_brute_force(rank, world, torch.bfloat16),
+                  buffers=buffers_allreduce(rank, world),
+                  known=known_noise_scale(rank, world))
+    with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == '__main__':
+    main()
