@@ -7,6 +7,7 @@ dropped. Rows shorter than the header are padded with empty cells (older logs on
 their header). The reference implementation's in-progress pair log_header.csv.tmp +
 log_data.csv.tmp is read too when there is no log.csv.
 """
+import argparse
 import csv
 import io
 import os
@@ -14,6 +15,13 @@ import os
 import pandas as pd
 
 LOG_NAME = "log.csv"
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for the command-line tools, with a usage error on one line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 class LogError(Exception):

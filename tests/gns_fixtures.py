@@ -63,9 +63,9 @@ def per_example_grads(model, x, y, loss_fn=mse):
 
 
 @torch.no_grad()
-def fill_buffers(model, x, y, B, scale=1.0, loss_fn=mse):
+def fill_buffers(model, x, y, B, scale=1.0, loss_fn=mse, per_example=per_example_grads):
     """Add this micro-batch's sum_b ||scale * g_b / B||^2 and its size to the buffers."""
-    grads = per_example_grads(model, x, y, loss_fn)
+    grads = per_example(model, x, y, loss_fn)
     for mname, m in model.named_modules():
         if "example_count" not in m._buffers:
             continue
@@ -75,18 +75,19 @@ def fill_buffers(model, x, y, B, scale=1.0, loss_fn=mse):
         m._buffers["example_count"] += x.shape[0]
 
 
-def train_step(model, micro_batches, scaler=None, loss_fn=mse):
+def train_step(model, micro_batches, scaler=None, loss_fn=mse, per_example=per_example_grads):
     """
     nanoGPT's micro-step loop: each micro-batch loss is a mean divided by the number of micro-steps
     (so the gradient is that of L = (1/B) sum_b l_b), backward through the scaler if any, buffers
-    filled as the layers would. Returns B.
+    filled as the layers would (per_example: a faster exact per-example gradient function, if the
+    model has one in closed form). Returns B.
     """
     B = sum(x.shape[0] for x, _ in micro_batches)
     scale = scaler.get_scale() if scaler is not None else 1.0
     for x, y in micro_batches:
         loss = loss_fn(model(x), y) / len(micro_batches)
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        fill_buffers(model, x, y, B, scale, loss_fn)
+        fill_buffers(model, x, y, B, scale, loss_fn, per_example)
     return B
 
 
