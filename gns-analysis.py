@@ -45,7 +45,7 @@ import sys
 import numpy as np
 import pandas as pd
 
-from csv_tools import LogError, ToolParser, load_log
+from csv_tools import LogError, ToolParser, figure, load_log, log10_positive, run_main, x_axis
 
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
 
@@ -192,46 +192,6 @@ def compare_layernorm(results, alpha):
 
 # -- terminal output ----------------------------------------------------------------------------
 
-def x_axis(frame):
-    """(name, values) of tokens_processed if logged, else iter_num, else step."""
-    for col in ("tokens_processed", "iter_num", "step"):
-        if col in frame.columns:
-            values = pd.to_numeric(frame[col], errors="coerce").to_numpy(dtype=float)
-            if np.isfinite(values).any():
-                return col, values
-    return "step", frame["step"].to_numpy(dtype=float)
-
-
-def figure(series, x_label, y_label, scatter=False, width=72, height=16):
-    """A plotille figure of [(xs, ys, label)], non-finite points dropped, at most ~2000 points each."""
-    import plotille
-    fig = plotille.Figure()
-    fig.width, fig.height, fig.x_label, fig.y_label = width, height, x_label, y_label
-    fig.origin = False  # no axis lines through 0: they read as data
-    fig.x_ticks_fkt = fig.y_ticks_fkt = lambda value, _: f"{value:.4g}"
-    kept = []
-    for xs, ys, label in series:
-        ok = np.isfinite(xs) & np.isfinite(ys)
-        xs, ys = xs[ok], ys[ok]
-        stride = max(1, len(xs) // 2000)
-        if len(xs):
-            kept.append((xs[::stride], ys[::stride], label))
-    if not kept:
-        return "  (nothing to plot)"
-    lo_x, hi_x = min(k[0].min() for k in kept), max(k[0].max() for k in kept)
-    lo_y, hi_y = min(k[1].min() for k in kept), max(k[1].max() for k in kept)
-    fig.set_x_limits(min_=lo_x, max_=hi_x if hi_x > lo_x else lo_x + 1)
-    fig.set_y_limits(min_=lo_y, max_=hi_y if hi_y > lo_y else lo_y + 1)
-    for xs, ys, label in kept:
-        (fig.scatter if scatter else fig.plot)(list(xs), list(ys), label=label)
-    return fig.show(legend=True)
-
-
-def log10_positive(v):
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(v > 0, np.log10(np.where(v > 0, v, 1.0)), np.nan)
-
-
 def plots(results, df):
     x_name, x = x_axis(results)
     sq, tr = results["total/sq_norm_ema"].to_numpy(), results["total/trace_ema"].to_numpy()
@@ -332,8 +292,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:  # output piped into head & co.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+    run_main(main)
