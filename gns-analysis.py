@@ -27,7 +27,8 @@ of the two averages, GNS = EMA(tr(S)) / EMA(|G|^2), never an average of per-step
 of noisy estimates is biased and explodes where |G|^2 crosses zero).
 
 Groups: total (all parameters), LayerNorm (names with ln_*), Embedding (wte, wpe), Linear (the
-rest), and each transformer block h.N. The paper's question (Gray et al. 2024): how well does
+rest), and each transformer block h.N. GPT ties lm_head to wte, so transformer.wte.weight (its
+first name) carries the head's share of the gradient too and sits in Embedding. The paper's question (Gray et al. 2024): how well does
 the LayerNorm-only GNS track the total? Answered with the ratio LayerNorm GNS / total GNS
 (median and mean) and their Pearson correlation over the steps where the EMA has filled its
 window (all steps if the run is shorter).
