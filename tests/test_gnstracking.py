@@ -1,0 +1,256 @@
+import pytest
+import torch
+
+import buffered
+from gns_fixtures import ToyGPT, brute_force_norms, fill_buffers, measure, per_example_grads, train_step
+from gnstracking import AccumulateMeasurements, Measurement, MeasurementTracker
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return measure(ToyGPT())
+
+
+def make_batch(n, seed=1, T=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 11, (n, T), generator=g), torch.randn(n, generator=g)
+
+
+def assert_matches_brute_force(measurements, model, x, y, B, rel=1e-5):
+    expected = brute_force_norms(model, x, y)
+    assert [m.metadata["name"] for m in measurements] == [n for n, _ in model.named_parameters()]
+    for m in measurements:
+        big, small = expected[m.metadata["name"]]
+        assert m.big_batch_norm == pytest.approx(big, rel=rel, abs=1e-9), m.metadata["name"]
+        assert m.small_batch_norm == pytest.approx(small, rel=rel, abs=1e-9), m.metadata["name"]
+        assert (m.big_batch_size, m.small_batch_size) == (B, 1)
+
+
+def buffers_are_zero(model):
+    return all(float(sq) == 0 and float(c) == 0 for _, _, sq, c in buffered.find_sqgradnorm_buffers(model))
+
+
+def test_float32_with_grad_accumulation_matches_brute_force():
+    model = make_model()
+    x, y = make_batch(12)
+    B = train_step(model, [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:])])
+    tracker = MeasurementTracker.from_model(model)
+    measurements = tracker.step(batch_size=B)
+    assert_matches_brute_force(measurements, model, x, y, B)
+    assert all(m.metadata["step"] == 0 for m in measurements)
+    assert buffers_are_zero(model), "the tracker zeroes the buffers it read"
+
+
+def test_batch_size_defaults_to_the_buffer_count():
+    model = make_model()
+    x, y = make_batch(6)
+    train_step(model, [(x, y)])
+    measurements = MeasurementTracker.from_model(model).step()
+    assert_matches_brute_force(measurements, model, x, y, 6)
+
+
+def test_grad_scaler_scale_is_divided_out():
+    model = make_model()
+    x, y = make_batch(8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    B = train_step(model, [(x[:4], y[:4]), (x[4:], y[4:])], scaler=scaler)
+    assert model.head.weight.grad.norm() > 100 * brute_force_norms(model, x, y)["head.weight"][0]
+    measurements = MeasurementTracker.from_model(model, scaler=scaler).step(batch_size=B)
+    assert_matches_brute_force(measurements, model, x, y, B)
+
+
+def test_disabled_scaler_is_ignored():
+    model = make_model()
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    assert_matches_brute_force(MeasurementTracker.from_model(model, scaler=scaler).step(4), model, x, y, 4)
+
+
+def test_overflow_step_records_nothing_and_is_counted():
+    model = make_model()
+    calls = []
+    tracker = MeasurementTracker.from_model(model, callback=calls.append)
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = float("inf")
+    assert tracker.step(batch_size=4) == []
+    assert tracker.skipped_steps == 1 and calls == []
+    assert buffers_are_zero(model), "buffers are zeroed on skipped steps too"
+    # the next step is measured normally, and knows it is step 1
+    model.zero_grad()
+    train_step(model, [(x, y)])
+    measurements = tracker.step(batch_size=4)
+    assert_matches_brute_force(measurements, model, x, y, 4)
+    assert measurements[0].metadata["step"] == 1 and tracker.skipped_steps == 1
+
+
+def test_nan_buffer_is_an_overflow_too():
+    model = make_model()
+    tracker = MeasurementTracker.from_model(model)
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    model.transformer.ln_f._buffers["bias_sqgradnorm"].fill_(float("nan"))
+    assert tracker.step(batch_size=4) == [] and tracker.skipped_steps == 1
+
+
+def test_one_host_device_transfer_per_step(monkeypatch):
+    """Every Tensor -> Python conversion is counted: step() may make exactly one."""
+    model = make_model()
+    x, y = make_batch(8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    tracker = MeasurementTracker.from_model(model, scaler=scaler)
+    train_step(model, [(x, y)], scaler=scaler)
+    conversions = []
+    for method in ["item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"]:
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _method=method, **kwargs):
+            conversions.append(_method)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    measurements = tracker.step(batch_size=8)
+    monkeypatch.undo()
+    assert len(measurements) == len(list(model.parameters()))
+    assert conversions == ["tolist"]
+
+
+def test_world_size_rescales_summed_rank_buffers():
+    """
+    Two simulated DDP ranks, each with half the batch: each rank's layers see the gradient of its
+    own mean loss, so its buffers hold sum_b ||g_b / B_rank||^2; the buffers and counts are summed
+    and .grad averaged, as DDP + all-reduce do. With world_size=2 the tracker must agree with one
+    process that saw the whole batch.
+    """
+    x, y = make_batch(8)
+    single = make_model()
+    train_step(single, [(x, y)])
+    expected = MeasurementTracker.from_model(single).step(batch_size=8)
+
+    ranks = [make_model() for _ in range(2)]
+    for r, model in enumerate(ranks):
+        train_step(model, [(x[4 * r:4 * r + 4], y[4 * r:4 * r + 4])])
+    summed = ranks[0]
+    with torch.no_grad():
+        for (_, p0, sq0, c0), (_, p1, sq1, c1) in zip(*(buffered.find_sqgradnorm_buffers(m) for m in ranks)):
+            p0.grad = (p0.grad + p1.grad) / 2
+            sq0 += sq1
+        for m0, m1 in zip(ranks[0].modules(), ranks[1].modules()):
+            if "example_count" in m0._buffers:
+                m0._buffers["example_count"] += m1._buffers["example_count"]
+    state = {n: (p.grad.clone(), sq.clone(), c.clone()) for n, p, sq, c in buffered.find_sqgradnorm_buffers(summed)}
+    got = MeasurementTracker.from_model(summed, world_size=2).step(batch_size=8)
+    for e, g in zip(expected, got):
+        assert g.big_batch_norm == pytest.approx(e.big_batch_norm, rel=1e-5)
+        assert g.small_batch_norm == pytest.approx(e.small_batch_norm, rel=1e-5)
+    # the naive B * S (world_size left at 1) is W^2 = 4 times too large in |G_1|^2
+    with torch.no_grad():
+        for n, p, sq, c in buffered.find_sqgradnorm_buffers(summed):
+            p.grad, _ = state[n][0], sq.copy_(state[n][1])
+            c.copy_(state[n][2])
+    naive = MeasurementTracker.from_model(summed).step(batch_size=8)
+    for e, g in zip(expected, naive):
+        assert g.small_batch_norm ** 2 == pytest.approx(4 * e.small_batch_norm ** 2, rel=1e-5)
+
+
+def test_several_callbacks_all_run_and_one_may_return_a_value():
+    model = make_model()
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    logs = AccumulateMeasurements()
+    seen = []
+
+    def halve(m):
+        return Measurement(m.big_batch_norm / 2, m.small_batch_norm / 2, m.big_batch_size, 1, m.metadata)
+
+    tracker = MeasurementTracker.from_model(model, callback=[logs, halve, seen.append])
+    returned = tracker.step(batch_size=4)
+    n_params = len(list(model.parameters()))
+    assert len(seen) == len(returned) == n_params and len(logs.pop()) == 3 * n_params
+    for original, kept in zip(seen, returned):
+        assert kept.big_batch_norm == original.big_batch_norm / 2
+        assert kept.small_batch_norm == original.small_batch_norm / 2
+
+
+def test_two_callbacks_returning_values_is_an_error():
+    model = make_model()
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    tracker = MeasurementTracker.from_model(model, callback=[lambda m: m, lambda m: m])
+    with pytest.raises(ValueError, match="more than one callback"):
+        tracker.step(batch_size=4)
+
+
+def test_accumulate_measurements_columns():
+    logs = AccumulateMeasurements()
+    name = "transformer.h.0.ln_1.weight"
+    logs(Measurement(1.5, 2.5, 32, 1, {"name": name, "step": 0}))
+    assert logs.pop() == {f"train/gns/{name}/norm": 1.5, f"train/gns/{name}/pegn": 2.5,
+                          f"train/gns/{name}/batch_size": 32}
+    assert logs.pop() == {}
+    ddp = AccumulateMeasurements(prefix="ddp/")
+    ddp(Measurement(1.0, 2.0, 8, 1, {"name": "a", "step": 0}))
+    ddp(Measurement(1.0, 2.0, 8, 1, {"name": "b", "step": 1}))  # a new step without pop(): a fresh row
+    assert list(ddp.pop()) == ["ddp/b/norm", "ddp/b/pegn", "ddp/b/batch_size"]
+
+
+def test_tracker_feeds_accumulator_with_gpt_names():
+    model = make_model()
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    logs = AccumulateMeasurements()
+    measurements = MeasurementTracker.from_model(model, callback=logs).step(batch_size=4)
+    row = logs.pop()
+    assert row["train/gns/transformer.h.1.ln_1.weight/batch_size"] == 4
+    for m in measurements:
+        assert row[f"train/gns/{m.metadata['name']}/norm"] == m.big_batch_norm
+        assert row[f"train/gns/{m.metadata['name']}/pegn"] == m.small_batch_norm
+
+
+def test_count_mismatch_is_reported():
+    model = make_model()
+    x, y = make_batch(4)
+    tracker = MeasurementTracker.from_model(model)
+    train_step(model, [(x, y)])
+    with pytest.raises(ValueError, match="counted 4 examples but batch_size=8"):
+        tracker.step(batch_size=8)
+    # buffers left unzeroed from a previous step show up the same way
+    train_step(model, [(x, y)])
+    fill_buffers(model, x, y, 4)
+    with pytest.raises(ValueError, match="counted 8 examples"):
+        tracker.step(batch_size=4)
+
+
+def test_parameters_without_gradient_are_left_out():
+    model = make_model()
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    model.transformer.ln_f.bias.grad = None
+    names = [m.metadata["name"] for m in MeasurementTracker.from_model(model).step(batch_size=4)]
+    assert "transformer.ln_f.bias" not in names and "transformer.ln_f.weight" in names
+    assert buffers_are_zero(model)
+
+
+def test_from_model_unwraps_compile_and_requires_buffers():
+    model = make_model()
+    tracker = MeasurementTracker.from_model(torch.compile(model))
+    assert [n for n, *_ in tracker.entries] == [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match="no per-example gradient norm buffers"):
+        MeasurementTracker.from_model(torch.nn.Linear(2, 2))
+
+
+def test_formula_in_docstring_gives_unbiased_estimates():
+    """|G_1|^2 and |G_B|^2 from the tracker, put through McCandlish's estimators, are exact for
+    the batch's own sample statistics: tr(S) is the sum of the per-coordinate sample variances."""
+    model = make_model()
+    x, y = make_batch(10)
+    train_step(model, [(x, y)])
+    grads = per_example_grads(model, x, y)
+    for m in MeasurementTracker.from_model(model).step(batch_size=10):
+        g = grads[m.metadata["name"]].flatten(1).double()
+        B = m.big_batch_size
+        trace = (m.small_batch_norm ** 2 - m.big_batch_norm ** 2) / (1 - 1 / B)
+        sq_norm = (B * m.big_batch_norm ** 2 - m.small_batch_norm ** 2) / (B - 1)
+        assert trace == pytest.approx(g.var(0, unbiased=True).sum().item(), rel=1e-4, abs=1e-10)
+        # |mean|^2 - tr(S)/B is the unbiased |G|^2
+        assert sq_norm == pytest.approx((g.mean(0).pow(2).sum() - g.var(0).sum() / B).item(), rel=1e-4, abs=1e-10)
