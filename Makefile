@@ -16,6 +16,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	test -f data/shakespeare_char/train.bin || $(PY) data/shakespeare_char/prepare.py
 	$(PY) train.py config/train_shakespeare_char_cpu.py
+	$(PY) gns-analysis.py out-shakespeare-char-cpu
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -253,7 +253,26 @@ if ddp:
                 broadcast_buffers=False)
 
 from schedules import GradAccumSchedule, lr_at  # noqa: E402
-from buffered import zero_sqgradnorm_buffers  # noqa: E402
+from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers  # noqa: E402
+from gnstracking import AccumulateMeasurements, MeasurementTracker  # noqa: E402
+from tracker import LogWrapper  # noqa: E402
+import ddpgns  # noqa: E402
+
+# GNS from exact per-example norms: every parameter whose layer measures it
+gns_logs = AccumulateMeasurements(prefix='train/gns')
+gns_tracker = None
+if find_sqgradnorm_buffers(raw_model):
+    gns_tracker = MeasurementTracker.from_model(raw_model, callback=gns_logs, scaler=scaler,
+                                                world_size=ddp_world_size)
+# a live estimate for the status line only (gns-analysis.py re-derives everything from the CSV)
+live_gns = ddpgns.GradientNoiseScale(beta=0.95)
+# the cheap DDP estimator (small batch = one rank's batch), beside the per-example one
+ddp_gns = None
+if ddp and ddp_world_size > 1:
+    ddp_gns_hook = ddpgns.DDPGradientStatsHook(model)
+    ddp_gns = ddpgns.GradientNoiseScale()
+    if checkpoint is not None and 'ddp_gns' in checkpoint:
+        ddp_gns.load_state_dict(checkpoint['ddp_gns'])
 
 schedule = None
 if bs_schedule:
@@ -298,6 +317,8 @@ def save_checkpoint():
         'best_val_loss': best_val_loss,
         'config': config,
     }
+    if ddp_gns is not None:
+        ckpt['ddp_gns'] = ddp_gns.state_dict()
     path = os.path.join(out_dir, 'ckpt.pt')
     print(f"saving checkpoint to {out_dir}")
     torch.save(ckpt, path + '.tmp')
@@ -308,9 +329,7 @@ def evaluate_and_checkpoint():
     global best_val_loss
     losses = estimate_loss()
     print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-    if wandb_log:
-        wandb.log({'iter': iter_num, 'train/loss': losses['train'], 'val/loss': losses['val'],
-                   'tokens_processed': int(raw_model.tokens_processed)})
+    logger.log({'train/loss': losses['train'], 'val/loss': losses['val']})
     if losses['val'] < best_val_loss or always_save_checkpoint:
         best_val_loss = min(best_val_loss, losses['val'])
         if local_iter_num > 0:  # nothing new to save before this process has taken a step
@@ -322,9 +341,12 @@ def finished():
     return int(raw_model.tokens_processed) >= max_tokens or (max_iters > 0 and iter_num >= max_iters)
 
 
-if wandb_log and master_process:
-    import wandb
-    wandb.init(project=wandb_project, name=wandb_run_name, config=config)
+# out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for
+logger = None
+if master_process:
+    logger = LogWrapper(config=config, out_dir=out_dir,
+                        resume_step=iter_num if init_from == 'resume' else None,
+                        wandb_log=wandb_log, wandb_project=wandb_project, wandb_run_name=wandb_run_name)
 
 params = [p for p in raw_model.parameters() if p.requires_grad]
 X, Y = get_batch('train')
@@ -343,6 +365,8 @@ while not finished():
     if iter_num % eval_interval == 0 and master_process:
         evaluate_and_checkpoint()
         if eval_only:
+            logger.log({'iter_num': iter_num, 'tokens_processed': int(raw_model.tokens_processed)})
+            logger.step()
             break
 
     # forward/backward with gradient accumulation; the per-example-norm layers add into their
@@ -357,6 +381,21 @@ while not finished():
         X, Y = get_batch('train')  # prefetch the next batch while the GPU works
         scaler.scale(loss).backward()
 
+    # GNS measurements: after the last micro-step, before unscaling and clipping (the tracker
+    # divides the loss scale out of gradients and buffers itself)
+    examples_this_step = gradient_accumulation_steps * batch_size * ddp_world_size
+    if ddp_gns is not None:  # every rank: one collective
+        n_small = gradient_accumulation_steps * batch_size
+        sq_small, sq_big = ddp_gns_hook.get_stats(loss_scale=scaler.get_scale())
+        ddp_gns.update(sq_small, sq_big, n_small, examples_this_step)
+    if gns_tracker is not None:
+        if ddp:  # per-example sums over the global batch, not one rank's
+            ddpgns.allreduce_sqgradnorm_buffers(raw_model)
+        measurements = gns_tracker.step(batch_size=examples_this_step, step=iter_num)
+        if measurements:
+            live_gns.update(sum(m.small_batch_norm ** 2 for m in measurements),
+                            sum(m.big_batch_norm ** 2 for m in measurements), 1, examples_this_step)
+
     scaler.unscale_(optimizer)
     # the norm is computed (and logged) whether or not it clips
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0.0 else float('inf'))
@@ -365,23 +404,41 @@ while not finished():
     optimizer.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(raw_model)
     raw_model.tokens_processed += tokens_this_step
-    iter_num += 1
-    local_iter_num += 1
 
     t1 = time.time()
     dt = t1 - t0
     t0 = t1
-    if iter_num % log_interval == 0 and master_process:
-        lossf = loss.item() * gradient_accumulation_steps  # a CPU-GPU sync, on log steps only
-        if local_iter_num >= 5:
+    if master_process:
+        lossf = loss.item() * gradient_accumulation_steps  # one CPU-GPU sync per step
+        if local_iter_num >= 5:  # the first iterations are slow (allocation, compilation)
             mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps * ddp_world_size, dt)
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-        print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
-              f"tokens {int(raw_model.tokens_processed):,}, lr {lr:.3e}, grad_norm {grad_norm.item():.3f}")
+        logger.log({'iter_num': iter_num, 'tokens_processed': int(raw_model.tokens_processed), 'dt': dt,
+                    'tokens_per_sec': tokens_this_step / dt, 'mfu': running_mfu, 'lr': lr,
+                    'grad_norm': grad_norm.item(), 'gradient_accumulation_steps': gradient_accumulation_steps,
+                    'train/lossf': lossf})
+        logger.log(gns_logs.pop())
+        if ddp_gns is not None:
+            logger.log(ddpgns.ddp_gns_log(ddp_gns, sq_small, sq_big, n_small, examples_this_step))
+        if (iter_num + 1) % log_interval == 0:
+            gns_msg = f", gns {live_gns.get_gns():.1f}" if gns_tracker is not None else ""
+            if ddp_gns is not None:
+                gns_msg += f", ddp gns {ddp_gns.get_gns():.1f}"
+            print(f"iter {iter_num + 1}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
+                  f"tokens {int(raw_model.tokens_processed):,}, lr {lr:.3e}, grad_norm {grad_norm.item():.3f}{gns_msg}")
+        logger.step()
+    iter_num += 1
+    local_iter_num += 1
 
 # final evaluation on the last iteration
-if master_process and not eval_only:
-    evaluate_and_checkpoint()
+if master_process:
+    if not eval_only:
+        evaluate_and_checkpoint()
+        logger.log({'iter_num': iter_num, 'tokens_processed': int(raw_model.tokens_processed)})
+        logger.step()
+    logger.close()
+    if gns_tracker is not None and gns_tracker.skipped_steps:
+        print(f"GNS: {gns_tracker.skipped_steps} step(s) with inf/nan gradients (fp16 overflow) were not measured")
 
 if ddp:
     destroy_process_group()
