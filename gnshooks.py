@@ -50,7 +50,10 @@ Linear sees only its own share of the gradient, and the per-example norm of the 
 reach of module hooks (buffered.py measures it exactly). Weights under a parametrization
 (spectral norm) are left out too: the hook sees the gradient of the computed weight, not of the
 parameter. Modules that measure themselves (an `example_count` buffer, see buffered.py) get no
-hooks. Hooks run in eager mode; use them with compile=False.
+hooks. The backward side is a tensor hook on the layer's output (registered by the forward
+hook), not register_full_backward_hook, which would wrap every output in an extra autograd node.
+Under torch.compile the numbers are unchanged, but dynamo cannot trace the hooks' side effects
+and runs the model's forward eagerly: use these hooks with compile=False.
 """
 from collections import namedtuple
 

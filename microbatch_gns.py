@@ -11,7 +11,8 @@ i.e. with the micro-step's own gradient d_k, not the running sum. So sum_k ||d_k
 from one squared-norm reduction per parameter per micro-step. A parameter used twice in the
 forward (GPT's tied wte/lm_head weight) gets its hook called once per backward with the summed
 gradient, which is what we want. Under DDP the hook sees the process's local gradient (the
-all-reduce acts on p.grad after accumulation), with or without no_sync.
+all-reduce acts on p.grad after accumulation), with or without no_sync. The hooks sit on the
+parameters' gradient accumulation, outside any compiled graph, so torch.compile is unaffected.
 Memory: one float32 scalar per parameter tensor. Cost: one extra read of every gradient per
 micro-step (about what clip_grad_norm_ costs, once per micro-step instead of once per step).
 
