@@ -36,7 +36,7 @@ until zero_hook_results() (call it after each optimizer step):
   surrogate gradients; mixing the surrogate's per-example norms with the real ||p.grad|| would
   not be a noise scale of anything. So for SOGNS the weight's big-batch norm is
   ||sum_b W~_b|| = sqrt(K) ||sum_b sigma_b sum_t dy_bt|| (an L-vector kept per layer), while
-  biases are exact on both sides, as in the paper.
+  biases are exact on both sides, as in the paper's code.
 
 What the layer sees: the training loss is the mean over the B examples of the optimizer step
 (each micro-step's mean loss is divided by grad_accum_steps), so the per-example gradient a layer
@@ -63,8 +63,9 @@ import torch.nn as nn
 # extra float32 elements a backward hook may allocate at once; larger batches are chunked
 CHUNK_ELEMENTS = 1 << 26
 
-# (name, parameter, sum of per-example squared norms as the layer saw them, example count,
-#  SOGNS surrogate big-batch gradient [L-vector] or None where the big batch is p.grad)
+# (name, parameter, sum of per-example squared norms as the layer saw them [float32 0-dim
+#  tensor], example count [int], SOGNS surrogate big-batch gradient [L-vector] or None where
+#  the big batch is p.grad)
 HookResult = namedtuple('HookResult', 'name param sqnorm_sum example_count surrogate_grad')
 
 
@@ -76,11 +77,11 @@ def _as_batch_time_feature(t):
 
 
 def _state(module, kind, params):
-    """The running sums of one kind of hook on one module, created on first use."""
+    """A fresh record of one kind of hook's running sums on one module (filled on backward)."""
     states = module.__dict__.setdefault('gns_hook_state', {})
     if kind in states:
         raise ValueError(f"{type(module).__name__} already has {kind} hooks")
-    states[kind] = dict(params=tuple(params), sqnorm={}, count=None, surrogate=None)
+    states[kind] = dict(params=tuple(params), sqnorm={}, count=0, surrogate=None)
     return states[kind]
 
 
@@ -142,8 +143,7 @@ def add_exact_hooks(module, params=None):
             _add(state['sqnorm'], 'weight', weight)
         if bias is not None:
             _add(state['sqnorm'], 'bias', bias)
-        n = torch.tensor(float(_as_batch_time_feature(dy).shape[0]), device=dy.device)
-        state['count'] = n if state['count'] is None else state['count'] + n
+        state['count'] += _as_batch_time_feature(dy).shape[0]  # a host int: no device traffic
 
     def forward_hook(module, inputs, output):
         # only training forwards that will be differentiated; the closure keeps x for the backward
@@ -173,15 +173,15 @@ def add_sogns_hooks(module, params=None):
             state['surrogate'] = surrogate if state['surrogate'] is None else state['surrogate'] + surrogate
         if 'bias' in state['params']:
             _add(state['sqnorm'], 'bias', out_grad.square().sum())
-        n = torch.tensor(float(dy.shape[0]), device=dy.device)
-        state['count'] = n if state['count'] is None else state['count'] + n
+        state['count'] += dy.shape[0]
 
     def forward_hook(module, inputs, output):
         if torch.is_grad_enabled() and output.requires_grad:
             with torch.no_grad():
                 x = _as_batch_time_feature(inputs[0])
                 # ||x_b||^2 / T = K sigma_b^2, reduced in float32 without a float32 copy of x
-                x_sqnorm_per_position = torch.linalg.vector_norm(x, dim=(1, 2), dtype=torch.float32).square() / x.shape[1]
+                x_sqnorm = torch.linalg.vector_norm(x, dim=(1, 2), dtype=torch.float32).square()
+                x_sqnorm_per_position = x_sqnorm / x.shape[1]
             output.register_hook(lambda dy: on_output_grad(x_sqnorm_per_position, dy))
 
     return [module.register_forward_hook(forward_hook)]
@@ -221,9 +221,9 @@ def gather_hook_results(model, kind='exact'):
     """
     One HookResult per measured parameter (named as in model.named_modules()), in module order:
     the running sum of per-example squared norms as the layer saw them (times s^2 under a
-    GradScaler), the example count since the last zeroing, and for a SOGNS weight the surrogate
-    big-batch gradient (times s). Tensors stay on the device; nothing is synchronised. A layer
-    whose hook has not fired yet reports zeros.
+    GradScaler), the example count since the last zeroing (an int), and for a SOGNS weight the
+    surrogate big-batch gradient (times s). Tensors stay on the device; nothing is synchronised.
+    A layer whose hook has not fired yet reports zeros.
     """
     kind = _kind_of(kind)
     results = []
@@ -234,13 +234,12 @@ def gather_hook_results(model, kind='exact'):
         for pname in state['params']:
             p = module._parameters[pname]
             zero = torch.zeros((), dtype=torch.float32, device=p.device)
-            count = state['count'] if state['count'] is not None else zero
             surrogate = None
             if kind == 'sogns' and pname == 'weight':
                 surrogate = state['surrogate'] if state['surrogate'] is not None else \
                     torch.zeros(module.out_features, dtype=torch.float32, device=p.device)
             name = f"{mname}.{pname}" if mname else pname
-            results.append(HookResult(name, p, state['sqnorm'].get(pname, zero), count, surrogate))
+            results.append(HookResult(name, p, state['sqnorm'].get(pname, zero), state['count'], surrogate))
     return results
 
 
@@ -250,7 +249,7 @@ def zero_hook_results(model):
     for module in model.modules():
         for state in module.__dict__.get('gns_hook_state', {}).values():
             state['sqnorm'].clear()
-            state['count'] = None
+            state['count'] = 0
             state['surrogate'] = None
 
 
@@ -281,7 +280,7 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0):
         return {}
     device = results[0].param.device
     sqnorm_sums = torch.stack([r.sqnorm_sum.to(device) for r in results])
-    counts = torch.stack([r.example_count.to(device) for r in results])
+    counts = torch.tensor([float(r.example_count) for r in results], device=device)
     surrogates = [r.surrogate_grad.to(device) for r in results if r.surrogate_grad is not None]
     flat = torch.cat([sqnorm_sums, counts, *surrogates])
     world_size = _world_size()

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import gnshooks
 from gnshooks import (add_exact_hooks, add_hooks_to_model, add_sogns_hooks, exact_linear_sqnorms,
@@ -62,7 +61,7 @@ def test_exact_hooks_match_vmap_brute_force(inner, bias, chunk_elements, monkeyp
     for r in results:
         expected = (grads[r.name] / B).square().sum()  # sum_b ||g_b / B||^2
         torch.testing.assert_close(r.sqnorm_sum, expected, rtol=1e-5, atol=0)
-        assert r.example_count.item() == B
+        assert r.example_count == B
         assert r.surrogate_grad is None
         # the real gradient is the mean of the per-example ones: the step is the one we think
         torch.testing.assert_close(r.param.grad, grads[r.name].mean(0), rtol=1e-5, atol=1e-7)
@@ -119,7 +118,7 @@ def test_sogns_equals_its_defining_formula(bias):
     # the closed form in the docstring: (||x_b||^2 / T) ||sum_t dy_bt||^2
     closed = ((x.square().sum((1, 2)) / T) * C.sum(1).square().sum(1)).sum()
     torch.testing.assert_close(results['weight'].sqnorm_sum, closed)
-    assert results['weight'].example_count.item() == B
+    assert results['weight'].example_count == B
     if bias:
         torch.testing.assert_close(results['bias'].sqnorm_sum, C.sum(1).square().sum())
         assert results['bias'].surrogate_grad is None
@@ -147,7 +146,7 @@ def test_sogns_equals_exact_for_2d_inputs(bias):
     assert [r.name for r in exact] == [r.name for r in sogns]
     for e, s in zip(exact, sogns):
         torch.testing.assert_close(s.sqnorm_sum, e.sqnorm_sum, rtol=1e-5, atol=0)
-        assert s.example_count.item() == e.example_count.item() == 10
+        assert s.example_count == e.example_count == 10
 
 
 def test_sogns_differs_from_exact_on_sequences():
@@ -162,6 +161,31 @@ def test_sogns_differs_from_exact_on_sequences():
     assert all(abs(s.sqnorm_sum / e.sqnorm_sum - 1) > 1e-3 for e, s in weights)
     biases = [(e, s) for e, s in zip(exact, sogns) if e.name.endswith('bias')]
     assert all(torch.allclose(s.sqnorm_sum, e.sqnorm_sum) for e, s in biases)
+
+
+class SelfMeasuringLinear(nn.Linear):
+    """Stands for buffered.py's layers: a Linear subclass with an example_count buffer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer('example_count', torch.zeros(()), persistent=False)
+
+
+def test_add_hooks_to_model_picks_own_plain_linear_parameters():
+    """Hooked: plain Linears and subclasses; skipped: self-measuring layers, parametrized
+    (spectral-norm) weights whose bias is still measured, and weights shared with another module."""
+    torch.manual_seed(7)
+    sub = type('SubLinear', (nn.Linear,), {})(4, 4)
+    model = nn.Sequential(nn.Linear(4, 4), SelfMeasuringLinear(4, 4), sub,
+                          torch.nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), nn.Linear(4, 4))
+    shared = nn.Linear(4, 4)
+    model[4].weight = shared.weight
+    model.append(shared)
+    add_hooks_to_model(model, add_exact_hooks)
+    model(torch.randn(3, 4)).square().sum().backward()
+    assert [r.name for r in gather_hook_results(model)] == ['0.weight', '0.bias', '2.weight', '2.bias',
+                                                            '3.bias', '4.bias', '5.bias']
+    assert all(r.example_count == 3 and r.sqnorm_sum > 0 for r in gather_hook_results(model))
 
 
 def test_bad_usage_is_refused():
@@ -211,7 +235,7 @@ def test_exact_hooks_on_tiny_gpt_match_per_example_backward():
     assert len(names) > 0
     for r in results:
         torch.testing.assert_close(r.sqnorm_sum, expected[r.name], rtol=1e-4, atol=0)
-        assert r.example_count.item() == B
+        assert r.example_count == B
 
 
 def test_gpt_loop_with_accumulation_all_finite():
