@@ -13,7 +13,14 @@ from gnshooks import (add_exact_hooks, add_hooks_to_model, add_sogns_hooks, exac
                       gather_hook_results, hook_measurements, zero_hook_results)
 from model import GPT, GPTConfig
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def per_example_grads(model, x, y):

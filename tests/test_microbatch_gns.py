@@ -8,7 +8,14 @@ import torch
 from microbatch_gns import MicrobatchGNS
 from model import GPT, GPTConfig
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 def tiny_gpt(seed=0):
