@@ -1,6 +1,7 @@
 """microbatch_gns.py against a direct computation: one separate backward per micro-batch."""
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -150,8 +151,14 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
     out_path = str(tmp_path / 'rank0.pt')
     # fork: the workers inherit this process's imports (DDP pulls in torch._dynamo, seconds to import)
     import torch._dynamo  # noqa: F401
-    torch.multiprocessing.start_processes(_ddp_worker, args=(2, port, out_path), nprocs=2, join=True,
-                                          start_method='fork')
+    workers = torch.multiprocessing.start_processes(_ddp_worker, args=(2, port, out_path), nprocs=2,
+                                                    join=False, start_method='fork')
+    deadline = time.time() + 120
+    while not workers.join(timeout=1):  # raises if a worker failed
+        if time.time() > deadline:
+            for p in workers.processes:
+                p.kill()
+            pytest.fail("the DDP workers hung")
     got = torch.load(out_path)
 
     model = tiny_gpt()
