@@ -60,6 +60,11 @@ device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
 linearclass = 'nn'
 embeddingclass = 'nn'
 lnclass = 'nn'  # nn, shim (separated LayerNorm) or fused (fused kernel)
+# the earlier approximate estimators, logged beside the exact one for comparison (gnshooks.py,
+# microbatch_gns.py): hooks on plain nn.Linear layers ('exact' ghost norms or the 'sogns'
+# approximation), and the micro-batch estimator (small batch = one micro-step's gradient)
+gns_hooks = 'none'  # none, sogns or exact
+microbatch_gns = False
 # AdamW optimizer; schedules are in tokens
 learning_rate = 6e-4
 max_tokens = 600000 * 491520  # nanoGPT's 600k iterations of ~0.5M tokens
@@ -103,6 +108,7 @@ LAYER_CHOICES = {
     'linearclass': ('nn', 'gns', 'shim'),
     'embeddingclass': ('nn', 'gns', 'shim'),
     'lnclass': ('nn', 'shim', 'fused'),
+    'gns_hooks': ('none', 'sogns', 'exact'),
 }
 for key, choices in LAYER_CHOICES.items():
     if config[key] not in choices:
@@ -234,6 +240,15 @@ if block_size < model.config.block_size:
     model.crop_block_size(block_size)
     model_args['block_size'] = block_size
 model.to(device)
+
+import gnshooks  # noqa: E402
+from microbatch_gns import MicrobatchGNS  # noqa: E402
+hooks_kind = {'none': None, 'sogns': gnshooks.add_sogns_hooks, 'exact': gnshooks.add_exact_hooks}[gns_hooks]
+if hooks_kind is not None:
+    gnshooks.add_hooks_to_model(model, hooks_kind)
+    if compile:
+        print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
+microbatch = MicrobatchGNS(model) if microbatch_gns else None
 
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
@@ -397,12 +412,21 @@ while not finished():
                             sum(m.big_batch_norm ** 2 for m in measurements), 1, examples_this_step)
 
     scaler.unscale_(optimizer)
+    approx_logs = {}  # the approximate estimators read unscaled gradients; every rank calls them
+    if hooks_kind is not None:
+        approx_logs.update(gnshooks.hook_measurements(raw_model, gns_hooks, loss_scale=scaler.get_scale()))
+    if microbatch is not None:
+        approx_logs.update(microbatch.measurements(batch_size, loss_scale=scaler.get_scale()))
     # the norm is computed (and logged) whether or not it clips
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0.0 else float('inf'))
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(raw_model)
+    if hooks_kind is not None:
+        gnshooks.zero_hook_results(raw_model)
+    if microbatch is not None:
+        microbatch.zero()
     raw_model.tokens_processed += tokens_this_step
 
     t1 = time.time()
@@ -418,6 +442,7 @@ while not finished():
                     'grad_norm': grad_norm.item(), 'gradient_accumulation_steps': gradient_accumulation_steps,
                     'train/lossf': lossf})
         logger.log(gns_logs.pop())
+        logger.log(approx_logs)
         if ddp_gns is not None:
             logger.log(ddpgns.ddp_gns_log(ddp_gns, sq_small, sq_big, n_small, examples_this_step))
         if (iter_num + 1) % log_interval == 0:
