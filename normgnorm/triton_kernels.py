@@ -6,13 +6,11 @@ Rows are the flattened leading dims, x2d [N, D] with N = B*T, example b owning r
 b*T .. b*T+T-1. A row that fits one block (D <= MAX_BLOCK_D) is held in registers; wider rows
 take the "looped" kernels, which walk the row in BLOCK_D pieces.
 
-Backward, without any [B, T, D] temporary:
+Backward, without any [B, T, D] temporary, rows shared out as normgnorm/plan.py says:
 1. `_backward_kernel`: each program takes a run of rows, writes dx, and sums dy ⊙ x̂ and dy
-   over its rows into one float32 partial row [D] (an example's dγ_b, dβ_b or a piece of them).
-   - "whole" mode (examples >= programs wanted, or short examples): a program owns whole
-     examples, so it also squares each dγ_b, dβ_b itself; its partial row is their sum.
-   - "split" mode (few long examples): an example's rows are split over n_chunks programs.
-2. split mode only, `_reduce_examples_kernel`: sums each example's chunks into dγ_b, dβ_b
+   over its rows into one float32 partial row [D]. In "whole" mode a program owns whole
+   examples, so it also squares each complete dγ_b, dβ_b itself.
+2. "split" mode only, `_reduce_examples_kernel`: sums each example's chunks into dγ_b, dβ_b
    [B, D] and squares them (per column block).
 3. `_finish_kernel`: sums the partial rows into the parameter gradients dγ, dβ, and (program 0)
    adds the squared norms to the float32 buffers and B to the example count.
@@ -22,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .plan import MIN_ROWS_PER_CHUNK, plan_backward
+
 MAX_BLOCK_D = 16384     # wider rows use the looped kernels
 LOOPED_BLOCK_D = 4096   # piece of a row the looped kernels hold at once
-MAX_TILE = 4096         # elements per [ROWS, BLOCK_D] tile (rows handled together, small D)
-MIN_ROWS_PER_CHUNK = 32  # split mode: rows per program, so partial rows stay a small overhead
 COLUMN_BLOCK = 64       # columns per program in the reduction kernels
 
 
@@ -257,10 +255,6 @@ def _num_warps(elements):
     return min(16, max(1, triton.next_power_of_2(elements) // 256))
 
 
-def _rows_per_tile(block_d):
-    return max(1, MAX_TILE // block_d)
-
-
 _sm_counts = {}
 
 
@@ -283,7 +277,7 @@ def forward(x2d, weight, bias, eps, max_block_d=MAX_BLOCK_D):
     bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
     block_d = triton.next_power_of_2(D)
     if block_d <= max_block_d:
-        rows = _rows_per_tile(block_d)
+        rows = max(1, 4096 // block_d)  # several short rows per program
         _forward_kernel[(triton.cdiv(N, rows),)](
             x2d, y, weight, bias_arg, mean, rstd, N, D, eps,
             HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, num_warps=_num_warps(rows * block_d))
@@ -292,25 +286,6 @@ def forward(x2d, weight, bias, eps, max_block_d=MAX_BLOCK_D):
         _forward_kernel_looped[(N,)](x2d, y, weight, bias_arg, mean, rstd, D, eps,
                                      HAS_BIAS=has_bias, BLOCK_D=block, num_warps=_num_warps(block))
     return y, mean, rstd
-
-
-def plan_backward(num_examples, T, D, target_programs, max_block_d=MAX_BLOCK_D, min_rows_per_chunk=MIN_ROWS_PER_CHUNK):
-    """How the backward shares rows among programs (see the module docstring), as a dict."""
-    looped = triton.next_power_of_2(D) > max_block_d
-    if num_examples >= target_programs:  # enough examples: whole examples per program
-        n_chunks, rows_per_chunk = 1, T
-        examples_per_program = 1 if looped else triton.cdiv(num_examples, target_programs)
-    else:  # few long examples: split each into chunks of at least min_rows_per_chunk rows
-        n_chunks = max(1, min(triton.cdiv(target_programs, num_examples), triton.cdiv(T, min_rows_per_chunk)))
-        rows_per_chunk = triton.cdiv(T, n_chunks)
-        n_chunks = triton.cdiv(T, rows_per_chunk)
-        examples_per_program = 1
-    n_programs = triton.cdiv(num_examples, examples_per_program) * n_chunks
-    # rows per tile: as many as fit MAX_TILE, but no more than a program has
-    rows = 1 if looped else min(_rows_per_tile(triton.next_power_of_2(D)), triton.next_power_of_2(rows_per_chunk))
-    return dict(looped=looped, whole=n_chunks == 1 and not looped, n_chunks=n_chunks,
-                rows_per_chunk=rows_per_chunk, examples_per_program=examples_per_program,
-                n_programs=n_programs, rows=rows)
 
 
 def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count,
@@ -329,7 +304,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     block_d = triton.next_power_of_2(D)
     plan = plan_backward(B, T, D, target_programs or _target_programs(device), max_block_d, min_rows_per_chunk)
     looped, whole, n_chunks, rows_per_chunk, examples_per_program, n_programs, rows = (
-        plan[k] for k in ("looped", "whole", "n_chunks", "rows_per_chunk", "examples_per_program", "n_programs", "rows"))
+        plan[k] for k in ("looped", "whole", "n_chunks", "rows_per_chunk", "examples_per_program", "n_programs", "rows_per_tile"))
 
     f32 = dict(dtype=torch.float32, device=device)
     new_rows = torch.zeros if looped else torch.empty
