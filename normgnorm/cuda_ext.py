@@ -46,11 +46,26 @@ def _cudart_dir(home):
     return None
 
 
+def nvcc_command(arch, output):
+    """The nvcc call that compiles the kernels (no torch headers) into a relocatable object."""
+    nvcc = os.path.join(find_cuda_home(), "bin", "nvcc")
+    return [nvcc, "-c", "-O3", "-Xcompiler", "-fPIC", f"-arch={arch}", os.path.join(CSRC, "normgnorm_cuda.cu"), "-o", output]
+
+
+def kernel_object(arch, build_dir):
+    """Where build() keeps the compiled kernels: the name carries the source's hash, so an edited
+    .cu is recompiled and the binding relinked."""
+    with open(os.path.join(CSRC, "normgnorm_cuda.cu"), "rb") as f:
+        version = hashlib.sha1(f.read()).hexdigest()[:12]
+    return os.path.join(build_dir, f"normgnorm_kernels_{arch}_{version}.o")
+
+
 def build(arch=None, build_dir=None, verbose=False):
     """
-    Compile the kernels for `arch` (e.g. "sm_90"; default: the current GPU's) and build and
-    load the binding. Returns its ops (torch.ops.normgnorm_cuda_<arch>). Needs nvcc (CUDA_HOME) and a C++ compiler;
-    no GPU is needed to build.
+    Compile the kernels for `arch` (e.g. "sm_90"; default: the current GPU's) and build and load
+    the binding; returns its ops (torch.ops.normgnorm_cuda_<arch>). Needs nvcc and a C++
+    compiler, no GPU. Built once per architecture into build_dir (default: torch's extension
+    cache), reused afterwards.
     """
     if arch is None:
         major, minor = torch.cuda.get_device_capability()
@@ -60,17 +75,13 @@ def build(arch=None, build_dir=None, verbose=False):
     cuda_home = find_cuda_home()
     if cuda_home is None:
         raise RuntimeError("normgnorm: the 'cuda' backend needs the CUDA toolkit (nvcc; set CUDA_HOME)")
-    source = os.path.join(CSRC, "normgnorm_cuda.cu")
-    with open(source, "rb") as f:
-        version = hashlib.sha1(f.read()).hexdigest()[:12]
     name = f"normgnorm_cuda_{arch}"
     build_dir = build_dir or os.path.join(cpp_extension.get_default_build_root(), name)
     os.makedirs(build_dir, exist_ok=True)
-    # the object's name carries the source's hash, so an edited .cu relinks the binding
-    obj = os.path.join(build_dir, f"normgnorm_kernels_{arch}_{version}.o")
+    obj = kernel_object(arch, build_dir)
     if not os.path.exists(obj):
         tmp = f"{obj}.{os.getpid()}.tmp"
-        cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-c", "-O3", "-Xcompiler", "-fPIC", f"-arch={arch}", source, "-o", tmp]
+        cmd = nvcc_command(arch, tmp)
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"normgnorm: nvcc failed:\n{' '.join(cmd)}\n{done.stderr}")
