@@ -134,9 +134,9 @@ def _backward(ctx, dy, _dmean, _drstd):
 
 
 _layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-# Like torch's layer_norm, run in float32 under autocast (the output is then float32 too).
-for _device in ("cuda", "cpu"):
-    torch.library.register_autocast("normgnorm::layer_norm_fwd", _device, torch.float32)
+# Under CUDA autocast torch's layer_norm runs in float32 (float32 output); do the same. CPU
+# autocast leaves layer_norm alone (a bfloat16 input gives a bfloat16 output), and so does this op.
+torch.library.register_autocast("normgnorm::layer_norm_fwd", "cuda", torch.float32)
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],

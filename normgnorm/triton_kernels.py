@@ -22,7 +22,9 @@ import triton.language as tl
 
 from .plan import MIN_ROWS_PER_CHUNK, plan_backward
 
-MAX_BLOCK_D = 16384     # wider rows use the looped kernels
+# Wider rows use the looped kernels. A [1, 8192] float32 tile over 16 warps is 16 values a
+# thread per live array; the backward holds about six, which still fits the register file.
+MAX_BLOCK_D = 8192
 LOOPED_BLOCK_D = 4096   # piece of a row the looped kernels hold at once
 COLUMN_BLOCK = 64       # columns per program in the reduction kernels
 

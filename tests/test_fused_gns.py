@@ -167,3 +167,33 @@ def test_gpt_compiles_without_graph_breaks():
     explanation = torch._dynamo.explain(fused)(idx, idx)
     assert explanation.graph_break_count == 0
     torch._dynamo.reset()
+
+
+def test_autocast_and_inference_behave_like_nn_layernorm():
+    ours, theirs = randomised(PEGradNormFusedLayerNorm(16)), randomised(nn.LayerNorm(16))
+    x = torch.randn(2, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = nn.functional.linear(x, torch.eye(16))  # bfloat16 under autocast
+        y_ours, y_theirs = ours(h), theirs(h)
+    assert h.dtype == torch.bfloat16 and y_ours.dtype == y_theirs.dtype
+    torch.testing.assert_close(y_ours, y_theirs)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
+    assert ours.example_count.item() == 0  # nothing measured without a backward pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
+def test_cuda_autocast_like_nn_layernorm(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    ours = randomised(PEGradNormFusedLayerNorm(64, backend=backend)).cuda()
+    theirs = randomised(nn.LayerNorm(64)).cuda()
+    x = torch.randn(4, 8, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = nn.functional.linear(x, torch.eye(64, device="cuda"))
+        y_ours, y_theirs = ours(h), theirs(h)
+    assert y_ours.dtype == y_theirs.dtype == torch.float32
+    torch.testing.assert_close(y_ours, y_theirs)
+    y_ours.sum().backward()
+    assert ours.weight_sqgradnorm.dtype == torch.float32 and ours.example_count.item() == 4
