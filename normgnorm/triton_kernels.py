@@ -187,9 +187,10 @@ def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chun
 def _reduce_examples_kernel(PartW, PartB, ExW, ExB, SqW, SqB, n_chunks, D, n_column_blocks,
                             NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
                             BLOCK_C: tl.constexpr, CHUNK_TILE: tl.constexpr):
-    # program (column block, example): dγ_b, dβ_b over these columns, and their squares' sum
-    block = tl.program_id(0)
-    example = tl.program_id(1)
+    # program (example, column block): dγ_b, dβ_b over these columns, and their squares' sum
+    # (examples on the first grid axis, which has no 65535 limit)
+    example = tl.program_id(0)
+    block = tl.program_id(1)
     cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < D
     acc_w = tl.zeros([CHUNK_TILE, BLOCK_C], dtype=tl.float32)
@@ -336,7 +337,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
         ex_b = torch.empty((B if need_db else 0, D), **f32)
         sq_w = torch.empty(B * n_column_blocks if need_dw else 0, **f32)
         sq_b = torch.empty(B * n_column_blocks if need_db else 0, **f32)
-        _reduce_examples_kernel[(n_column_blocks, B)](
+        _reduce_examples_kernel[(B, n_column_blocks)](
             part_w, part_b, ex_w, ex_b, sq_w, sq_b, n_chunks, D, n_column_blocks,
             NEED_DW=need_dw, NEED_DB=need_db, BLOCK_C=COLUMN_BLOCK,
             CHUNK_TILE=min(32, triton.next_power_of_2(n_chunks)), num_warps=4)
