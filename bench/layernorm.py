@@ -20,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import normgnorm  # noqa: E402
 from fused_gns import PEGradNormFusedLayerNorm  # noqa: E402
 from buffered import register_sqgradnorm_buffers  # noqa: E402
 

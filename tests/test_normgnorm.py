@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import normgnorm
-from normgnorm import cuda_ext, plan
+from normgnorm import cuda_ext
 
 EPS = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
