@@ -1,0 +1,164 @@
+"""
+LayerNorm forward+backward on the GPU: torch's own nn.LayerNorm, the fused per-example-norm
+op (normgnorm, each backend available) and the separated shim (normalise without affine, then
+the affine part in PyTorch with per-example reductions), at GPT-like shapes.
+
+Reports the median time of one forward+backward, the effective bandwidth (bytes that must move:
+read x, write y; read x and dy, write dx), and the ratio to torch. The aim: the fused op within
+1.10x of torch's LayerNorm, i.e. per-example norms for free.
+
+    python bench/layernorm.py
+    python bench/layernorm.py --shapes 8x1024x768 8x2048x8192 --dtype float16 --iters 100
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fused_gns import PEGradNormFusedLayerNorm  # noqa: E402
+from buffered import register_sqgradnorm_buffers  # noqa: E402
+
+DEFAULT_SHAPES = ["8x1024x768", "8x1024x1600", "8x2048x2048", "8x1024x4096", "8x2048x8192"]
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _ShimAffine(torch.autograd.Function):
+    """y = x̂ ⊙ γ + β, whose backward also reduces dγ_b, dβ_b per example (float32)."""
+
+    @staticmethod
+    def forward(ctx, xhat, weight, bias, weight_sq, bias_sq, count):
+        ctx.save_for_backward(xhat, weight)
+        ctx.buffers = (weight_sq, bias_sq, count)
+        return torch.addcmul(bias, xhat, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, weight = ctx.saved_tensors
+        weight_sq, bias_sq, count = ctx.buffers
+        B, D = dy.shape[0], dy.shape[-1]
+        dw_b = (dy.float() * xhat.float()).view(B, -1, D).sum(1)
+        db_b = dy.view(B, -1, D).sum(1, dtype=torch.float32)
+        weight_sq.add_(dw_b.square().sum())
+        bias_sq.add_(db_b.square().sum())
+        count.add_(B)
+        return dy * weight, dw_b.sum(0).to(weight.dtype), db_b.sum(0).to(weight.dtype), None, None, None
+
+
+class LocalSeparatedLayerNorm(nn.LayerNorm):
+    """The separated shim, for when buffered.PEGradNormSeparatedLayerNorm is not there."""
+
+    def __init__(self, ndim):
+        super().__init__(ndim)
+        register_sqgradnorm_buffers(self)
+
+    def forward(self, x):
+        xhat = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        return _ShimAffine.apply(xhat, self.weight, self.bias, self.weight_sqgradnorm, self.bias_sqgradnorm,
+                                 self.example_count)
+
+
+def separated_layernorm(ndim):
+    try:
+        from buffered import PEGradNormSeparatedLayerNorm
+        return PEGradNormSeparatedLayerNorm(ndim), "separated (buffered.py)"
+    except ImportError:
+        return LocalSeparatedLayerNorm(ndim), "separated (local shim)"
+
+
+def fused_backends():
+    """The fused op's GPU backends that can run here."""
+    names = []
+    try:
+        import triton  # noqa: F401
+        names.append("triton")
+    except ImportError:
+        print("(triton not installed: no fused[triton])")
+    from normgnorm import cuda_ext
+    try:
+        cuda_ext.build()
+        names.append("cuda")
+    except Exception as e:  # no toolkit or compiler: say why, measure the rest
+        print(f"(CUDA extension unavailable: {str(e).splitlines()[0]})")
+    return names
+
+
+def time_fwd_bwd(layer, x, dy, warmup, iters):
+    """Median milliseconds of y = layer(x) and the gradients of x and of the parameters."""
+    inputs = [x] + [p for p in layer.parameters()]
+
+    def step():
+        y = layer(x)
+        torch.autograd.grad(y, inputs, dy)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def parse_shape(text):
+    try:
+        B, T, D = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not BxTxD, e.g. 8x1024x768")
+    return B, T, D
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES],
+                        help="input shapes BxTxD (default: %(default)s)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/layernorm.py measures GPU kernels and needs a CUDA GPU; none here, nothing to do.")
+        return 0
+    dtype = DTYPES[args.dtype]
+    backends = fused_backends()
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}, median of {args.iters} after {args.warmup} warmup")
+    header = f"{'shape':>16}  {'implementation':<26}{'ms':>9}{'GB/s':>9}{'vs torch':>10}"
+    print(header)
+    print("-" * len(header))
+    verdicts = []
+    for B, T, D in args.shapes:
+        torch.manual_seed(0)
+        x = torch.randn(B, T, D, device="cuda", dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        moved = 5 * x.numel() * x.element_size()  # x, y forward; x, dy, dx backward
+        layers = [("torch nn.LayerNorm", nn.LayerNorm(D))]
+        for name in backends:
+            m = PEGradNormFusedLayerNorm(D, backend=name)
+            layers.append((f"fused[{name}]", m))
+        shim, shim_name = separated_layernorm(D)
+        layers.append((shim_name, shim))
+        reference = None
+        for name, layer in layers:
+            layer = layer.to(device="cuda", dtype=dtype)
+            ms = time_fwd_bwd(layer, x, dy, args.warmup, args.iters)
+            reference = reference or ms
+            print(f"{f'{B}x{T}x{D}':>16}  {name:<26}{ms:9.3f}{moved / ms / 1e6:9.0f}{ms / reference:9.2f}x")
+            if name.startswith("fused"):
+                verdicts.append((f"{B}x{T}x{D} {name}", ms / reference))
+        print()
+    if verdicts:
+        within = [v for v in verdicts if v[1] <= 1.10]
+        print(f"fused within 1.10x of torch: {len(within)} of {len(verdicts)}"
+              + "".join(f"\n  over: {name} {ratio:.2f}x" for name, ratio in verdicts if ratio > 1.10))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""
+normgnorm: a LayerNorm whose backward pass also yields the per-example squared gradient
+norms of its gain and bias, at almost no extra cost (DESIGN.md §2, LayerNorm; Gray et al. 2024
+show these norms alone predict the whole model's gradient noise scale).
+
+For x [B, T, D] (any leading shape: the first dim counts examples, the rest are tokens; a 2-D
+x [N, D] is N examples of one token), with x̂ = (x - mean) * rstd and y = γ ⊙ x̂ + β:
+
+    dγ_b = Σ_t dy_bt ⊙ x̂_bt,    dβ_b = Σ_t dy_bt,
+    weight_sqgradnorm += Σ_b ||dγ_b||²,   bias_sqgradnorm += Σ_b ||dβ_b||²,   example_count += B
+
+accumulated in float32 whatever the input dtype. The gradient the layer sees is that of the
+mean loss, so these are Σ_b ||g_b / B||² as buffered.py defines them.
+
+One op, `layer_norm`, with three implementations behind it:
+- "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
+- "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
+- "torch": pure PyTorch (normgnorm/torch_path.py), always used off GPU.
+Choose with the `backend` argument or the NORMGNORM_BACKEND environment variable. The op is a
+torch.library custom op, so torch.compile treats it as one opaque node (no graph breaks).
+"""
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import torch_path
+
+BACKENDS = ("triton", "cuda", "torch")
+
+
+def _triton_importable():
+    try:
+        import triton  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def resolve_backend(requested, x):
+    """
+    The implementation that runs for input x. `requested` ("" for automatic) overrides
+    NORMGNORM_BACKEND. Off GPU only the torch path runs (never Triton, which would fail to find
+    a driver), except "triton" under TRITON_INTERPRET=1, which runs the kernels on CPU tensors.
+    """
+    backend = requested or os.environ.get("NORMGNORM_BACKEND", "")
+    if backend not in ("",) + BACKENDS:
+        raise ValueError(f"unknown normgnorm backend {backend!r}; choose from {BACKENDS}")
+    if not x.is_cuda:
+        interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+        return "triton" if interpreted else "torch"
+    if backend == "":
+        return "triton" if _triton_importable() else "torch"
+    return backend
+
+
+def _implementation(backend):
+    if backend == "triton":
+        from . import triton_kernels
+        return triton_kernels
+    if backend == "cuda":
+        from . import cuda_ext
+        return cuda_ext
+    return torch_path
+
+
+def _examples_and_rows(x):
+    """(number of examples B, number of rows N) of x: first dim = examples, last = features."""
+    num_examples = x.shape[0] if x.dim() >= 2 else 1
+    return num_examples, x.numel() // x.shape[-1]
+
+
+@torch.library.custom_op("normgnorm::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
+                    eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    # The buffers are inputs only so that the backward can reach them; the forward leaves them alone.
+    D = x.shape[-1]
+    x2d = x.reshape(-1, D).contiguous()
+    impl = _implementation(resolve_backend(backend, x))
+    y2d, mean, rstd = impl.forward(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), eps)
+    return y2d.view(x.shape), mean, rstd
+
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
+    N = x.numel() // x.shape[-1]
+    stats = x.new_empty((N,), dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("normgnorm::layer_norm_bwd", mutates_args=("weight_sqgradnorm", "bias_sqgradnorm", "example_count"))
+def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor,
+                    need_dw: bool, need_db: bool,
+                    weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
+                    backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    D = x.shape[-1]
+    num_examples, N = _examples_and_rows(x)
+    if N == 0:
+        example_count.add_(num_examples)
+        return torch.zeros_like(x), weight.new_zeros(D if need_dw else 0), weight.new_zeros(D if need_db else 0)
+    impl = _implementation(resolve_backend(backend, x))
+    dx2d, dw, db = impl.backward(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(), weight.contiguous(),
+                                 mean, rstd, num_examples, need_dw, need_db,
+                                 weight_sqgradnorm, bias_sqgradnorm, example_count)
+    # a custom op returns tensors, never None: an empty one stands for "not needed"
+    empty = weight.new_empty(0)
+    return dx2d.view(x.shape), empty if dw is None else dw, empty if db is None else db
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm, example_count, backend):
+    D = x.shape[-1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            weight.new_empty(D if need_dw else 0), weight.new_empty(D if need_db else 0))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend = inputs
+    _, mean, rstd = output
+    # only parameters that receive a gradient are measured
+    ctx.need_dw = ctx.needs_input_grad[1]
+    ctx.need_db = bias is not None and ctx.needs_input_grad[2]
+    ctx.backend = backend
+    ctx.save_for_backward(x, weight, mean, rstd, weight_sqgradnorm, bias_sqgradnorm, example_count)
+
+
+def _backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd, weight_sqgradnorm, bias_sqgradnorm, example_count = ctx.saved_tensors
+    dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.need_dw, ctx.need_db,
+                                 weight_sqgradnorm, bias_sqgradnorm, example_count, ctx.backend)
+    return dx, dw if ctx.need_dw else None, db if ctx.need_db else None, None, None, None, None, None
+
+
+_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+# Under CUDA autocast torch's layer_norm runs in float32 (float32 output); do the same. CPU
+# autocast leaves layer_norm alone (a bfloat16 input gives a bfloat16 output), and so does this op.
+torch.library.register_autocast("normgnorm::layer_norm_fwd", "cuda", torch.float32)
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+               weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
+               eps: float = 1e-5, backend: Optional[str] = None) -> Tensor:
+    """
+    F.layer_norm(x, (D,), weight, bias, eps) whose backward also accumulates the per-example
+    squared norms of dγ, dβ into the float32 0-dim buffers weight_sqgradnorm, bias_sqgradnorm
+    (None when there is no bias) and the number of examples into example_count.
+    """
+    return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend or "")[0]

@@ -1,0 +1,44 @@
+"""
+How the fused backward shares the rows of x2d [N = B*T, D] among GPU programs (Triton
+programs or CUDA blocks); the same plan for both kernels. Pure Python (no Triton needed).
+
+- "whole" mode: a program owns whole examples (several when there are more examples than
+  programs wanted), so it finishes each dγ_b, dβ_b itself and squares them.
+- "split" mode: few long examples, each split into n_chunks runs of rows_per_chunk rows;
+  a second kernel sums each example's chunks before squaring.
+Each program writes one float32 partial row [D] per parameter: n_programs * D floats, far
+less than a [B, T, D] temporary as long as a chunk has many rows (MIN_ROWS_PER_CHUNK).
+"""
+MIN_ROWS_PER_CHUNK = 32   # split mode: the partial rows stay a few percent of the traffic
+MAX_TILE = 4096           # Triton: elements of a [rows, BLOCK_D] tile of short rows
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def next_power_of_2(n):
+    return 1 << (n - 1).bit_length()
+
+
+def plan_backward(num_examples, T, D, target_programs, max_block_d=None, min_rows_per_chunk=MIN_ROWS_PER_CHUNK):
+    """
+    A dict: looped (rows wider than max_block_d: the Triton kernel walks the row in pieces and,
+    with one partial row per example, never takes several examples), whole, n_chunks,
+    rows_per_chunk, examples_per_program, n_programs, rows_per_tile (Triton's rows per tile).
+    """
+    looped = max_block_d is not None and next_power_of_2(D) > max_block_d
+    if num_examples >= target_programs:  # enough examples: whole examples per program
+        n_chunks, rows_per_chunk = 1, T
+        examples_per_program = 1 if looped else cdiv(num_examples, target_programs)
+    else:  # few long examples: split each into chunks of at least min_rows_per_chunk rows
+        n_chunks = max(1, min(cdiv(target_programs, num_examples), cdiv(T, min_rows_per_chunk)))
+        rows_per_chunk = cdiv(T, n_chunks)
+        n_chunks = cdiv(T, rows_per_chunk)
+        examples_per_program = 1
+    n_programs = cdiv(num_examples, examples_per_program) * n_chunks
+    # as many rows per tile as fit MAX_TILE, but no more than a program has
+    rows_per_tile = 1 if looped else min(max(1, MAX_TILE // next_power_of_2(D)), next_power_of_2(rows_per_chunk))
+    return dict(looped=looped, whole=n_chunks == 1 and not looped, n_chunks=n_chunks,
+                rows_per_chunk=rows_per_chunk, examples_per_program=examples_per_program,
+                n_programs=n_programs, rows_per_tile=rows_per_tile)

@@ -1,0 +1,357 @@
+"""
+Triton kernels for LayerNorm with per-example dγ, dβ norms (see normgnorm/__init__.py for the
+maths). float32, float16 and bfloat16 inputs; all arithmetic and accumulation in float32.
+
+Rows are the flattened leading dims, x2d [N, D] with N = B*T, example b owning rows
+b*T .. b*T+T-1. A row that fits one block (D <= MAX_BLOCK_D) is held in registers; wider rows
+take the "looped" kernels, which walk the row in BLOCK_D pieces.
+
+Backward, without any [B, T, D] temporary, rows shared out as normgnorm/plan.py says:
+1. `_backward_kernel`: each program takes a run of rows, writes dx, and sums dy ⊙ x̂ and dy
+   over its rows into one float32 partial row [D]. In "whole" mode a program owns whole
+   examples, so it also squares each complete dγ_b, dβ_b itself.
+2. "split" mode only, `_reduce_examples_kernel`: sums each example's chunks into dγ_b, dβ_b
+   [B, D] and squares them (per column block).
+3. `_finish_kernel`: sums the partial rows into the parameter gradients dγ, dβ, and (program 0)
+   adds the squared norms to the float32 buffers and B to the example count.
+Every sum has a fixed order, so results are deterministic (no atomics).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .plan import MIN_ROWS_PER_CHUNK, plan_backward
+
+# Wider rows use the looped kernels. A [1, 8192] float32 tile over 16 warps is 16 values a
+# thread per live array; the backward holds about six, which still fits the register file.
+MAX_BLOCK_D = 8192
+LOOPED_BLOCK_D = 4096   # piece of a row the looped kernels hold at once
+COLUMN_BLOCK = 64       # columns per program in the reduction kernels
+
+
+@triton.jit
+def _forward_kernel(X, Y, W, Bias, Mean, Rstd, N, D, eps,
+                    HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=1) / D
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / D + eps)
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + rows, mean, mask=row_ok)
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _forward_kernel_looped(X, Y, W, Bias, Mean, Rstd, D, eps,
+                           HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * D
+    Y += row * D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        acc += tl.load(X + cols, mask=cols < D, other=0.0).to(tl.float32)
+    mean = tl.sum(acc, axis=0) / D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        x = tl.load(X + cols, mask=cols < D, other=0.0).to(tl.float32)
+        xc = tl.where(cols < D, x - mean, 0.0)
+        acc += xc * xc
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        x = tl.load(X + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+        tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=col_ok)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+
+@triton.jit
+def _backward_kernel(X, DY, DX, W, Mean, Rstd, PartW, PartB, SqW, SqB,
+                     num_examples, T, D, examples_per_program, n_chunks, rows_per_chunk,
+                     NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, WHOLE: tl.constexpr,
+                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = pid % n_chunks
+    first_example = (pid // n_chunks) * examples_per_program
+    end_example = tl.minimum(first_example + examples_per_program, num_examples)
+    t_begin = chunk * rows_per_chunk
+    t_end = tl.minimum(t_begin + rows_per_chunk, T)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    total_w = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total_b = tl.zeros([BLOCK_D], dtype=tl.float32)
+    sq_w = tl.zeros([BLOCK_D], dtype=tl.float32)
+    sq_b = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for example in range(first_example, end_example):
+        acc_w = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        acc_b = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for t0 in range(t_begin, t_end, ROWS):
+            t = t0 + tl.arange(0, ROWS)
+            row_ok = t < t_end
+            rows = (example * T + t).to(tl.int64)
+            mask = row_ok[:, None] & col_ok[None, :]
+            offsets = rows[:, None] * D + cols[None, :]
+            x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            wdy = dy * w[None, :]
+            c1 = tl.sum(xhat * wdy, axis=1) / D
+            c2 = tl.sum(wdy, axis=1) / D
+            dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+            if NEED_DW:
+                acc_w += dy * xhat
+            if NEED_DB:
+                acc_b += dy
+        g_w = tl.sum(acc_w, axis=0)
+        g_b = tl.sum(acc_b, axis=0)
+        total_w += g_w
+        total_b += g_b
+        if WHOLE:  # this program saw all of the example: its dγ_b, dβ_b are complete
+            sq_w += g_w * g_w
+            sq_b += g_b * g_b
+    part = pid.to(tl.int64) * D
+    if NEED_DW:
+        tl.store(PartW + part + cols, total_w, mask=col_ok)
+        if WHOLE:
+            tl.store(SqW + pid, tl.sum(sq_w, axis=0))
+    if NEED_DB:
+        tl.store(PartB + part + cols, total_b, mask=col_ok)
+        if WHOLE:
+            tl.store(SqB + pid, tl.sum(sq_b, axis=0))
+
+
+@triton.jit
+def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chunks, rows_per_chunk,
+                            NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_D: tl.constexpr):
+    # split mode only; the program's partial rows (zeroed by the caller) are its accumulators
+    pid = tl.program_id(0)
+    example = pid // n_chunks
+    t_begin = (pid % n_chunks) * rows_per_chunk
+    t_end = tl.minimum(t_begin + rows_per_chunk, T)
+    part = pid.to(tl.int64) * D
+    for t in range(t_begin, t_end):
+        row = (example * T + t).to(tl.int64)
+        mean = tl.load(Mean + row)
+        rstd = tl.load(Rstd + row)
+        acc1 = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            cols = start + tl.arange(0, BLOCK_D)
+            col_ok = cols < D
+            x = tl.load(X + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+            wdy = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+            xhat = tl.where(col_ok, (x - mean) * rstd, 0.0)
+            acc1 += xhat * wdy
+            acc2 += wdy
+        c1 = tl.sum(acc1, axis=0) / D
+        c2 = tl.sum(acc2, axis=0) / D
+        for start in range(0, D, BLOCK_D):
+            cols = start + tl.arange(0, BLOCK_D)
+            col_ok = cols < D
+            x = tl.load(X + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+            wdy = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+            xhat = tl.where(col_ok, (x - mean) * rstd, 0.0)
+            dx = (wdy - (xhat * c1 + c2)) * rstd
+            tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
+            if NEED_DW:
+                p = tl.load(PartW + part + cols, mask=col_ok, other=0.0)
+                tl.store(PartW + part + cols, p + dy * xhat, mask=col_ok)
+            if NEED_DB:
+                p = tl.load(PartB + part + cols, mask=col_ok, other=0.0)
+                tl.store(PartB + part + cols, p + dy, mask=col_ok)
+
+
+@triton.jit
+def _reduce_examples_kernel(PartW, PartB, ExW, ExB, SqW, SqB, n_chunks, D, n_column_blocks,
+                            NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+                            BLOCK_C: tl.constexpr, CHUNK_TILE: tl.constexpr):
+    # program (example, column block): dγ_b, dβ_b over these columns, and their squares' sum
+    # (examples on the first grid axis, which has no 65535 limit)
+    example = tl.program_id(0)
+    block = tl.program_id(1)
+    cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < D
+    acc_w = tl.zeros([CHUNK_TILE, BLOCK_C], dtype=tl.float32)
+    acc_b = tl.zeros([CHUNK_TILE, BLOCK_C], dtype=tl.float32)
+    for c0 in range(0, n_chunks, CHUNK_TILE):
+        chunks = c0 + tl.arange(0, CHUNK_TILE)
+        mask = (chunks < n_chunks)[:, None] & col_ok[None, :]
+        offsets = (example * n_chunks + chunks).to(tl.int64)[:, None] * D + cols[None, :]
+        if NEED_DW:
+            acc_w += tl.load(PartW + offsets, mask=mask, other=0.0)
+        if NEED_DB:
+            acc_b += tl.load(PartB + offsets, mask=mask, other=0.0)
+    out = example.to(tl.int64) * D + cols
+    if NEED_DW:
+        g_w = tl.sum(acc_w, axis=0)
+        tl.store(ExW + out, g_w, mask=col_ok)
+        tl.store(SqW + example * n_column_blocks + block, tl.sum(g_w * g_w, axis=0))
+    if NEED_DB:
+        g_b = tl.sum(acc_b, axis=0)
+        tl.store(ExB + out, g_b, mask=col_ok)
+        tl.store(SqB + example * n_column_blocks + block, tl.sum(g_b * g_b, axis=0))
+
+
+@triton.jit
+def _finish_kernel(PartW, PartB, DW, DB, SqW, SqB, WeightSq, BiasSq, Count,
+                   n_parts, D, n_sq, num_examples,
+                   NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+                   BLOCK_C: tl.constexpr, PART_TILE: tl.constexpr, SQ_TILE: tl.constexpr):
+    # every program: the parameter gradients over its columns (sum of the partial rows);
+    # program 0 also: the buffers += the squared-norm pieces, example_count += B
+    block = tl.program_id(0)
+    cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < D
+    acc_w = tl.zeros([PART_TILE, BLOCK_C], dtype=tl.float32)
+    acc_b = tl.zeros([PART_TILE, BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, n_parts, PART_TILE):
+        parts = p0 + tl.arange(0, PART_TILE)
+        mask = (parts < n_parts)[:, None] & col_ok[None, :]
+        offsets = parts.to(tl.int64)[:, None] * D + cols[None, :]
+        if NEED_DW:
+            acc_w += tl.load(PartW + offsets, mask=mask, other=0.0)
+        if NEED_DB:
+            acc_b += tl.load(PartB + offsets, mask=mask, other=0.0)
+    if NEED_DW:
+        tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_ok)
+    if NEED_DB:
+        tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=col_ok)
+    if block == 0:
+        sq_w = tl.zeros([SQ_TILE], dtype=tl.float32)
+        sq_b = tl.zeros([SQ_TILE], dtype=tl.float32)
+        for i0 in range(0, n_sq, SQ_TILE):
+            i = i0 + tl.arange(0, SQ_TILE)
+            if NEED_DW:
+                sq_w += tl.load(SqW + i, mask=i < n_sq, other=0.0)
+            if NEED_DB:
+                sq_b += tl.load(SqB + i, mask=i < n_sq, other=0.0)
+        if NEED_DW:
+            tl.store(WeightSq, tl.load(WeightSq) + tl.sum(sq_w, axis=0))
+        if NEED_DB:
+            tl.store(BiasSq, tl.load(BiasSq) + tl.sum(sq_b, axis=0))
+        tl.store(Count, tl.load(Count) + num_examples)
+
+
+def _num_warps(elements):
+    return min(16, max(1, triton.next_power_of_2(elements) // 256))
+
+
+_sm_counts = {}
+
+
+def _target_programs(device):
+    """Programs the backward aims for: a few per SM on a GPU, few under the CPU interpreter."""
+    if device.type != "cuda":
+        return 2
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 * _sm_counts[device]
+
+
+def forward(x2d, weight, bias, eps, max_block_d=MAX_BLOCK_D):
+    """y (x's dtype), float32 mean and rstd [N], for contiguous x2d [N, D]."""
+    N, D = x2d.shape
+    y = torch.empty_like(x2d)
+    mean = torch.empty(N, dtype=torch.float32, device=x2d.device)
+    rstd = torch.empty(N, dtype=torch.float32, device=x2d.device)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
+    block_d = triton.next_power_of_2(D)
+    if block_d <= max_block_d:
+        rows = max(1, 4096 // block_d)  # several short rows per program
+        _forward_kernel[(triton.cdiv(N, rows),)](
+            x2d, y, weight, bias_arg, mean, rstd, N, D, eps,
+            HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, num_warps=_num_warps(rows * block_d))
+    else:
+        block = min(LOOPED_BLOCK_D, max_block_d)
+        _forward_kernel_looped[(N,)](x2d, y, weight, bias_arg, mean, rstd, D, eps,
+                                     HAS_BIAS=has_bias, BLOCK_D=block, num_warps=_num_warps(block))
+    return y, mean, rstd
+
+
+def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count,
+             max_block_d=MAX_BLOCK_D, target_programs=None, min_rows_per_chunk=MIN_ROWS_PER_CHUNK):
+    """
+    dx, dw, db (None where not needed) for contiguous dy2d, x2d [N, D]; adds Σ_b ||dγ_b||²,
+    Σ_b ||dβ_b||² to weight_sq, bias_sq and num_examples to count, all on the device.
+    max_block_d, target_programs and min_rows_per_chunk pick the kernel variant and the
+    work split (the tests use them to reach every path at small sizes).
+    """
+    N, D = x2d.shape
+    B = num_examples
+    T = N // B
+    device = x2d.device
+    dx = torch.empty_like(x2d)
+    block_d = triton.next_power_of_2(D)
+    plan = plan_backward(B, T, D, target_programs or _target_programs(device), max_block_d, min_rows_per_chunk)
+    looped, whole, n_chunks, rows_per_chunk, examples_per_program, n_programs, rows = (
+        plan[k] for k in ("looped", "whole", "n_chunks", "rows_per_chunk", "examples_per_program", "n_programs", "rows_per_tile"))
+
+    f32 = dict(dtype=torch.float32, device=device)
+    new_rows = torch.zeros if looped else torch.empty
+    part_w = new_rows((n_programs if need_dw else 0, D), **f32)
+    part_b = new_rows((n_programs if need_db else 0, D), **f32)
+    if looped:
+        _backward_kernel_looped[(n_programs,)](
+            x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, T, D, n_chunks, rows_per_chunk,
+            NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=min(LOOPED_BLOCK_D, max_block_d),
+            num_warps=_num_warps(min(LOOPED_BLOCK_D, max_block_d)))
+        sq_w = sq_b = None
+    else:
+        sq_w = torch.empty(n_programs if whole else 0, **f32)
+        sq_b = torch.empty(n_programs if whole else 0, **f32)
+        _backward_kernel[(n_programs,)](
+            x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, sq_w, sq_b,
+            B, T, D, examples_per_program, n_chunks, rows_per_chunk,
+            NEED_DW=need_dw, NEED_DB=need_db, WHOLE=whole, BLOCK_D=block_d, ROWS=rows,
+            num_warps=_num_warps(rows * block_d))
+    if not (need_dw or need_db):
+        count.add_(B)
+        return dx, None, None
+
+    n_column_blocks = triton.cdiv(D, COLUMN_BLOCK)
+    if not whole:  # finish each example's dγ_b, dβ_b from its chunks, and square them
+        ex_w = torch.empty((B if need_dw else 0, D), **f32)
+        ex_b = torch.empty((B if need_db else 0, D), **f32)
+        sq_w = torch.empty(B * n_column_blocks if need_dw else 0, **f32)
+        sq_b = torch.empty(B * n_column_blocks if need_db else 0, **f32)
+        _reduce_examples_kernel[(B, n_column_blocks)](
+            part_w, part_b, ex_w, ex_b, sq_w, sq_b, n_chunks, D, n_column_blocks,
+            NEED_DW=need_dw, NEED_DB=need_db, BLOCK_C=COLUMN_BLOCK,
+            CHUNK_TILE=min(32, triton.next_power_of_2(n_chunks)), num_warps=4)
+        part_w, part_b = ex_w, ex_b
+    n_parts = part_w.shape[0] if need_dw else part_b.shape[0]
+    n_sq = sq_w.numel() if need_dw else sq_b.numel()
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty_like(weight) if need_db else None
+    placeholder = part_w if need_dw else part_b  # stands in for what is not needed, never read
+    _finish_kernel[(n_column_blocks,)](
+        part_w, part_b, placeholder if dw is None else dw, placeholder if db is None else db,
+        sq_w, sq_b, weight_sq, placeholder if bias_sq is None else bias_sq, count,
+        n_parts, D, n_sq, B,
+        NEED_DW=need_dw, NEED_DB=need_db, BLOCK_C=COLUMN_BLOCK,
+        PART_TILE=min(32, triton.next_power_of_2(n_parts)),
+        SQ_TILE=min(1024, triton.next_power_of_2(n_sq)), num_warps=4)
+    return dx, dw, db

@@ -1,0 +1,125 @@
+"""
+The Triton kernels of normgnorm run on CPU by the Triton interpreter, against the float64
+oracles of test_normgnorm.py. Not collected by itself (the name does not start with test_):
+test_normgnorm.py::test_triton_kernels_interpreted runs it in a fresh process with
+TRITON_INTERPRET=1, which must be set before triton is first imported. Shapes are small: the
+interpreter takes about a millisecond per program.
+"""
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_normgnorm.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+import normgnorm  # noqa: E402
+from normgnorm import plan, triton_kernels  # noqa: E402
+from test_normgnorm import BUFFER_TOL, DTYPES, EPS, SHAPES, TOL, _layer, check_op, make_inputs, oracle  # noqa: E402
+
+
+@pytest.fixture
+def no_torch_path(monkeypatch):
+    """Make sure the op's "triton" backend really runs the kernels, not the PyTorch path."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the PyTorch path ran instead of the Triton kernels")
+    monkeypatch.setattr(normgnorm.torch_path, "forward", refuse)
+    monkeypatch.setattr(normgnorm.torch_path, "backward", refuse)
+
+
+def test_triton_backend_runs_on_cpu_under_the_interpreter():
+    assert normgnorm.resolve_backend("triton", torch.zeros(1, 2)) == "triton"
+    assert normgnorm.resolve_backend("", torch.zeros(1, 2)) == "torch"  # never by default off GPU
+
+
+def run_kernels(shape, dtype, bias, need_dw=True, need_db=True, **plan_args):
+    """Forward + backward straight through the kernels; returns what they made and the oracle."""
+    x, dy, weight, b = make_inputs(shape, dtype, bias, seed=3)
+    D = shape[-1]
+    B = shape[0] if len(shape) >= 2 else 1
+    fwd_args = {k: v for k, v in plan_args.items() if k == "max_block_d"}
+    y, mean, rstd = triton_kernels.forward(x.reshape(-1, D), weight, b, EPS, **fwd_args)
+    f32 = dict(dtype=torch.float32)
+    # start the buffers away from zero: the kernels must add to them
+    sq_w, sq_b, count = torch.full((), 0.5, **f32), torch.full((), 0.25, **f32), torch.full((), 2.0, **f32)
+    need_db = need_db and bias
+    dx, dw, db = triton_kernels.backward(dy.reshape(-1, D), x.reshape(-1, D), weight, mean, rstd, B, need_dw, need_db,
+                                  sq_w, sq_b if bias else None, count, **plan_args)
+    ref = oracle(x, weight, b, dy)
+    tol = TOL[dtype]
+    torch.testing.assert_close(y.view(shape).double(), ref["y"].to(dtype).double(), **tol)
+    torch.testing.assert_close(dx.view(shape).double(), ref["dx"].to(dtype).double(), **tol)
+    torch.testing.assert_close(mean, x.reshape(-1, D).double().mean(1).float(), rtol=1e-5, atol=1e-5)
+    if need_dw:
+        torch.testing.assert_close(dw.double(), ref["dw"].to(dtype).double(), **tol)
+        torch.testing.assert_close(sq_w.double(), 0.5 + ref["sq_w"], **BUFFER_TOL)
+    else:
+        assert dw is None and sq_w.item() == 0.5
+    if need_db:
+        torch.testing.assert_close(db.double(), ref["db"].to(dtype).double(), **tol)
+        torch.testing.assert_close(sq_b.double(), 0.25 + ref["sq_b"], **BUFFER_TOL)
+    else:
+        assert db is None and sq_b.item() == 0.25
+    assert count.item() == 2 + B
+
+
+# (shape, plan arguments, the plan they must produce): every way the backward shares out rows
+KERNEL_CASES = {
+    "whole, one example a program": ((3, 5, 40), dict(target_programs=4), dict(whole=True, examples_per_program=1)),
+    "whole, three examples a program": ((7, 3, 40), dict(target_programs=3), dict(whole=True, examples_per_program=3)),
+    "split into chunks": ((2, 10, 40), dict(target_programs=8, min_rows_per_chunk=3),  # last chunk: 1 row
+                          dict(whole=False, n_chunks=4, rows_per_chunk=3)),
+    "looped, split": ((2, 6, 24), dict(target_programs=8, min_rows_per_chunk=2, max_block_d=16),
+                      dict(looped=True, n_chunks=3)),
+    "looped, whole examples": ((5, 2, 40), dict(target_programs=2, max_block_d=16),
+                               dict(looped=True, n_chunks=1, examples_per_program=1)),
+    "2-D, many examples": ((9, 24), dict(target_programs=4), dict(whole=True, examples_per_program=3)),
+}
+
+
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_kernels_every_plan(case, dtype):
+    shape, plan_args, expected = KERNEL_CASES[case]
+    B, D = shape[0], shape[-1]
+    T = (torch.Size(shape).numel() // D) // B
+    got = plan.plan_backward(B, T, D, plan_args["target_programs"],
+                             plan_args.get("max_block_d", triton_kernels.MAX_BLOCK_D),
+                             plan_args.get("min_rows_per_chunk", plan.MIN_ROWS_PER_CHUNK))
+    assert {k: got[k] for k in expected} == expected
+    run_kernels(shape, dtype, bias=True, **plan_args)
+
+
+@pytest.mark.parametrize("needs", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("case", ["whole, three examples a program", "split into chunks", "looped, split"])
+def test_triton_kernels_some_parameters_frozen(case, needs):
+    shape, plan_args, _ = KERNEL_CASES[case]
+    run_kernels(shape, torch.float32, bias=True, need_dw=needs[0], need_db=needs[1], **plan_args)
+
+
+def test_triton_kernels_no_bias_non_power_of_two():
+    run_kernels((3, 6, 33), torch.bfloat16, bias=False, target_programs=6, min_rows_per_chunk=3)
+
+
+@pytest.mark.parametrize("shape", ["3d", "2d"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_op_matches_oracles(no_torch_path, dtype, bias, shape):
+    check_op(SHAPES[shape], dtype, bias, backend="triton")
+
+
+def test_triton_op_compiles_without_graph_breaks(no_torch_path):
+    torch._dynamo.reset()
+    eager, compiled = _layer(), _layer()
+    eager.backend = compiled.backend = "triton"
+    step = torch.compile(lambda m, x: m(x).sin().sum(), backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 4, 40)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager(x1).sin().sum().backward()
+    step(compiled, x2).backward()
+    torch.testing.assert_close(x2.grad, x1.grad)
+    torch.testing.assert_close(compiled.weight_sqgradnorm, eager.weight_sqgradnorm)
+    torch.testing.assert_close(compiled.bias_sqgradnorm, eager.bias_sqgradnorm)
+    torch._dynamo.reset()

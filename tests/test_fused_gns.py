@@ -1,0 +1,199 @@
+"""
+PEGradNormFusedLayerNorm: a drop-in nn.LayerNorm whose backward accumulates Σ_b ||g_b / B||²
+of its gain and bias (buffered.py's buffer convention), checked against per-example backward
+loops, alone and inside a GPT, with gradient accumulation.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers
+from fused_gns import PEGradNormFusedLayerNorm
+from layer_config import set_contextual_config
+from model import GPT, GPTConfig
+
+
+def randomised(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + 1)
+    return module
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_drop_in_for_nn_layernorm(bias):
+    ours, theirs = PEGradNormFusedLayerNorm(24, bias=bias), randomised(nn.LayerNorm(24, bias=bias))
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in theirs.named_parameters()]
+    assert list(ours.state_dict()) == list(theirs.state_dict())  # the buffers stay out of checkpoints
+    assert ours.eps == theirs.eps == 1e-5
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 5, 24)
+    torch.testing.assert_close(ours(x), theirs(x))
+    theirs.load_state_dict(randomised(ours, seed=1).state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))
+
+
+def test_buffer_convention():
+    with_bias, without = PEGradNormFusedLayerNorm(8), PEGradNormFusedLayerNorm(8, bias=False)
+    assert sorted(with_bias._buffers) == ["bias_sqgradnorm", "example_count", "weight_sqgradnorm"]
+    assert sorted(without._buffers) == ["example_count", "weight_sqgradnorm"]
+    for buf in with_bias.buffers():
+        assert buf.dtype == torch.float32 and buf.dim() == 0
+    model = nn.Sequential(with_bias, without)
+    model(torch.randn(2, 3, 8)).sum().backward()
+    found = find_sqgradnorm_buffers(model)
+    assert [name for name, *_ in found] == ["0.weight", "0.bias", "1.weight"]
+    assert all(buf.item() > 0 and count.item() == 2 for _, _, buf, count in found)
+    zero_sqgradnorm_buffers(model)
+    assert all(buf.item() == 0 and count.item() == 0 for _, _, buf, count in found)
+
+
+def test_buffers_stay_float32_through_casts():
+    m = PEGradNormFusedLayerNorm(8)
+    m(torch.randn(3, 4, 8)).pow(2).sum().backward()
+    before = {name: buf.clone() for name, buf in m.named_buffers()}
+    for cast in (torch.float16, torch.bfloat16, torch.float64, torch.float32):
+        m.to(cast)
+        assert m.weight.dtype == cast
+        for name, buf in m.named_buffers():
+            assert buf.dtype == torch.float32 and torch.equal(buf, before[name]), (cast, name)
+    m.half()
+    assert m.weight_sqgradnorm.dtype == torch.float32
+    m.float()
+    # and they keep accumulating in float32 from a half-precision layer
+    m.half()
+    m(torch.randn(2, 4, 8, dtype=torch.float16)).float().pow(2).sum().backward()
+    assert m.example_count.item() == 5 and m.weight_sqgradnorm.item() > before["weight_sqgradnorm"].item()
+
+
+def per_example_loss(y, head):
+    """A nonlinear per-example loss of the layer's output y [B, T, D]: l_b = mean_t (y_bt · head)²."""
+    return (y @ head).square().mean(dim=-1)
+
+
+def brute_force_sqgradnorms(weight, bias, xs, head):
+    """Σ_b ||∇ l_b / B||² for weight and bias, one backward pass per example."""
+    B = sum(x.shape[0] for x in xs)
+    total_w = total_b = 0.0
+    for x in xs:
+        for x_b in x:
+            w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+            per_example_loss(F.layer_norm(x_b[None], (x.shape[-1],), w, b, 1e-5), head).sum().backward()
+            total_w += (w.grad.double() / B).square().sum()
+            total_b += (b.grad.double() / B).square().sum()
+    return total_w, total_b
+
+
+def test_gradient_accumulation_matches_brute_force():
+    D = 20
+    m = randomised(PEGradNormFusedLayerNorm(D))
+    head = torch.randn(D)
+    xs = [torch.randn(3, 5, D) * 3 + 1, torch.randn(3, 5, D)]  # two micro-steps of 3 examples: B = 6
+    for x in xs:  # nanoGPT: each micro-step's loss is a mean, divided by the number of micro-steps
+        (per_example_loss(m(x), head).mean() / len(xs)).backward()
+    want_w, want_b = brute_force_sqgradnorms(m.weight, m.bias, xs, head)
+    assert m.example_count.item() == 6
+    torch.testing.assert_close(m.weight_sqgradnorm.double(), want_w, rtol=1e-5, atol=0)
+    torch.testing.assert_close(m.bias_sqgradnorm.double(), want_b, rtol=1e-5, atol=0)
+
+
+def test_frozen_parameter_is_not_measured():
+    m = randomised(PEGradNormFusedLayerNorm(12))
+    m.weight.requires_grad_(False)
+    head = torch.randn(12)
+    x = torch.randn(4, 3, 12)
+    per_example_loss(m(x), head).mean().backward()
+    _, want_b = brute_force_sqgradnorms(m.weight, m.bias, [x], head)
+    assert m.weight.grad is None and m.weight_sqgradnorm.item() == 0
+    torch.testing.assert_close(m.bias_sqgradnorm.double(), want_b, rtol=1e-5, atol=0)
+    assert m.example_count.item() == 4
+
+
+def tiny_gpt_pair():
+    """A GPT with fused LayerNorms and a plain one with the same weights."""
+    config = GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=24, bias=True, dropout=0.0)
+    torch.manual_seed(0)
+    with set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm):
+        fused = GPT(config)
+    plain = GPT(config)
+    with torch.no_grad():  # LayerNorms away from their identity initialisation
+        for name, p in fused.named_parameters():
+            if ".ln_" in name or "ln_f" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    plain.load_state_dict(fused.state_dict())
+    return fused, plain
+
+
+def test_gpt_layernorms_match_per_example_loop():
+    fused, plain = tiny_gpt_pair()
+    g = torch.Generator().manual_seed(1)
+    micro_batches = [(torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g))
+                     for _ in range(2)]
+    B = 4
+    for idx, targets in micro_batches:
+        _, loss = fused(idx, targets)
+        (loss / len(micro_batches)).backward()
+    # brute force: one backward pass per example through the plain GPT
+    want = {}
+    for idx, targets in micro_batches:
+        for i in range(idx.shape[0]):
+            plain.zero_grad()
+            plain(idx[i:i + 1], targets[i:i + 1])[1].backward()
+            for name, p in plain.named_parameters():
+                if p.grad is not None:
+                    want[name] = want.get(name, 0) + (p.grad.double() / B).square().sum()
+    layernorms = [(n, m) for n, m in fused.named_modules() if isinstance(m, PEGradNormFusedLayerNorm)]
+    assert len(layernorms) == 5
+    for name, m in layernorms:
+        assert m.example_count.item() == B
+        for pname in ("weight", "bias"):
+            torch.testing.assert_close(getattr(m, f"{pname}_sqgradnorm").double(), want[f"{name}.{pname}"],
+                                       rtol=1e-4, atol=1e-12, msg=f"{name}.{pname}")
+    # and the ordinary gradients are nanoGPT's
+    plain.zero_grad()
+    for idx, targets in micro_batches:
+        (plain(idx, targets)[1] / len(micro_batches)).backward()
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow
+def test_gpt_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    fused, _ = tiny_gpt_pair()
+    idx = torch.randint(0, 16, (2, 8))
+    explanation = torch._dynamo.explain(fused)(idx, idx)
+    assert explanation.graph_break_count == 0
+    torch._dynamo.reset()
+
+
+def test_autocast_and_inference_behave_like_nn_layernorm():
+    ours, theirs = randomised(PEGradNormFusedLayerNorm(16)), randomised(nn.LayerNorm(16))
+    x = torch.randn(2, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = nn.functional.linear(x, torch.eye(16))  # bfloat16 under autocast
+        y_ours, y_theirs = ours(h), theirs(h)
+    assert h.dtype == torch.bfloat16 and y_ours.dtype == y_theirs.dtype
+    torch.testing.assert_close(y_ours, y_theirs)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x))
+    assert ours.example_count.item() == 0  # nothing measured without a backward pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
+def test_cuda_autocast_like_nn_layernorm(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    ours = randomised(PEGradNormFusedLayerNorm(64, backend=backend)).cuda()
+    theirs = randomised(nn.LayerNorm(64)).cuda()
+    x = torch.randn(4, 8, 64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = nn.functional.linear(x, torch.eye(64, device="cuda"))
+        y_ours, y_theirs = ours(h), theirs(h)
+    assert y_ours.dtype == y_theirs.dtype == torch.float32
+    torch.testing.assert_close(y_ours, y_theirs)
+    y_ours.sum().backward()
+    assert ours.weight_sqgradnorm.dtype == torch.float32 and ours.example_count.item() == 4

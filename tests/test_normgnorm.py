@@ -1,0 +1,298 @@
+"""
+normgnorm: LayerNorm whose backward also accumulates per-example Σ_b ||dγ_b||², Σ_b ||dβ_b||².
+
+Every implementation is checked against two oracles, both in float64 from the same inputs:
+F.layer_norm's autograd (output, dx, dγ, dβ) and torch.func.vmap of per-example gradients over
+the examples (the squared norms). The pure-PyTorch path runs here; the Triton kernels run on
+CPU under the Triton interpreter (small shapes); the CUDA sources are compiled (no GPU here) and
+both GPU backends run against the oracles where a GPU exists.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import grad, vmap
+
+import normgnorm
+from normgnorm import cuda_ext
+
+EPS = 1e-5
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_CUDA = torch.cuda.is_available()
+
+# Outputs and gradients in low precision are compared with the float64 oracle after rounding
+# to the dtype (about one unit in the last place); the squared-norm buffers are float32 sums of
+# products of the same inputs, so they are tight whatever the input dtype.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
+       torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+       torch.float16: dict(rtol=2e-3, atol=2e-3)}
+BUFFER_TOL = dict(rtol=1e-4, atol=1e-6)
+
+
+def oracle(x, weight, bias, dy):
+    """float64: y, dx, dw, db by F.layer_norm autograd; Σ_b ||dγ_b||², Σ_b ||dβ_b||² by vmap."""
+    D = x.shape[-1]
+    xd = x.detach().double().requires_grad_()
+    wd = weight.detach().double().requires_grad_()
+    bd = bias.detach().double().requires_grad_() if bias is not None else None
+    y = F.layer_norm(xd, (D,), wd, bd, EPS)
+    y.backward(dy.double())
+    num_examples = x.shape[0] if x.dim() >= 2 else 1
+    x_examples = xd.detach().reshape(num_examples, -1, D)
+    dy_examples = dy.double().reshape(num_examples, -1, D)
+
+    def example_loss(w, b, x_b, dy_b):
+        return (F.layer_norm(x_b, (D,), w, b, EPS) * dy_b).sum()
+    b0 = bd.detach() if bias is not None else torch.zeros_like(wd)
+    g_w, g_b = vmap(grad(example_loss, argnums=(0, 1)), in_dims=(None, None, 0, 0))(wd.detach(), b0, x_examples, dy_examples)
+    return dict(y=y.detach(), dx=xd.grad, dw=wd.grad, db=bd.grad if bias is not None else None,
+                sq_w=g_w.square().sum(), sq_b=g_b.square().sum() if bias is not None else None,
+                count=num_examples)
+
+
+def make_inputs(shape, dtype, bias, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    D = shape[-1]
+    x = (torch.randn(shape, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
+    dy = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    weight = (1 + 0.5 * torch.randn(D, generator=g)).to(device=device, dtype=dtype)
+    b = (0.1 * torch.randn(D, generator=g)).to(device=device, dtype=dtype) if bias else None
+    return x, dy, weight, b
+
+
+def check_op(shapes, dtype, bias, backend, device="cpu"):
+    """Two calls (two gradient-accumulation micro-steps, different data) through the autograd op."""
+    weight0 = make_inputs(shapes[0], dtype, bias, seed=0, device=device)[2]
+    weight = weight0.clone().requires_grad_()
+    b = make_inputs(shapes[0], dtype, bias, seed=0, device=device)[3]
+    b = b.clone().requires_grad_() if bias else None
+    f32 = dict(dtype=torch.float32, device=device)
+    sq_w, sq_b, count = torch.zeros((), **f32), torch.zeros((), **f32) if bias else None, torch.zeros((), **f32)
+    want = dict(dw=0, db=0, sq_w=0, sq_b=0, count=0)
+    for call, shape in enumerate(shapes):
+        x, dy, _, _ = make_inputs(shape, dtype, bias, seed=call + 1, device=device)
+        x.requires_grad_()
+        y = normgnorm.layer_norm(x, weight, b, sq_w, sq_b, count, EPS, backend)
+        y.backward(dy)
+        ref = oracle(x, weight, b, dy)
+        tol = TOL[dtype]
+        assert y.dtype == dtype and x.grad.dtype == dtype
+        torch.testing.assert_close(y.double(), ref["y"].to(dtype).double(), **tol)
+        torch.testing.assert_close(x.grad.double(), ref["dx"].to(dtype).double(), **tol)
+        for k in want:
+            if ref.get(k) is not None:
+                want[k] = want[k] + ref[k]
+    torch.testing.assert_close(weight.grad.double(), want["dw"].to(dtype).double(), **TOL[dtype])
+    assert sq_w.dtype == torch.float32
+    torch.testing.assert_close(sq_w.double(), want["sq_w"], **BUFFER_TOL)
+    if bias:
+        torch.testing.assert_close(b.grad.double(), want["db"].to(dtype).double(), **TOL[dtype])
+        torch.testing.assert_close(sq_b.double(), want["sq_b"], **BUFFER_TOL)
+    assert count.item() == want["count"]
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = {"3d": [(3, 5, 40), (2, 7, 40)], "2d": [(6, 40), (4, 40)], "4d": [(2, 3, 2, 24), (2, 3, 2, 24)]}
+
+
+# ---------------------------------------------------------------- the pure-PyTorch path (CPU)
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_path_matches_oracles(dtype, bias, shape):
+    check_op(SHAPES[shape], dtype, bias, backend="torch")
+
+
+def test_oracle_per_example_norms_by_loop():
+    # the vmap oracle itself against a loop of single-example backward passes
+    x, dy, weight, b = make_inputs((3, 4, 10), torch.float64, True, seed=5)
+    ref = oracle(x, weight, b, dy)
+    sq_w = sq_b = 0
+    for i in range(3):
+        w_i, b_i = weight.clone().requires_grad_(), b.clone().requires_grad_()
+        (F.layer_norm(x[i], (10,), w_i, b_i, EPS) * dy[i]).sum().backward()
+        sq_w, sq_b = sq_w + w_i.grad.square().sum(), sq_b + b_i.grad.square().sum()
+    torch.testing.assert_close(ref["sq_w"], sq_w)
+    torch.testing.assert_close(ref["sq_b"], sq_b)
+
+
+def test_only_parameters_with_gradients_are_measured():
+    x, dy, weight, b = make_inputs((3, 4, 24), torch.float32, True, seed=1)
+    sq_w, sq_b, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
+    b.requires_grad_()  # weight is frozen
+    x.requires_grad_()
+    normgnorm.layer_norm(x, weight, b, sq_w, sq_b, count).backward(dy)
+    assert weight.grad is None and sq_w.item() == 0
+    torch.testing.assert_close(sq_b.double(), oracle(x, weight, b, dy)["sq_b"], **BUFFER_TOL)
+    assert count.item() == 3
+
+
+def test_backend_choice_off_gpu(monkeypatch):
+    x = torch.zeros(2, 3)
+    assert normgnorm.resolve_backend("", x) == "torch"
+    for name in ("triton", "cuda"):  # off GPU these mean nothing: the CPU path never runs Triton
+        monkeypatch.setenv("NORMGNORM_BACKEND", name)
+        assert normgnorm.resolve_backend("", x) == "torch"
+        assert normgnorm.resolve_backend(name, x) == "torch"
+    with pytest.raises(ValueError, match="unknown normgnorm backend"):
+        normgnorm.resolve_backend("cudnn", x)
+
+
+def test_cpu_path_needs_no_triton():
+    # with triton unimportable (and asked for), importing and running everything on CPU works
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch, normgnorm, fused_gns\n"
+            "m = fused_gns.PEGradNormFusedLayerNorm(8)\n"
+            "m(torch.randn(2, 3, 8, requires_grad=True)).sum().backward()\n"
+            "assert m.example_count.item() == 2 and 'normgnorm.triton_kernels' not in sys.modules\n")
+    env = dict(os.environ, NORMGNORM_BACKEND="triton")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_empty_input():
+    x = torch.zeros(0, 5, 8, requires_grad=True)
+    weight = torch.ones(8, requires_grad=True)
+    sq_w, count = torch.zeros(()), torch.zeros(())
+    normgnorm.layer_norm(x, weight, None, sq_w, None, count).sum().backward()
+    assert x.grad.shape == x.shape and weight.grad.abs().sum() == 0 and sq_w.item() == 0 and count.item() == 0
+
+
+# ---------------------------------------------------------------- torch.compile
+
+def _layer(bias=True):
+    from fused_gns import PEGradNormFusedLayerNorm
+    torch.manual_seed(0)
+    m = PEGradNormFusedLayerNorm(40, bias=bias)
+    with torch.no_grad():
+        m.weight.normal_()
+        if bias:
+            m.bias.normal_()
+    return m
+
+
+def test_compile_no_graph_breaks():
+    m = _layer()
+    x = torch.randn(3, 5, 40, requires_grad=True)
+    explanation = torch._dynamo.explain(lambda x: m(x).sin().sum())(x)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bias", [True, False])
+def test_compile_inductor_matches_eager(bias):
+    torch._dynamo.reset()
+    eager, compiled = _layer(bias), _layer(bias)
+    step = torch.compile(lambda m, x: m(x).sin().sum(), backend="inductor", fullgraph=True)
+    for call, shape in enumerate([(3, 5, 40), (3, 5, 40)]):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(call))
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager(x1).sin().sum().backward()
+        step(compiled, x2).backward()
+        torch.testing.assert_close(x2.grad, x1.grad)
+    for name in ("weight", "bias") if bias else ("weight",):
+        torch.testing.assert_close(getattr(compiled, name).grad, getattr(eager, name).grad)
+        torch.testing.assert_close(getattr(compiled, f"{name}_sqgradnorm"), getattr(eager, f"{name}_sqgradnorm"))
+    assert compiled.example_count.item() == eager.example_count.item() == 6
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------- Triton kernels, interpreted on CPU
+
+def test_triton_kernels_interpreted():
+    """
+    tests/normgnorm_triton_interpreted.py, in a fresh process with TRITON_INTERPRET=1: the
+    interpreter must be on before triton itself is first imported, which in this process
+    (torch._inductor imports it) may already have happened.
+    """
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env.pop("NORMGNORM_BACKEND", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.join(ROOT, "tests", "normgnorm_triton_interpreted.py")],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " skipped" not in done.stdout, done.stdout[-3000:]
+
+
+# ---------------------------------------------------------------- CUDA sources (compiled, no GPU needed)
+
+needs_nvcc = pytest.mark.skipif(cuda_ext.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) found")
+
+
+@pytest.fixture(scope="module")
+def cuda_build_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("normgnorm_cuda"))
+
+
+@pytest.mark.slow
+@needs_nvcc
+def test_cuda_kernels_compile(cuda_build_dir):
+    # both architectures at once, with build()'s own command, into the files build() looks for
+    objects = {arch: cuda_ext.kernel_object(arch, cuda_build_dir) for arch in ("sm_80", "sm_90")}
+    compilers = {arch: subprocess.Popen(cuda_ext.nvcc_command(arch, obj), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+                 for arch, obj in objects.items()}
+    for arch, compiler in compilers.items():
+        output = compiler.communicate()[0]
+        assert compiler.returncode == 0, f"{arch}: {output}"
+        assert "warning" not in output.lower(), f"{arch}: {output}"
+        assert os.path.getsize(objects[arch]) > 0
+
+
+@pytest.mark.slow
+@needs_nvcc
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_cuda_binding_builds_and_loads(cuda_build_dir):
+    # the binding needs only torch's stable C++ headers and libcudart: it builds and loads here,
+    # without a GPU (against the sm_80 object of the test above when that ran first)
+    ops = cuda_ext.build("sm_80", build_dir=cuda_build_dir)
+    assert ops.max_d() == cuda_ext.MAX_D and ops.column_block() == 32
+    x = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="contiguous 2-D CUDA tensor"):
+        ops.forward(x, x.clone(), torch.ones(8), torch.zeros(0), torch.zeros(2), torch.zeros(2), EPS, 0)
+
+
+# ---------------------------------------------------------------- on a GPU: both GPU backends
+
+GPU_SHAPES = {
+    "gpt": [(4, 256, 768), (4, 256, 768)],
+    "odd D": [(3, 100, 1000), (2, 37, 1000)],
+    "many examples, 2-D": [(2000, 96), (1000, 96)],
+    "wide rows": [(2, 40, 20000), (2, 40, 20000)],
+    "wider than the CUDA kernels": [(2, 8, 40000), (1, 8, 40000)],
+}
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_backends_match_oracles(backend, shape):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    elif cuda_ext.find_cuda_home() is None:
+        pytest.skip("no CUDA toolkit to build the extension")
+    for dtype in DTYPES:
+        for bias in (True, False):
+            check_op(GPU_SHAPES[shape], dtype, bias, backend=backend, device="cuda")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_backends_agree_with_torch_path(backend):
+    if backend == "cuda" and cuda_ext.find_cuda_home() is None:
+        pytest.skip("no CUDA toolkit to build the extension")
+    x, dy, weight, b = make_inputs((8, 512, 768), torch.bfloat16, True, seed=7, device="cuda")
+    results = {}
+    for name in ("torch", backend):
+        bufs = [torch.zeros((), device="cuda") for _ in range(3)]
+        xi = x.clone().requires_grad_()
+        normgnorm.layer_norm(xi, weight, b.clone().requires_grad_(), *bufs, EPS, name).backward(dy)
+        results[name] = bufs
+    for a, c in zip(results[backend], results["torch"]):
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=0)
