@@ -336,6 +336,120 @@ def test_missing_main_estimator_falls_back_with_a_note(tmp_path, capsys):
     assert "(no parameter in common)" in gns_analysis.summary(results, info, "log.csv", 0.9)
 
 
+class LinearLayerNormNet(nn.Module):
+    """Linear -> LayerNorm -> Linear on [B, T, K] inputs (T > 1, so SOGNS differs from exact)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln_1, self.fc2 = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.ln_1(self.fc1(x)))).mean((1, 2))
+
+
+def multi_estimator_log(out_dir, steps=30, m=4, b=4, ranks=2, lr=0.2):
+    """
+    A log from the real estimators on one model: gnshooks (exact and SOGNS Linear hooks) and
+    microbatch_gns during nanoGPT's micro-step loop, the exact per-example train/gns columns
+    from vmap, and the DDP columns of `ranks` simulated ranks (each rank's gradient the mean over
+    its share of the batch) through ddpgns' own logging. Returns the per-step brute-force numbers.
+    """
+    from ddpgns import GradientNoiseScale, ddp_gns_log
+    from gnshooks import add_exact_hooks, add_hooks_to_model, add_sogns_hooks, hook_measurements, zero_hook_results
+    from microbatch_gns import MicrobatchGNS
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model, oracle = LinearLayerNormNet(), LinearLayerNormNet()  # the oracle: no hooks inside vmap
+    add_hooks_to_model(model, add_exact_hooks)
+    add_hooks_to_model(model, add_sogns_hooks)
+    mb = MicrobatchGNS(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ddp_gns = GradientNoiseScale(beta=0.9)
+    log = LogWrapper(out_dir=out_dir, config={})
+    g = torch.Generator().manual_seed(3)
+    B = m * b
+    target = torch.randn(4, generator=g)
+    brute = []
+    for step in range(steps):
+        x = torch.randn(B, 3, 4, generator=g)
+        y = torch.tanh(x @ target).mean(1) + 0.3 * torch.randn(B, generator=g)
+        for k in range(m):
+            (mse(model(x[k * b:(k + 1) * b]), y[k * b:(k + 1) * b]) / m).backward()
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        per_example = vmap(grad(lambda p, xb, yb: mse(functional_call(oracle, p, (xb[None],)), yb[None])),
+                           in_dims=(None, 0, 0))(params, x, y)
+        row = {"iter_num": step, "tokens_processed": (step + 1) * B * 3}
+        for name, ge in per_example.items():
+            assert torch.allclose(ge.mean(0), dict(model.named_parameters())[name].grad, atol=1e-6)
+            row[f"train/gns/{name}/norm"] = ge.mean(0).norm().item()
+            row[f"train/gns/{name}/pegn"] = ge.flatten(1).pow(2).sum(1).mean().sqrt().item()
+            row[f"train/gns/{name}/batch_size"] = B
+        flat = torch.cat([ge.flatten(1) for ge in per_example.values()], 1).double()  # [B, all parameters]
+        sq_big = flat.mean(0).square().sum().item()
+        sq_micro = flat.reshape(m, b, -1).mean(1).square().sum(1).mean().item()
+        sq_rank = flat.reshape(ranks, B // ranks, -1).mean(1).square().sum(1).mean().item()
+        ddp_gns.update(sq_rank, sq_big, B // ranks, B)
+        row.update(ddp_gns_log(ddp_gns, sq_rank, sq_big, B // ranks, B))
+        row.update(hook_measurements(model, "exact"))
+        row.update(hook_measurements(model, "sogns"))
+        row.update(mb.measurements(micro_batch_size=b))
+        brute.append(dict(sq_big=sq_big, sq_micro=sq_micro, sq_rank=sq_rank))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        zero_hook_results(model)
+        mb.zero()
+        log.log(row)
+        log.step()
+    log.close()
+    return pd.DataFrame(brute), B
+
+
+def test_comparison_of_every_estimator_in_a_real_log(tmp_path, capsys):
+    brute, B = multi_estimator_log(tmp_path)
+    df, _ = load_log(tmp_path)
+    alpha = 0.9
+    results, info = gns_analysis.analyze(df, alpha)
+    others = info["estimators"]
+    assert info["main"] == "train/gns" and list(others) == ["train/gnshooks", "train/sogns", "train/microbatch_gns", "ddp"]
+    assert len(info["groups"]["total"]) == 6 and others["train/gnshooks"]["params"] == 4
+
+    # the exact Linear hooks match the exact per-example norms on the parameters both cover
+    linear = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert others["train/gnshooks"]["common"] == linear and others["train/microbatch_gns"]["common"] is None
+    assert np.allclose(results["train/gnshooks/common/gns"], results["train/gnshooks/main_common/gns"], rtol=1e-4)
+    assert np.allclose(results["train/gnshooks/total/gns"], results["Linear/gns"], rtol=1e-4)
+    same = others["train/gnshooks"]["common_comparison"]
+    assert same["ratio_median"] == pytest.approx(1, abs=1e-4) and same["pearson"] == pytest.approx(1, abs=1e-6)
+    assert same["steps"] == 30 - 9, "compared after the EMA warm-up of 1/(1 - alpha) = 10 estimates"
+    total_vs_linear = others["train/gnshooks"]["comparison"]["ratio_median"]
+    assert abs(total_vs_linear - 1) > 1e-3, "the hooks miss the LayerNorm: not the total GNS"
+
+    # micro-batch (b = 4) and DDP (b = one rank's 8) against the brute-force totals over all parameters
+    for p, small_sq, b in (("train/microbatch_gns", brute["sq_micro"], 4), ("ddp", brute["sq_rank"], B // 2)):
+        sq, tr = (B * brute["sq_big"] - b * small_sq) / (B - b), (small_sq - brute["sq_big"]) / (1 / b - 1 / B)
+        assert np.allclose(results[f"{p}/total/sq_norm"], sq, rtol=1e-4, atol=1e-7)
+        assert np.allclose(results[f"{p}/total/trace"], tr, rtol=1e-4)
+        assert (results[f"{p}/small_batch_size"] == b).all() and (results[f"{p}/batch_size"] == B).all()
+    # every approximation is in the same range as the exact GNS and moves with it
+    for p, o in others.items():
+        c = o["comparison"]
+        assert 0.5 < c["ratio_median"] < 2 and 0.5 < c["pearson"] <= 1 and c["steps"] == 21, (p, c)
+        assert (results[f"{p}/total/gns"] > 0).all() and (results[f"{p}/total/trace_ema"] > 0).all()
+    assert others["train/sogns"]["comparison"]["ratio_median"] != pytest.approx(total_vs_linear, rel=1e-3)
+
+    assert gns_analysis.main([str(tmp_path), "--alpha", str(alpha)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("every estimator in the log"):]
+    for p in ("train/gns (main)", "train/gnshooks", "train/sogns", "train/microbatch_gns", "\n  ddp "):
+        assert p in table
+    assert "on the 4 shared params: ratio 1.000, r 1.000" in table
+    assert "train/microbatch_gns total" in out and "ddp total" in out, "every estimator in the GNS plot"
+    written = pd.read_csv(tmp_path / "gns_analysis.csv")
+    assert len(written) == 30 and {"total/gns", "ddp/total/gns", "train/sogns/total/trace_ema",
+                                   "train/gnshooks/main_common/gns", "ddp/small_batch_size"} <= set(written.columns)
+
+
 def test_micro_batch_estimator_recovers_the_true_gns_of_linear_regression():
     """
     The linear regression of test_gns_of_linear_regression_matches_closed_form (true |G|^2 = |u|^2,
