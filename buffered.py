@@ -116,8 +116,8 @@ def tie_weights(embedding, head):
 # Per-example squared norms, as pure functions of [B, T, .] tensors (float32 results).
 
 def _sqsum(t):
-    """Sum of squares of t, reduced in float32."""
-    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+    """Sum of squares of t, reduced in (at least) float32, as float32."""
+    return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).square().float()
 
 
 def _chunk(per_example_numel, B, max_chunk_numel):
@@ -125,17 +125,23 @@ def _chunk(per_example_numel, B, max_chunk_numel):
     return max(1, min(B, max_chunk_numel // max(1, per_example_numel)))
 
 
+# Fused layers: use the ghost norm when T^2 (K+L) < FUSED_GHOST_RATIO * K L. The crossover
+# measured on CPU (bench/layers.py --sweep) lies between 20 and 80.
+FUSED_GHOST_RATIO = 32
+
+
 def _use_ghost(T, K, L, fused, mode):
-    """Ghost norm or materialised per-example weight gradients, from shapes only.
-    Shim: materialising costs the weight GEMM again, 2TKL flops per example, against the
-    ghost norm's 2T^2(K+L). Fused: the materialised W_b are the weight GEMM itself, so
-    materialising only costs memory traffic (~KL per example) against the ghost's flops."""
+    """Ghost norm or materialised per-example weight gradients, from shapes only (T = tokens
+    per example). Shim: materialising costs the weight GEMM again, 2TKL flops per example,
+    against the ghost norm's 2T^2(K+L). Fused: the materialised W_b are the weight GEMM
+    itself split by example, so materialising costs only a batched GEMM and memory traffic
+    (~KL per example, dear when T is small) against the ghost's 2T^2(K+L) extra flops."""
     if mode is not None:
         if mode not in ("ghost", "materialise"):
             raise ValueError(f"per_example_mode must be 'ghost', 'materialise' or None, not {mode!r}")
         return mode == "ghost"
     if fused:
-        return T * T * (K + L) < K * L
+        return T * T * (K + L) < FUSED_GHOST_RATIO * K * L
     return T * (K + L) < K * L
 
 
@@ -556,7 +562,13 @@ class _AffineFn(torch.autograd.Function):
         ctx.save_for_backward(xhat, weight)
         ctx.bufs = (w_sq, b_sq, count)
         ctx.has_bias, ctx.n_norm_dims = bias is not None, n_norm_dims
-        return torch.addcmul(bias, xhat, weight) if bias is not None else xhat * weight
+        # like torch's layer_norm: the output has xhat's dtype (also with float32 gamma, beta
+        # and a bfloat16 input), computed in at least float32
+        compute = torch.promote_types(xhat.dtype, torch.float32)
+        y = xhat.to(compute) * weight.to(compute)
+        if bias is not None:
+            y = y + bias.to(compute)
+        return y.to(xhat.dtype)
 
     @staticmethod
     def backward(ctx, dy):
@@ -564,7 +576,8 @@ class _AffineFn(torch.autograd.Function):
         w_sq, b_sq, count = ctx.bufs
         B = _examples(xhat, ctx.n_norm_dims)
         N = weight.numel()
-        dxhat = dy * weight if ctx.needs_input_grad[0] else None
+        compute = torch.promote_types(xhat.dtype, torch.float32)
+        dxhat = (dy.to(compute) * weight.to(compute)).to(xhat.dtype) if ctx.needs_input_grad[0] else None
         dw = db = None
         dy3 = dy.reshape(B, -1, N)
         if ctx.needs_input_grad[1]:
