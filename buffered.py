@@ -40,6 +40,7 @@ import warnings
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils.parametrize import is_parametrized
 
 
 def register_sqgradnorm_buffers(module):
@@ -347,7 +348,9 @@ class _MeasuredLinear(_Float32Buffers, nn.Linear):
         b_trains = self.bias is not None and self.bias.requires_grad
         if not torch.is_grad_enabled() or not (w_trains or b_trains):
             return None
-        w_sq = self._buffers.get("weight_sqgradnorm") if w_trains else None
+        # a parametrized weight (spectral norm) is computed: its per-example gradient is not
+        # the parameter's, and find_sqgradnorm_buffers does not report it
+        w_sq = self._buffers.get("weight_sqgradnorm") if w_trains and not is_parametrized(self, "weight") else None
         b_sq = self._buffers.get("bias_sqgradnorm") if b_trains else None
         ids = link_q = link_s = None
         if link is not None and w_trains:

@@ -196,6 +196,15 @@ def test_linear_all_frozen_and_no_grad_measure_nothing(cls):
     assert all(b.item() == 0 for b in layer.buffers())
 
 
+@pytest.mark.parametrize("cls", LINEARS)
+def test_linear_parametrized_weight_is_not_measured(cls):
+    """Spectral norm makes the weight a computed tensor: only the bias is the layer's own."""
+    layer = torch.nn.utils.parametrizations.spectral_norm(cls(4, 3))
+    layer(torch.randn(2, 5, 4)).square().sum().backward()
+    assert [n for n, *_ in find_sqgradnorm_buffers(layer)] == ["bias"]
+    assert layer.bias_sqgradnorm.item() > 0 and layer.weight_sqgradnorm.item() == 0
+
+
 # --------------------------------------------------------------------------------------------
 # Embedding
 

@@ -1,0 +1,216 @@
+"""
+The whole GPT with every combination of per-example-norm layer classes: every measured
+parameter present (the tied wte/lm_head weight included when both sides measure), each norm
+equal to brute force (vmap over examples of the plain GPT's per-example loss), with two
+micro-steps of gradient accumulation, bias on and off, eager and compiled.
+"""
+import functools
+import itertools
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.func import functional_call, grad, vmap
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
+                      PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers,
+                      zero_sqgradnorm_buffers)
+from layer_config import set_contextual_config  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+LINEAR = {"nn": nn.Linear, "gns": PEGradNormLinear, "shim": PEGradNormShimLinear}
+EMBEDDING = {"nn": nn.Embedding, "gns": PEGradNormEmbedding, "shim": PEGradNormShimEmbedding}
+LAYERNORM = {"nn": nn.LayerNorm, "shim": PEGradNormSeparatedLayerNorm}
+B, T, STEPS = 4, 16, 2
+
+pytestmark = [pytest.mark.filterwarnings("ignore:tied weight"),
+              pytest.mark.filterwarnings("ignore:There is a performance drop")]
+
+
+def config(bias):
+    return GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=65, dropout=0.0, bias=bias)
+
+
+def build(linear, embedding, layernorm, bias):
+    with set_contextual_config(Linear=LINEAR[linear], Embedding=EMBEDDING[embedding], LayerNorm=LAYERNORM[layernorm]):
+        return GPT(config(bias))
+
+
+@functools.lru_cache(maxsize=None)
+def reference(bias, dtype=torch.float32):
+    """(plain GPT state, micro-batches, brute-force norms, plain .grad) for one bias setting."""
+    torch.manual_seed(0)
+    plain = GPT(config(bias)).to(dtype)
+    batches = [(torch.randint(0, 65, (B, T)), torch.randint(0, 65, (B, T))) for _ in range(STEPS)]
+    params = {n: p.detach() for n, p in plain.named_parameters()}
+
+    def loss(p, x, y):
+        return functional_call(plain, p, (x[None], y[None]))[1]
+
+    total = {n: torch.zeros((), dtype=torch.float64) for n in params}
+    for x, y in batches:
+        g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+        for n in params:
+            total[n] += g[n].double().flatten(1).square().sum()
+    expected = {n: v / (B * STEPS) ** 2 for n, v in total.items()}
+    train(plain, batches)
+    grads = {n: p.grad.clone() for n, p in plain.named_parameters()}
+    return plain.state_dict(), batches, expected, grads
+
+
+def train(model, batches):
+    """nanoGPT's micro-steps: each mean loss divided by the number of micro-steps."""
+    for x, y in batches:
+        _, loss = model(x, y)
+        (loss / len(batches)).backward()
+
+
+def measured_names(names, linear, embedding, layernorm):
+    """The trainable parameters whose layers measure, in named_parameters order."""
+    def measures(n):
+        if n == "transformer.wte.weight":  # tied to lm_head: needs both sides
+            return linear != "nn" and embedding != "nn"
+        if n.startswith("transformer.wpe"):
+            return embedding != "nn"
+        if ".ln_" in n:
+            return layernorm != "nn"
+        return linear != "nn"
+    return [n for n in names if measures(n)]
+
+
+def check_against_brute_force(model, expected, names, rtol=1e-5):
+    found = find_sqgradnorm_buffers(model)
+    assert [n for n, *_ in found] == names
+    for n, p, buf, count in found:
+        assert buf.dtype == torch.float32 and count.item() == B * STEPS
+        torch.testing.assert_close(buf.item(), expected[n].item(), rtol=rtol, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("linear,embedding,layernorm", list(itertools.product(LINEAR, EMBEDDING, LAYERNORM)))
+def test_gpt_norms_match_brute_force(linear, embedding, layernorm, bias):
+    state, batches, expected, plain_grads = reference(bias)
+    model = build(linear, embedding, layernorm, bias)
+    model.load_state_dict(state)
+    train(model, batches)
+    check_against_brute_force(model, expected, measured_names(list(state_names(model)), linear, embedding, layernorm))
+    exact = layernorm == "nn" and "gns" not in (linear, embedding)  # shims keep torch's own backward
+    for n, p in model.named_parameters():
+        if exact:
+            assert torch.equal(p.grad, plain_grads[n]), n
+        else:
+            torch.testing.assert_close(p.grad, plain_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def state_names(model):
+    return (n for n, _ in model.named_parameters())
+
+
+def test_eval_generate_and_dropped_forwards_leave_nothing_behind():
+    state, batches, expected, _ = reference(True)
+    model = build("gns", "shim", "shim", True)
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        model(*batches[0])  # estimate_loss
+        model.generate(batches[0][0][:, :4], 3)  # lm_head on the last position only
+    model.train()
+    model(*batches[1])  # a forward whose backward never runs
+    assert all(b.item() == 0 for _, _, b, _ in find_sqgradnorm_buffers(model))
+    assert not model.lm_head._tie
+    train(model, batches)
+    check_against_brute_force(model, expected, list(state_names(model)))
+    zero_sqgradnorm_buffers(model)
+    train(model, batches)  # the next optimizer step (same weights) measures the same again
+    check_against_brute_force(model, expected, list(state_names(model)))
+
+
+def test_dtype_casts_keep_float32_buffers_and_the_tie():
+    state, batches, expected, _ = reference(True, torch.float64)
+    model = build("shim", "gns", "shim", True)
+    model.to(torch.bfloat16)
+    assert all(b.dtype == torch.float32 for _, _, b, _ in find_sqgradnorm_buffers(model))
+    model.to(torch.float64)
+    model.load_state_dict(state)
+    train(model, batches)
+    check_against_brute_force(model, expected, list(state_names(model)))
+
+
+def test_frozen_parameters_are_not_reported():
+    state, batches, _, _ = reference(True)
+    model = build("gns", "gns", "shim", True)
+    model.load_state_dict(state)
+    model.transformer.wpe.weight.requires_grad_(False)
+    model.transformer.h[0].ln_1.bias.requires_grad_(False)
+    model.transformer.h[1].mlp.c_fc.weight.requires_grad_(False)
+    train(model, batches)
+    names = [n for n, *_ in find_sqgradnorm_buffers(model)]
+    assert names == [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile
+
+def compiled_matches_eager(model, state, batches, backend):
+    model.load_state_dict(state)
+    train(model, batches)
+    eager = {n: (b.item(), p.grad.clone()) for n, p, b, _ in find_sqgradnorm_buffers(model)}
+    model.zero_grad(set_to_none=True)
+    zero_sqgradnorm_buffers(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    train(compiled, batches)
+    found = find_sqgradnorm_buffers(model)
+    assert [n for n, *_ in found] == list(eager)
+    for n, p, b, count in found:
+        assert count.item() == B * STEPS
+        torch.testing.assert_close(b.item(), eager[n][0], rtol=1e-5, atol=1e-12, msg=n)
+        torch.testing.assert_close(p.grad, eager[n][1], rtol=1e-4, atol=1e-6, msg=n)
+    return compiled
+
+
+@pytest.mark.parametrize("linear,embedding", list(itertools.product(["gns", "shim"], ["gns", "shim"])))
+def test_compile_tracing_every_tie_pairing(linear, embedding):
+    """The whole graph traces (fullgraph) and AOTAutograd keeps the buffer updates."""
+    state, batches, _, _ = reference(True)
+    compiled_matches_eager(build(linear, embedding, "shim", True), state, batches, "aot_eager")
+
+
+def test_compile_with_changing_batch_shapes():
+    """A recompile with dynamic shapes (a smaller last batch, shorter sequences) stays exact."""
+    state, batches, _, _ = reference(True)
+    model = build("gns", "gns", "shim", True)
+    compiled = compiled_matches_eager(model, state, batches, "aot_eager")
+    for b, t in [(3, T - 4)]:
+        x, y = batches[0][0][:b, :t].contiguous(), batches[0][1][:b, :t].contiguous()
+        sums = []
+        for m in (compiled, model):
+            zero_sqgradnorm_buffers(model)
+            model.zero_grad(set_to_none=True)
+            m(x, y)[1].backward()
+            sums.append([buf.item() for _, _, buf, _ in find_sqgradnorm_buffers(model)])
+            assert all(c.item() == b for *_, c in find_sqgradnorm_buffers(model))
+        torch.testing.assert_close(sums[0], sums[1], rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.slow
+def test_compile_inductor_with_every_class():
+    """One tiny GPT holding all five classes, compiled by inductor: norms and .grad as eager,
+    and equal to brute force."""
+    state, batches, expected, _ = reference(True)
+    model = build("gns", "shim", "shim", True)  # tie: shim embedding <-> fused head
+    for block in model.transformer.h:
+        for name in ("c_fc", "c_proj"):
+            old = getattr(block.mlp, name)
+            setattr(block.mlp, name, PEGradNormShimLinear(old.in_features, old.out_features))
+    model.transformer.wpe = PEGradNormEmbedding(T, 32)
+    compiled = compiled_matches_eager(model, state, batches, "inductor")
+    check_against_brute_force(model, expected, list(state_names(model)))
+    zero_sqgradnorm_buffers(model)
+    with torch.no_grad():
+        compiled(*batches[0])
+    train(compiled, batches)
+    check_against_brute_force(model, expected, list(state_names(model)))
