@@ -94,7 +94,8 @@ def tie_weights(embedding, head):
     tensors; in backward (head first) the head sends back, as the link tensors' gradients,
     sum_b ||H_b||^2 and H_b gathered at the example's ids (Q_b[t] = H_b[id_bt], [B,T,D]), and
     the embedding adds sum_b ||E_b||^2 + 2 sum_{b,t} <dx_bt, Q_b[t]>. Autograd itself orders
-    and frees this, so an eval or no-grad forward leaves nothing behind.
+    and frees this, so an eval or no-grad forward leaves nothing behind. Extra cost: O(B*T'*T*D)
+    flops, a float32 [B, T, D] for Q and chunks of [T', T] (T' the head's positions).
     If only one side measures, the shared weight cannot be measured exactly: it is then not
     reported at all (its buffer is removed), with a warning.
     """
@@ -380,8 +381,9 @@ class PEGradNormLinear(_MeasuredLinear):
     either materialised (W_b = dy_b^T x_b, the weight GEMM split by example: a batched GEMM,
     summed for the weight gradient) or a ghost norm (sum((x_b x_b^T) * (dy_b dy_b^T)), one more
     GEMM-sized pass); set `per_example_mode` ("ghost"/"materialise") on the class or a layer to
-    force one. Examples are processed in chunks: besides [B, L]-sized vectors, the extra memory
-    is at most max(max_chunk_numel, one example's 2*K*L or 3*T^2 + T*(K+L)) float32 elements.
+    force one. Examples are processed in chunks of at most max_chunk_numel float32 elements of
+    temporaries (or one example, if one needs more: 2*K*L materialised, 3*T^2 + T*(K+L) ghost);
+    beyond that only [B, L] bias sums and, when materialising, two [L, K] float32 accumulators.
     """
     fused = True
 
@@ -556,50 +558,55 @@ class PEGradNormShimEmbedding(_MeasuredEmbedding):
 # ---------------------------------------------------------------------------------------------
 # LayerNorm
 
-class _AffineFn(torch.autograd.Function):
-    """y = xhat * gamma + beta whose backward also measures dgamma_b = sum_t dy * xhat and
-    dbeta_b = sum_t dy per example (float32)."""
+class _LayerNormFn(torch.autograd.Function):
+    """
+    torch's layer_norm, whose backward also measures the affine part's per-example gradients
+    dgamma_b = sum_t dy * xhat and dbeta_b = sum_t dy (float32). Only x is saved (as torch
+    saves it): backward recomputes the statistics with torch's kernel, so dx is torch's own.
+    """
 
     @staticmethod
-    def forward(ctx, xhat, weight, bias, w_sq, b_sq, count, n_norm_dims):
-        ctx.save_for_backward(xhat, weight)
+    def forward(ctx, x, weight, bias, w_sq, b_sq, count, normalized_shape, eps):
+        y = F.layer_norm(x, normalized_shape, weight, bias, eps)  # autocast's policy applies here
+        ctx.save_for_backward(x, weight, bias)
         ctx.bufs = (w_sq, b_sq, count)
-        ctx.has_bias, ctx.n_norm_dims = bias is not None, n_norm_dims
-        # like torch's layer_norm: the output has xhat's dtype (also with float32 gamma, beta
-        # and a bfloat16 input), computed in at least float32
-        compute = torch.promote_types(xhat.dtype, torch.float32)
-        y = xhat.to(compute) * weight.to(compute)
-        if bias is not None:
-            y = y + bias.to(compute)
-        return y.to(xhat.dtype)
+        ctx.normalized_shape, ctx.eps, ctx.compute_dtype = normalized_shape, eps, y.dtype
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        xhat, weight = ctx.saved_tensors
+        x, weight, bias = ctx.saved_tensors
         w_sq, b_sq, count = ctx.bufs
-        B = _examples(xhat, ctx.n_norm_dims)
-        N = weight.numel()
-        compute = torch.promote_types(xhat.dtype, torch.float32)
-        dxhat = (dy.to(compute) * weight.to(compute)).to(xhat.dtype) if ctx.needs_input_grad[0] else None
-        dw = db = None
+        shape = ctx.normalized_shape
+        xc = x.to(ctx.compute_dtype)  # what layer_norm normalised (autocast may have cast x)
+        # the statistics exactly as torch's kernel made them for this input and these weights
+        _, mean, rstd = torch.native_layer_norm(xc, shape, weight, bias, ctx.eps)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.aten.native_layer_norm_backward(dy, xc, shape, mean, rstd, weight, bias,
+                                                           [True, False, False])[0].to(x.dtype)
+        B, N = _examples(x, len(shape)), weight.numel()
         dy3 = dy.reshape(B, -1, N)
         if ctx.needs_input_grad[1]:
-            per_example = (dy3.float() * xhat.reshape(B, -1, N).float()).sum(1)  # [B, N]
+            xhat = ((xc.float() - mean.float()) * rstd.float()).reshape(B, -1, N)
+            per_example = (dy3.float() * xhat).sum(1)  # [B, N]
             dw = per_example.sum(0).view(weight.shape).to(weight.dtype)
             w_sq.add_(per_example.square().sum())
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if bias is not None and ctx.needs_input_grad[2]:
             per_example = dy3.sum(1, dtype=torch.float32)
-            db = per_example.sum(0).view(weight.shape).to(weight.dtype)
+            db = per_example.sum(0).view(bias.shape).to(bias.dtype)
             b_sq.add_(per_example.square().sum())
         count.add_(B)
-        return dxhat, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class PEGradNormSeparatedLayerNorm(_Float32Buffers, nn.LayerNorm):
     """
-    nn.LayerNorm computed as a normalisation without affine followed by an affine part whose
-    backward measures the per-example squared norms of dgamma_b and dbeta_b (the cheap ones:
-    Gray et al. 2024 find these alone predict the whole model's gradient noise scale).
+    nn.LayerNorm whose affine part y = gamma * xhat + beta is measured separately from the
+    normalisation xhat: backward adds the per-example squared norms of dgamma_b = sum_t dy * xhat
+    and dbeta_b = sum_t dy (the cheap ones: Gray et al. 2024 find these alone predict the whole
+    model's gradient noise scale). Forward and input gradient are torch's own (bit-identical);
+    xhat is recomputed in backward rather than saved, so memory is as nn.LayerNorm's.
     Same parameters and state_dict keys as nn.LayerNorm, bias=False included.
     """
 
@@ -612,8 +619,7 @@ class PEGradNormSeparatedLayerNorm(_Float32Buffers, nn.LayerNorm):
         b_trains = self.bias is not None and self.bias.requires_grad
         if not torch.is_grad_enabled() or not (w_trains or b_trains):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        xhat = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        return _AffineFn.apply(xhat, self.weight, self.bias,
-                               self.weight_sqgradnorm if w_trains else None,
-                               self.bias_sqgradnorm if b_trains else None,
-                               self.example_count, len(self.normalized_shape))
+        return _LayerNormFn.apply(x, self.weight, self.bias,
+                                  self.weight_sqgradnorm if w_trains else None,
+                                  self.bias_sqgradnorm if b_trains else None,
+                                  self.example_count, self.normalized_shape, self.eps)

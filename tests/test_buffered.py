@@ -278,10 +278,26 @@ def test_layernorm_matches_brute_force(bias, shape, steps):
     torch.manual_seed(7)
     layer, plain = twins(PEGradNormSeparatedLayerNorm, 6, bias=bias)
     batches = float_batches(steps, shape, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(layer(batches[0][0]), plain(batches[0][0]), rtol=1e-6, atol=1e-6)
     check(layer, plain, batches)
     assert ("bias_sqgradnorm" in layer._buffers) == bias
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_output_and_input_gradient_are_torchs_own(dtype, bias):
+    """Bit-identical output and dx, in float32 and under autocast."""
+    torch.manual_seed(15)
+    layer, plain = twins(PEGradNormSeparatedLayerNorm, 6, bias=bias)
+    x = torch.randn(3, 4, 6, dtype=dtype or torch.float32)
+    r = torch.randn(3, 4, 6)
+    grads = []
+    for module in (layer, plain):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            y = module(xi)
+        example_loss(y, r).backward()
+        grads.append((y.detach(), xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 def test_layernorm_multidimensional_normalized_shape():
