@@ -10,10 +10,9 @@ growing linearly in tokens from 1 step to the fixed run's gradient_accumulation_
 
 Any other --key=value is passed to train.py for both runs (model size, tokens, evaluation...).
 The two runs go side by side, each with half the CPU threads; each run's output is kept in
-OUT_DIR/<run>.out. Then, for the notebook:
-
-    GNS_RUN_FIXED=out-figures/fixed GNS_RUN_SCHEDULE=out-figures/schedule jupyter nbconvert \\
-        --to notebook --execute "Replicating Figures.ipynb"
+OUT_DIR/<run>.out. With --execute the notebook then runs headless on them (nbclient): the PNGs
+go to OUT_DIR/figures and the notebook with its outputs to OUT_DIR/Replicating Figures.ipynb.
+Or open the notebook in Jupyter with GNS_RUN_FIXED=OUT_DIR/fixed GNS_RUN_SCHEDULE=OUT_DIR/schedule.
 """
 import argparse
 import os
@@ -35,6 +34,7 @@ TRAIN_FLAGS = dict(
     linearclass='gns', embeddingclass='gns', lnclass='shim',
 )
 RUNS = {'fixed': dict(bs_schedule=False), 'schedule': dict(bs_schedule=True)}
+NOTEBOOK = 'Replicating Figures.ipynb'
 
 
 def main(argv=None):
@@ -45,6 +45,8 @@ def main(argv=None):
     parser.add_argument('--dataset', default='shakespeare_char',
                         help="a dataset under data/ or a folder holding train.bin, val.bin (default: shakespeare_char; "
                              "prepare it with python data/shakespeare_char/prepare.py)")
+    parser.add_argument('--execute', action='store_true',
+                        help="then execute Replicating Figures.ipynb on the two runs (PNGs in OUT_DIR/figures)")
     args, extra = parser.parse_known_args(argv)
     for flag in extra:
         if not flag.startswith('--') or '=' not in flag:
@@ -55,6 +57,10 @@ def main(argv=None):
     if max_tokens and not lr_decay_given:
         extra.append(f'--lr_decay_tokens={max_tokens[-1]}')  # decay over the whole run, as by default
 
+    data_dir = args.dataset if os.path.isdir(args.dataset) else os.path.join(ROOT, 'data', args.dataset)
+    if not os.path.isfile(os.path.join(data_dir, 'train.bin')):
+        parser.error(f"dataset {args.dataset!r} is not prepared (no {os.path.join(data_dir, 'train.bin')}); "
+                     f"for shakespeare_char run: python data/shakespeare_char/prepare.py")
     threads = str(max(1, (os.cpu_count() or 2) // len(RUNS)))
     procs = {}
     for name, run_flags in RUNS.items():
@@ -80,7 +86,21 @@ def main(argv=None):
         return 2
     print(f"done: GNS_RUN_FIXED={os.path.join(args.out_dir, 'fixed')} "
           f"GNS_RUN_SCHEDULE={os.path.join(args.out_dir, 'schedule')}")
+    if args.execute:
+        execute_notebook(args.out_dir)
     return 0
+
+
+def execute_notebook(out_dir):
+    import nbclient
+    import nbformat
+    out_dir = os.path.abspath(out_dir)
+    os.environ.update(GNS_RUN_FIXED=os.path.join(out_dir, 'fixed'), GNS_RUN_SCHEDULE=os.path.join(out_dir, 'schedule'),
+                      FIGURES_DIR=os.path.join(out_dir, 'figures'))
+    nb = nbformat.read(os.path.join(ROOT, NOTEBOOK), as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': ROOT}}).execute()
+    nbformat.write(nb, os.path.join(out_dir, NOTEBOOK))
+    print(f"figures in {os.environ['FIGURES_DIR']}, the executed notebook in {os.path.join(out_dir, NOTEBOOK)}")
 
 
 if __name__ == '__main__':
