@@ -49,8 +49,8 @@ A parameter shared with another module (GPT's tied wte/lm_head weight) is left o
 Linear sees only its own share of the gradient, and the per-example norm of the sum is out of
 reach of module hooks (buffered.py measures it exactly). Weights under a parametrization
 (spectral norm) are left out too: the hook sees the gradient of the computed weight, not of the
-parameter. Modules that measure themselves (an `example_count` buffer, see buffered.py) get no
-hooks. The backward side is a tensor hook on the layer's output (registered by the forward
+parameter. Layers that measure themselves (buffered.py's Linear subclasses) are hooked too, so one
+run can compare the approximation with the exact norms on the same parameters. The backward side is a tensor hook on the layer's output (registered by the forward
 hook), not register_full_backward_hook, which would wrap every output in an extra autograd node.
 Under torch.compile the numbers are unchanged, but dynamo cannot trace the hooks' side effects
 and runs the model's forward eagerly: use these hooks with compile=False.
@@ -190,8 +190,8 @@ def add_sogns_hooks(module, params=None):
 def add_hooks_to_model(model, add_hooks):
     """
     Apply add_hooks (add_exact_hooks or add_sogns_hooks) to every nn.Linear of `model`
-    (subclasses included) except modules that measure themselves (an `example_count` buffer),
-    measuring only parameters that are the module's own: not shared with another module (tied
+    (subclasses included, buffered.py's per-example-norm Linears too, for a like-for-like
+    comparison with their exact norms), measuring only parameters that are the module's own: not shared with another module (tied
     weights) and not parametrized. Returns all hook handles (handle.remove() undoes them).
     """
     owners = {}
@@ -201,7 +201,7 @@ def add_hooks_to_model(model, add_hooks):
                 owners[id(p)] = owners.get(id(p), 0) + 1
     handles = []
     for module in model.modules():
-        if not isinstance(module, nn.Linear) or 'example_count' in module._buffers:
+        if not isinstance(module, nn.Linear):
             continue
         params = [n for n in ('weight', 'bias') if module._parameters.get(n) is not None
                   and module._parameters[n].requires_grad and owners[id(module._parameters[n])] == 1]

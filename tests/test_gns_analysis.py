@@ -228,3 +228,255 @@ def test_bad_inputs_one_line_and_nonzero_exit(tmp_path):
         stdout, stderr = child.communicate()
         assert child.returncode != 0 and "Traceback" not in stderr, (message, stderr)
         assert message in stderr and len(stderr.strip().splitlines()) == 1, (message, stderr)
+
+
+# -- several estimators in one log ----------------------------------------------------------------
+
+def hand_ema(x, alpha):
+    """The debiased EMA of the module docstring, step by step, over the finite entries."""
+    ema, n, out = 0.0, 0, []
+    for v in x:
+        if np.isfinite(v):
+            ema, n = alpha * ema + (1 - alpha) * v, n + 1
+        out.append(ema / (1 - alpha ** n) if n else np.nan)
+    return np.array(out)
+
+
+def test_small_batch_estimator_against_hand_computation():
+    """b > 1 (micro-batch GNS): sums over parameters first, B == b rows and mixed-b rows skipped."""
+    rng = np.random.default_rng(0)
+    n = 9
+    B = np.array([64, 64, 8, 32, 64, 16, 64, 64, 32], dtype=float)  # row 2: B == b, nothing to estimate
+    b = np.full(n, 8.0)
+    b_other = b.copy()
+    b_other[5] = 4  # row 5: the two parameters disagree on b, left out
+    cols = {"step": np.arange(n)}
+    norms = {}
+    for name, small in (("fc.weight", b), ("fc.bias", b_other)):
+        big_norm, small_norm = rng.uniform(0.5, 1, n), rng.uniform(1, 3, n)
+        norms[name] = big_norm, small_norm
+        cols.update({f"train/microbatch_gns/{name}/norm": big_norm, f"train/microbatch_gns/{name}/pegn": small_norm,
+                     f"train/microbatch_gns/{name}/batch_size": B, f"train/microbatch_gns/{name}/small_batch_size": small})
+    results, info = gns_analysis.analyze(pd.DataFrame(cols), alpha=0.6, prefix="train/microbatch_gns")
+    assert info["main"] == "train/microbatch_gns" and info["note"] is None and info["mixed_batch_rows"] == 1
+
+    big = sum(v[0] ** 2 for v in norms.values())
+    small = sum(v[1] ** 2 for v in norms.values())
+    want_sq, want_tr = [], []
+    for i in range(n):
+        if B[i] == b[i] or i == 5:
+            want_sq.append(np.nan), want_tr.append(np.nan)
+        else:  # E|G_n|^2 = |G|^2 + tr(S)/n at n = b and n = B, solved by hand
+            tr = (small[i] - big[i]) / (1 / b[i] - 1 / B[i])
+            want_tr.append(tr), want_sq.append(big[i] - tr / B[i])
+    assert np.allclose(results["total/sq_norm"], want_sq, equal_nan=True, rtol=1e-12)
+    assert np.allclose(results["total/trace"], want_tr, equal_nan=True, rtol=1e-12)
+    assert np.allclose(results["total/gns"], hand_ema(want_tr, 0.6) / hand_ema(want_sq, 0.6), rtol=1e-12)
+    assert results["total/ema_steps"].tolist() == [1, 2, 2, 3, 4, 4, 5, 6, 7]
+    # one parameter alone: its own b everywhere, so row 5 counts for fc.bias (b = 4, B = 16)
+    assert np.isfinite(results["Linear/trace"]).sum() == 7
+    sq, tr = gns_analysis.unbiased_estimates(norms["fc.bias"][0][5] ** 2, norms["fc.bias"][1][5] ** 2, 16, 4)
+    assert tr == pytest.approx((norms["fc.bias"][1][5] ** 2 - norms["fc.bias"][0][5] ** 2) / (1 / 4 - 1 / 16))
+    assert np.isnan(gns_analysis.unbiased_estimates(1.0, 2.0, 8, 8)[0])
+
+
+def ddp_columns(rng, n):
+    """Noisy norms around E|G_n|^2 = |G|^2 + tr(S)/n with |G|^2 = 1, tr(S) = 30, W = 2 then 4 ranks of 12."""
+    W = np.where(np.arange(n) < n // 2, 2, 4)
+    return {"ddp/big_batch_norm": np.sqrt(1 + 30 / (12 * W) * rng.uniform(0.8, 1.2, n)),
+            "ddp/small_batch_norm": np.sqrt(1 + 30 / 12 * rng.uniform(0.8, 1.2, n)),
+            "ddp/big_batch_size": 12 * W, "ddp/small_batch_size": np.full(n, 12),
+            "ddp/gtg": np.full(n, -7.0), "ddp/trsigma": np.full(n, -7.0), "ddp/gns": np.full(n, -7.0)}
+
+
+def test_ddp_estimator_recomputed_offline():
+    rng = np.random.default_rng(1)
+    n = 8
+    ddp = ddp_columns(rng, n)
+    ddp["ddp/small_batch_norm"][3] = np.nan  # a step without the DDP measurement
+    df = pd.DataFrame({"step": np.arange(n), "train/gns/w/norm": rng.uniform(0.5, 1, n),
+                       "train/gns/w/pegn": rng.uniform(2, 3, n), "train/gns/w/batch_size": np.full(n, 24), **ddp})
+    results, info = gns_analysis.analyze(df, alpha=0.7)
+    assert info["main"] == "train/gns" and list(info["estimators"]) == ["ddp"]
+    big, small = ddp["ddp/big_batch_norm"] ** 2, ddp["ddp/small_batch_norm"] ** 2
+    B, b = ddp["ddp/big_batch_size"], 12
+    sq = (B * big - b * small) / (B - b)  # McCandlish App. A, small batch = one rank's 12 examples
+    tr = (small - big) / (1 / b - 1 / B)
+    assert np.allclose(results["ddp/total/sq_norm"], sq, equal_nan=True, rtol=1e-12)
+    assert np.allclose(results["ddp/total/trace"], tr, equal_nan=True, rtol=1e-12)
+    assert np.allclose(results["ddp/total/gns"], hand_ema(tr, 0.7) / hand_ema(sq, 0.7), rtol=1e-12)
+    assert results["ddp/total/ema_steps"].iloc[-1] == 7 and (results["ddp/total/gns"] > 0).all()
+    assert results["ddp/batch_size"].tolist()[-1] == 48 and results["ddp/small_batch_size"].tolist()[0] == 12
+    # the DDP estimator as the main one: one group, the totals over the whole model
+    main_ddp, info = gns_analysis.analyze(df, alpha=0.7, prefix="ddp")
+    assert list(info["groups"]) == ["total"] and list(info["estimators"]) == ["train/gns"]
+    assert np.allclose(main_ddp["total/gns"], results["ddp/total/gns"], rtol=1e-12)
+    text = gns_analysis.summary(main_ddp, info, "log.csv", 0.7)
+    assert "totals over the whole model" in text and "ddp (main)" in text
+
+
+def test_missing_main_estimator_falls_back_with_a_note(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    n = 6
+    df = pd.DataFrame({"step": np.arange(n), "train/sogns/fc.weight/norm": rng.uniform(0.5, 1, n),
+                       "train/sogns/fc.weight/pegn": rng.uniform(2, 3, n), "train/sogns/fc.weight/batch_size": 8,
+                       **ddp_columns(rng, n)})
+    df.to_csv(tmp_path / "log.csv", index=False)
+    assert gns_analysis.main([str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "note: no GNS columns 'train/gns/<parameter>/norm" in out and "showing 'train/sogns' instead" in out
+    assert "train/sogns (main)" in out and "\n  ddp " in out
+    _, info = gns_analysis.analyze(df, 0.9, prefix="train/gnshooks")
+    assert info["main"] == "train/sogns" and "train/gnshooks" in info["note"]
+    # exact norms of the LayerNorm only beside the Linear hooks (nothing to compare parameter by parameter)
+    df = df.assign(**{"train/gns/ln_1.weight/norm": 1.0, "train/gns/ln_1.weight/pegn": 3.0, "train/gns/ln_1.weight/batch_size": 8})
+    results, info = gns_analysis.analyze(df, 0.9)
+    assert info["main"] == "train/gns" and info["note"] is None and info["estimators"]["train/sogns"]["common"] is None
+    assert "train/sogns/common/gns" not in results
+    assert "(no parameter in common)" in gns_analysis.summary(results, info, "log.csv", 0.9)
+
+
+class LinearLayerNormNet(nn.Module):
+    """Linear -> LayerNorm -> Linear on [B, T, K] inputs (T > 1, so SOGNS differs from exact)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.ln_1, self.fc2 = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.ln_1(self.fc1(x)))).mean((1, 2))
+
+
+def multi_estimator_log(out_dir, steps=30, m=4, b=4, ranks=2, lr=0.2):
+    """
+    A log from the real estimators on one model: gnshooks (exact and SOGNS Linear hooks) and
+    microbatch_gns during nanoGPT's micro-step loop, the exact per-example train/gns columns
+    from vmap, and the DDP columns of `ranks` simulated ranks (each rank's gradient the mean over
+    its share of the batch) through ddpgns' own logging. Returns the per-step brute-force numbers.
+    """
+    from ddpgns import GradientNoiseScale, ddp_gns_log
+    from gnshooks import add_exact_hooks, add_hooks_to_model, add_sogns_hooks, hook_measurements, zero_hook_results
+    from microbatch_gns import MicrobatchGNS
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model, oracle = LinearLayerNormNet(), LinearLayerNormNet()  # the oracle: no hooks inside vmap
+    add_hooks_to_model(model, add_exact_hooks)
+    add_hooks_to_model(model, add_sogns_hooks)
+    mb = MicrobatchGNS(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ddp_gns = GradientNoiseScale(beta=0.9)
+    log = LogWrapper(out_dir=out_dir, config={})
+    g = torch.Generator().manual_seed(3)
+    B = m * b
+    target = torch.randn(4, generator=g)
+    brute = []
+    for step in range(steps):
+        x = torch.randn(B, 3, 4, generator=g)
+        y = torch.tanh(x @ target).mean(1) + 0.3 * torch.randn(B, generator=g)
+        for k in range(m):
+            (mse(model(x[k * b:(k + 1) * b]), y[k * b:(k + 1) * b]) / m).backward()
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        per_example = vmap(grad(lambda p, xb, yb: mse(functional_call(oracle, p, (xb[None],)), yb[None])),
+                           in_dims=(None, 0, 0))(params, x, y)
+        row = {"iter_num": step, "tokens_processed": (step + 1) * B * 3}
+        for name, ge in per_example.items():
+            assert torch.allclose(ge.mean(0), dict(model.named_parameters())[name].grad, atol=1e-6)
+            row[f"train/gns/{name}/norm"] = ge.mean(0).norm().item()
+            row[f"train/gns/{name}/pegn"] = ge.flatten(1).pow(2).sum(1).mean().sqrt().item()
+            row[f"train/gns/{name}/batch_size"] = B
+        flat = torch.cat([ge.flatten(1) for ge in per_example.values()], 1).double()  # [B, all parameters]
+        sq_big = flat.mean(0).square().sum().item()
+        sq_micro = flat.reshape(m, b, -1).mean(1).square().sum(1).mean().item()
+        sq_rank = flat.reshape(ranks, B // ranks, -1).mean(1).square().sum(1).mean().item()
+        ddp_gns.update(sq_rank, sq_big, B // ranks, B)
+        row.update(ddp_gns_log(ddp_gns, sq_rank, sq_big, B // ranks, B))
+        row.update(hook_measurements(model, "exact"))
+        row.update(hook_measurements(model, "sogns"))
+        row.update(mb.measurements(micro_batch_size=b))
+        brute.append(dict(sq_big=sq_big, sq_micro=sq_micro, sq_rank=sq_rank))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        zero_hook_results(model)
+        mb.zero()
+        log.log(row)
+        log.step()
+    log.close()
+    return pd.DataFrame(brute), B
+
+
+def test_comparison_of_every_estimator_in_a_real_log(tmp_path, capsys):
+    brute, B = multi_estimator_log(tmp_path)
+    df, _ = load_log(tmp_path)
+    alpha = 0.9
+    results, info = gns_analysis.analyze(df, alpha)
+    others = info["estimators"]
+    assert info["main"] == "train/gns" and list(others) == ["train/gnshooks", "train/sogns", "train/microbatch_gns", "ddp"]
+    assert len(info["groups"]["total"]) == 6 and others["train/gnshooks"]["params"] == 4
+
+    # the exact Linear hooks match the exact per-example norms on the parameters both cover
+    linear = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert others["train/gnshooks"]["common"] == linear and others["train/microbatch_gns"]["common"] is None
+    assert np.allclose(results["train/gnshooks/common/gns"], results["train/gnshooks/main_common/gns"], rtol=1e-4)
+    assert np.allclose(results["train/gnshooks/total/gns"], results["Linear/gns"], rtol=1e-4)
+    same = others["train/gnshooks"]["common_comparison"]
+    assert same["ratio_median"] == pytest.approx(1, abs=1e-4) and same["pearson"] == pytest.approx(1, abs=1e-6)
+    assert same["steps"] == 30 - 9, "compared after the EMA warm-up of 1/(1 - alpha) = 10 estimates"
+    total_vs_linear = others["train/gnshooks"]["comparison"]["ratio_median"]
+    assert abs(total_vs_linear - 1) > 1e-3, "the hooks miss the LayerNorm: not the total GNS"
+
+    # micro-batch (b = 4) and DDP (b = one rank's 8) against the brute-force totals over all parameters
+    for p, small_sq, b in (("train/microbatch_gns", brute["sq_micro"], 4), ("ddp", brute["sq_rank"], B // 2)):
+        sq, tr = (B * brute["sq_big"] - b * small_sq) / (B - b), (small_sq - brute["sq_big"]) / (1 / b - 1 / B)
+        assert np.allclose(results[f"{p}/total/sq_norm"], sq, rtol=1e-4, atol=1e-7)
+        assert np.allclose(results[f"{p}/total/trace"], tr, rtol=1e-4)
+        assert (results[f"{p}/small_batch_size"] == b).all() and (results[f"{p}/batch_size"] == B).all()
+    # every approximation is in the same range as the exact GNS and moves with it
+    for p, o in others.items():
+        c = o["comparison"]
+        assert 0.5 < c["ratio_median"] < 2 and 0.5 < c["pearson"] <= 1 and c["steps"] == 21, (p, c)
+        assert (results[f"{p}/total/gns"] > 0).all() and (results[f"{p}/total/trace_ema"] > 0).all()
+    assert others["train/sogns"]["comparison"]["ratio_median"] != pytest.approx(total_vs_linear, rel=1e-3)
+
+    assert gns_analysis.main([str(tmp_path), "--alpha", str(alpha)]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("every estimator in the log"):]
+    for p in ("train/gns (main)", "train/gnshooks", "train/sogns", "train/microbatch_gns", "\n  ddp "):
+        assert p in table
+    assert "on the 4 shared params: ratio 1.000, r 1.000" in table
+    assert "train/microbatch_gns total" in out and "ddp total" in out, "every estimator in the GNS plot"
+    written = pd.read_csv(tmp_path / "gns_analysis.csv")
+    assert len(written) == 30 and {"total/gns", "ddp/total/gns", "train/sogns/total/trace_ema",
+                                   "train/gnshooks/main_common/gns", "ddp/small_batch_size"} <= set(written.columns)
+
+
+def test_micro_batch_estimator_recovers_the_true_gns_of_linear_regression():
+    """
+    The linear regression of test_gns_of_linear_regression_matches_closed_form (true |G|^2 = |u|^2,
+    tr(S) = (d + 1)|u|^2 + d sigma^2), simulated directly: per step B = 64 per-example gradients,
+    the 8 micro-batch means of b = 8 and the full mean. Over seeds the micro-batch estimate's spread
+    is 0.8% (checked by simulation), so 3% is 4 sigma; reading the small batch as b = 1 would be off
+    8x in tr(S), and the biased |G_B|^2 for |G|^2 off by 9%.
+    """
+    d, sigma, B, b, steps = 4, 0.5, 64, 8, 3000
+    rng = np.random.default_rng(0)
+    u = np.full(d, 0.5)
+    x = rng.standard_normal((steps, B, d))
+    per_example = ((x @ u) - sigma * rng.standard_normal((steps, B)))[..., None] * x  # (u.x - sigma e) x
+    micro = per_example.reshape(steps, B // b, b, d).mean(2)
+    cols = {"step": np.arange(steps)}
+    for prefix, small_norm, small_b in (("train/gns", np.sqrt((per_example ** 2).sum(-1).mean(1)), 1),
+                                        ("train/microbatch_gns", np.sqrt((micro ** 2).sum(-1).mean(1)), b)):
+        cols.update({f"{prefix}/fc.weight/norm": np.linalg.norm(per_example.mean(1), axis=-1),
+                     f"{prefix}/fc.weight/pegn": small_norm, f"{prefix}/fc.weight/batch_size": B})
+        if small_b > 1:
+            cols[f"{prefix}/fc.weight/small_batch_size"] = small_b
+    results, info = gns_analysis.analyze(pd.DataFrame(cols), alpha=0.999)
+    true_sq_norm = u @ u
+    true_trace = (d + 1) * true_sq_norm + d * sigma ** 2
+    last = results.iloc[-1]
+    assert last["train/microbatch_gns/total/ema_steps"] == steps
+    assert last["train/microbatch_gns/total/gns"] == pytest.approx(true_trace / true_sq_norm, rel=0.03)
+    assert last["train/microbatch_gns/total/trace_ema"] == pytest.approx(true_trace, rel=0.03)
+    assert last["train/microbatch_gns/total/sq_norm_ema"] == pytest.approx(true_sq_norm, rel=0.03)
+    assert info["estimators"]["train/microbatch_gns"]["comparison"]["ratio_median"] == pytest.approx(1, abs=0.03)

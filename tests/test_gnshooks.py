@@ -179,7 +179,7 @@ class SelfMeasuringLinear(nn.Linear):
 
 
 def test_add_hooks_to_model_picks_own_plain_linear_parameters():
-    """Hooked: plain Linears and subclasses; skipped: self-measuring layers, parametrized
+    """Hooked: plain Linears and subclasses, self-measuring ones included; skipped: parametrized
     (spectral-norm) weights whose bias is still measured, and weights shared with another module."""
     torch.manual_seed(7)
     sub = type('SubLinear', (nn.Linear,), {})(4, 4)
@@ -190,8 +190,8 @@ def test_add_hooks_to_model_picks_own_plain_linear_parameters():
     model.append(shared)
     add_hooks_to_model(model, add_exact_hooks)
     model(torch.randn(3, 4)).square().sum().backward()
-    assert [r.name for r in gather_hook_results(model)] == ['0.weight', '0.bias', '2.weight', '2.bias',
-                                                            '3.bias', '4.bias', '5.bias']
+    assert [r.name for r in gather_hook_results(model)] == ['0.weight', '0.bias', '1.weight', '1.bias',
+                                                            '2.weight', '2.bias', '3.bias', '4.bias', '5.bias']
     assert all(r.example_count == 3 and r.sqnorm_sum > 0 for r in gather_hook_results(model))
 
 

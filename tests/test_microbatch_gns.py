@@ -149,10 +149,9 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     out_path = str(tmp_path / 'rank0.pt')
-    # fork: the workers inherit this process's imports (DDP pulls in torch._dynamo, seconds to import)
-    import torch._dynamo  # noqa: F401
+    # spawn, not fork: a fork of a process whose torch thread pools already ran can deadlock
     workers = torch.multiprocessing.start_processes(_ddp_worker, args=(2, port, out_path), nprocs=2,
-                                                    join=False, start_method='fork')
+                                                    join=False, start_method='spawn')
     deadline = time.time() + 120
     while not workers.join(timeout=1):  # raises if a worker failed
         if time.time() > deadline:
