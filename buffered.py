@@ -3,15 +3,43 @@ Per-example gradient norm layers: drop-in Linear, Embedding and LayerNorm classe
 backward pass also accumulates, for every trainable parameter p, the running sum over
 examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in float32.
 
+    --linearclass=gns      PEGradNormLinear              fused: one backward computes the
+                                                          gradients and the norms
+    --linearclass=shim     PEGradNormShimLinear           torch's own backward (bit-identical
+                                                          .grad), norms added beside it
+    --embeddingclass=gns   PEGradNormEmbedding            fused
+    --embeddingclass=shim  PEGradNormShimEmbedding        torch's own backward, norms beside it
+    --lnclass=shim         PEGradNormSeparatedLayerNorm   normalisation, then an affine part
+                                                          that measures dgamma_b and dbeta_b
+
+The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
+over within an example), a 2-D [N, K] input is N examples of one row each.
+
 Buffer convention (shared with fused_gns.py and read by gnstracking.py):
 - a measured module has a non-persistent float32 0-dim buffer `example_count` (examples seen
   since the last zeroing, summed over gradient-accumulation micro-steps), and
 - for each of its parameters `name`, a non-persistent float32 0-dim buffer `{name}_sqgradnorm`.
 Non-persistent buffers stay out of state_dict, so checkpoints load into plain nanoGPT and back.
-Under a float16 GradScaler the loss is scaled by s, so the buffers hold s^2 times the true
-sums: the tracker divides by s^2, the layers never see s.
+Buffers accumulate (add_) in backward, so gradient-accumulation micro-steps sum; only
+parameters that require grad are measured. The buffers stay float32 through model.half() and
+model.to(torch.bfloat16). Under a float16 GradScaler the loss is scaled by s, so the buffers
+hold s^2 times the true sums: the tracker divides by s^2, the layers never see s.
+
+Every layer must be applied once per forward (a layer used twice would need the cross terms
+between its uses); the one exception handled here is the tied token embedding / output head,
+linked by tie_weights(). The maths is in DESIGN.md section 2; the ghost norm is Goodfellow
+2015 ("Efficient Per-Example Gradient Computations") extended to sequences as in Li et al.
+2022 ("Large Language Models Can Be Strong Differentially Private Learners").
+
+torch.compile: every class compiles (the buffers are handed to the autograd Functions as
+inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts).
 """
+import math
+import warnings
+
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 
 def register_sqgradnorm_buffers(module):
@@ -47,6 +75,542 @@ def zero_sqgradnorm_buffers(model):
                     buf.zero_()
 
 
+_warned = set()
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
 def tie_weights(embedding, head):
-    """Tie the token embedding to the output head (GPT's wte = lm_head), as nanoGPT does."""
+    """
+    Tie the token embedding to the output head (GPT's wte = lm_head), as nanoGPT does, and,
+    when both layers measure, link them so the shared weight's per-example norm is exact:
+    ||E_b + H_b||^2 = ||E_b||^2 + ||H_b||^2 + 2<E_b, H_b>, all kept in the embedding's
+    `weight_sqgradnorm`. In forward the embedding hands the head its ids and two "link"
+    tensors; in backward (head first) the head sends back, as the link tensors' gradients,
+    sum_b ||H_b||^2 and H_b gathered at the example's ids (Q_b[t] = H_b[id_bt], [B,T,D]), and
+    the embedding adds sum_b ||E_b||^2 + 2 sum_{b,t} <dx_bt, Q_b[t]>. Autograd itself orders
+    and frees this, so an eval or no-grad forward leaves nothing behind.
+    If only one side measures, the shared weight cannot be measured exactly: it is then not
+    reported at all (its buffer is removed), with a warning.
+    """
     embedding.weight = head.weight
+    emb_measures = isinstance(embedding, (PEGradNormEmbedding, PEGradNormShimEmbedding))
+    head_measures = isinstance(head, (PEGradNormLinear, PEGradNormShimLinear))
+    if emb_measures and head_measures:
+        embedding._tie = head._tie = {}  # the embedding's forward leaves the link here for the head
+        head._buffers.pop("weight_sqgradnorm", None)
+    elif emb_measures or head_measures:
+        for module in (embedding, head):
+            module._buffers.pop("weight_sqgradnorm", None)
+            if hasattr(module, "_tie"):
+                module._tie = None
+        _warn_once(f"tied weight between {type(embedding).__name__} and {type(head).__name__}: "
+                   "both must measure per-example norms for it to be measured; it is not reported")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-example squared norms, as pure functions of [B, T, .] tensors (float32 results).
+
+def _sqsum(t):
+    """Sum of squares of t, reduced in (at least) float32, as float32."""
+    return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).square().float()
+
+
+def _chunk(per_example_numel, B, max_chunk_numel):
+    """How many examples to process at once so the temporaries stay under max_chunk_numel."""
+    return max(1, min(B, max_chunk_numel // max(1, per_example_numel)))
+
+
+# Fused layers: use the ghost norm when T^2 (K+L) < FUSED_GHOST_RATIO * K L. The crossover
+# measured on CPU (bench/layers.py --sweep) lies between 20 and 80.
+FUSED_GHOST_RATIO = 32
+
+
+def _use_ghost(T, K, L, fused, mode):
+    """Ghost norm or materialised per-example weight gradients, from shapes only (T = tokens
+    per example). Shim: materialising costs the weight GEMM again, 2TKL flops per example,
+    against the ghost norm's 2T^2(K+L). Fused: the materialised W_b are the weight GEMM
+    itself split by example, so materialising costs only a batched GEMM and memory traffic
+    (~KL per example, dear when T is small) against the ghost's 2T^2(K+L) extra flops."""
+    if mode is not None:
+        if mode not in ("ghost", "materialise"):
+            raise ValueError(f"per_example_mode must be 'ghost', 'materialise' or None, not {mode!r}")
+        return mode == "ghost"
+    if fused:
+        return T * T * (K + L) < FUSED_GHOST_RATIO * K * L
+    return T * (K + L) < K * L
+
+
+def _weight_sqnorm_ghost(x, dy, max_chunk_numel):
+    """sum_b ||dy_b^T x_b||^2 = sum_b sum_{t,t'} <x_bt, x_bt'> <dy_bt, dy_bt'>, in float32
+    (the Gram matrices of a loss-scaled fp16 dy would overflow in fp16)."""
+    B, T, K = x.shape
+    L = dy.shape[2]
+    chunk = _chunk(3 * T * T + T * (K + L), B, max_chunk_numel)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    for s in range(0, B, chunk):
+        xc, dc = x[s:s + chunk].float(), dy[s:s + chunk].float()
+        total = total + (torch.bmm(xc, xc.mT) * torch.bmm(dc, dc.mT)).sum()
+    return total
+
+
+def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad):
+    """sum_b ||W_b||^2 with W_b = dy_b^T x_b materialised a chunk of examples at a time, in
+    the compute dtype (it is the weight gradient's own GEMM split by example); also their sum,
+    the weight gradient (float32), when want_grad."""
+    B, T, K = x.shape
+    L = dy.shape[2]
+    chunk = _chunk(2 * K * L, B, max_chunk_numel)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad = None
+    for s in range(0, B, chunk):
+        per_example = torch.bmm(dy[s:s + chunk].mT, x[s:s + chunk])  # [chunk, L, K]
+        total = total + _sqsum(per_example)
+        if want_grad:
+            part = per_example.sum(0, dtype=torch.float32)
+            grad = part if grad is None else grad + part
+    return total, grad
+
+
+def _head_grad_at_ids(x, dy, ids, max_chunk_numel):
+    """For a tied output head: Q_b[t] = H_b[id_bt] = sum_t' dy_bt'[id_bt] x_bt', [B, T, D]
+    float32: the head's per-example weight gradient read at the rows the embedding used."""
+    B, T2, V = dy.shape
+    T = ids.shape[1]
+    chunk = _chunk(2 * T2 * T, B, max_chunk_numel)
+    parts = []
+    for s in range(0, B, chunk):
+        dc, ic = dy[s:s + chunk], ids[s:s + chunk]
+        gathered = torch.gather(dc, 2, ic[:, None, :].expand(ic.shape[0], T2, T)).float()  # [c, T', T]
+        parts.append(torch.bmm(gathered.mT, x[s:s + chunk].float()))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _embedding_rows(ids, dx, num_embeddings, padding_idx):
+    """
+    Per-example embedding gradients, compactly: one float32 row per distinct (example b,
+    id v) pair, holding sum_{t: id_bt = v} dx_bt (padding positions zeroed, as nn.Embedding
+    does), so that sum of squares over all rows = sum_b ||E_b||^2. Returns (rows [R, D],
+    row_ids [R] the vocabulary row of each, dx as float32 [B*T, D] with padding zeroed);
+    unused rows are zero. No loop over examples, no host sync.
+    """
+    B, T = ids.shape
+    D = dx.shape[-1]
+    dx = dx.reshape(B * T, D).float()
+    flat_ids = ids.reshape(-1)
+    if padding_idx is not None:
+        dx = dx.masked_fill((flat_ids == padding_idx)[:, None], 0.0)
+    key = (ids + num_embeddings * torch.arange(B, device=ids.device)[:, None]).reshape(-1)
+    if num_embeddings <= T:
+        # a dense [B, V, D] table is no bigger than dx itself (e.g. position embeddings)
+        rows = dx.new_zeros(B * num_embeddings, D).index_add_(0, key, dx)
+        row_ids = torch.arange(B * num_embeddings, device=ids.device) % num_embeddings
+    else:
+        # sort the (example, id) keys and give each distinct key one row
+        sorted_key, order = torch.sort(key, stable=True)
+        is_new = torch.ones_like(sorted_key, dtype=torch.bool)
+        is_new[1:] = sorted_key[1:] != sorted_key[:-1]
+        segment = torch.cumsum(is_new, 0) - 1
+        row_of_position = torch.empty_like(segment).scatter_(0, order, segment)
+        rows = dx.new_zeros(B * T, D).index_add_(0, row_of_position, dx)
+        row_ids = torch.zeros_like(key).scatter_(0, segment, sorted_key % num_embeddings)
+    return rows, row_ids, dx
+
+
+def _examples(t, trailing):
+    """Number of examples in t: its first dimension, or 1 when it has only `trailing` dims."""
+    return t.shape[0] if t.dim() > trailing else 1
+
+
+def _autocast_dtype(x):
+    """The autocast compute dtype for x's device if autocast is on, else None."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+class _Float32Buffers:
+    """Mixin: moves keep the per-example-norm buffers' values, casts keep them float32."""
+
+    def _apply(self, fn, recurse=True):
+        ours = {n: b for n, b in self._buffers.items()
+                if b is not None and (n == "example_count" or n.endswith("_sqgradnorm"))}
+        for n in ours:
+            del self._buffers[n]
+        super()._apply(fn, recurse)
+        for n, b in ours.items():
+            moved = fn(b)
+            self._buffers[n] = moved if moved.dtype == torch.float32 else b.to(moved.device)
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear
+
+class _LinearFn(torch.autograd.Function):
+    """y = x W^T + b whose backward computes dx, dW, db and the per-example norms together."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, max_chunk_numel):
+        ctx.save_for_backward(x, weight, ids)
+        ctx.bufs = (w_sq, b_sq, count)
+        ctx.has_bias, ctx.linked = bias is not None, link_q is not None
+        ctx.ghost, ctx.max_chunk_numel = ghost, max_chunk_numel
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, ids = ctx.saved_tensors
+        w_sq, b_sq, count = ctx.bufs
+        K, L = x.shape[-1], dy.shape[-1]
+        B = _examples(x, 1)
+        x3, dy3 = x.reshape(B, -1, K), dy.reshape(B, -1, L)
+        dx = dw = db = q = h_sq = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(weight)
+        if ctx.needs_input_grad[1]:
+            measured = w_sq is not None or ctx.linked
+            if measured and not ctx.ghost:
+                sq, dw32 = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, want_grad=True)
+                dw = dw32.to(weight.dtype)
+            else:
+                dw = dy.reshape(-1, L).mT.mm(x.reshape(-1, K))
+                if measured:
+                    sq = _weight_sqnorm_ghost(x3, dy3, ctx.max_chunk_numel)
+            if ctx.linked:  # tied head: the norm and the cross-term factor go to the embedding
+                h_sq, q = sq, _head_grad_at_ids(x3, dy3, ids.reshape(B, -1), ctx.max_chunk_numel)
+            elif w_sq is not None:
+                w_sq.add_(sq)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            per_example = dy3.sum(1, dtype=torch.float32)  # [B, L]
+            db = per_example.sum(0).to(dy.dtype)
+            if b_sq is not None:
+                b_sq.add_(per_example.square().sum())
+        if count is not None:
+            count.add_(B)
+        return dx, dw, db, None, None, None, None, q, h_sq, None, None
+
+
+class _LinearNormTap(torch.autograd.Function):
+    """Identity on the output y of a torch linear; its backward measures the per-example norms
+    from dy and the saved input x and hands dy on untouched."""
+
+    @staticmethod
+    def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, max_chunk_numel):
+        ctx.save_for_backward(x, ids)
+        ctx.bufs = (w_sq, b_sq, count)
+        ctx.has_bias, ctx.linked = has_bias, link_q is not None
+        ctx.ghost, ctx.max_chunk_numel = ghost, max_chunk_numel
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, ids = ctx.saved_tensors
+        w_sq, b_sq, count = ctx.bufs
+        K, L = x.shape[-1], dy.shape[-1]
+        B = _examples(x, 1)
+        x3, dy3 = x.reshape(B, -1, K), dy.reshape(B, -1, L)
+        q = h_sq = None
+        if w_sq is not None or ctx.linked:
+            if ctx.ghost:
+                sq = _weight_sqnorm_ghost(x3, dy3, ctx.max_chunk_numel)
+            else:
+                sq, _ = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, want_grad=False)
+            if ctx.linked:
+                h_sq, q = sq, _head_grad_at_ids(x3, dy3, ids.reshape(B, -1), ctx.max_chunk_numel)
+            else:
+                w_sq.add_(sq)
+        if b_sq is not None:
+            b_sq.add_(dy3.sum(1, dtype=torch.float32).square().sum())
+        count.add_(B)
+        return dy, None, None, None, None, None, None, q, h_sq, None, None
+
+
+class _MeasuredLinear(_Float32Buffers, nn.Linear):
+    """What the two Linear classes share: buffers, the tie link, autocast handling."""
+    per_example_mode = None  # None: pick ghost or materialise per call from shapes; or force one
+    max_chunk_numel = 1 << 24  # bound on the float32 elements of per-example temporaries
+    fused = True
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        register_sqgradnorm_buffers(self)
+        self._tie = None  # set by tie_weights when this is a tied output head
+
+    def _measurement_args(self, x):
+        """(ids, link_q, link_s, w_sq, b_sq, ghost) for this call, or None if nothing is measured."""
+        link = self._tie.pop("link", None) if self._tie is not None else None
+        w_trains = self.weight.requires_grad
+        b_trains = self.bias is not None and self.bias.requires_grad
+        if not torch.is_grad_enabled() or not (w_trains or b_trains):
+            return None
+        w_sq = self._buffers.get("weight_sqgradnorm") if w_trains else None
+        b_sq = self._buffers.get("bias_sqgradnorm") if b_trains else None
+        ids = link_q = link_s = None
+        if link is not None and w_trains:
+            ids, link_q, link_s = link
+            if _examples(x, 1) != _examples(ids, 0):
+                raise ValueError(f"tied output head: input {tuple(x.shape)} does not have the "
+                                 f"embedding ids' {tuple(ids.shape)} examples in its first dimension")
+        if w_sq is None and b_sq is None and link_q is None:
+            return None
+        T = math.prod(x.shape[1:-1])
+        ghost = _use_ghost(T, self.in_features, self.out_features, self.fused, self.per_example_mode)
+        return ids, link_q, link_s, w_sq, b_sq, ghost
+
+    def _autocast(self, x):
+        """Cast like autocast would, outside the Function, so .grad flows back through the casts."""
+        dtype = _autocast_dtype(x)
+        if dtype is None or not x.is_floating_point():
+            return x, self.weight, self.bias
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        return x.to(dtype), self.weight.to(dtype), bias
+
+
+class PEGradNormLinear(_MeasuredLinear):
+    """
+    nn.Linear whose single backward computes dx, dW, db and the per-example squared norms.
+    Per layer and call, from the shapes alone (T = tokens per example), the weight norm is
+    either materialised (W_b = dy_b^T x_b, the weight GEMM split by example: a batched GEMM,
+    summed for the weight gradient) or a ghost norm (sum((x_b x_b^T) * (dy_b dy_b^T)), one more
+    GEMM-sized pass); set `per_example_mode` ("ghost"/"materialise") on the class or a layer to
+    force one. Examples are processed in chunks: besides [B, L]-sized vectors, the extra memory
+    is at most max(max_chunk_numel, one example's 2*K*L or 3*T^2 + T*(K+L)) float32 elements.
+    """
+    fused = True
+
+    def forward(self, x):
+        args = self._measurement_args(x)
+        if args is None:
+            return F.linear(x, self.weight, self.bias)
+        ids, link_q, link_s, w_sq, b_sq, ghost = args
+        x, weight, bias = self._autocast(x)
+        return _LinearFn.apply(x, weight, bias, w_sq, b_sq, self.example_count, ids, link_q, link_s,
+                               ghost, self.max_chunk_numel)
+
+
+class PEGradNormShimLinear(_MeasuredLinear):
+    """
+    nn.Linear whose backward is torch's own (so .grad is bit-identical), with the per-example
+    squared norms measured beside it from dy and the input. Ghost or materialised norms and
+    chunking as in PEGradNormLinear, except that here materialising costs the weight GEMM again.
+    """
+    fused = False
+
+    def forward(self, x):
+        args = self._measurement_args(x)
+        if args is None:
+            return F.linear(x, self.weight, self.bias)
+        ids, link_q, link_s, w_sq, b_sq, ghost = args
+        if _autocast_dtype(x) is not None and x.is_floating_point():
+            x = x.to(_autocast_dtype(x))  # the very tensor F.linear saves, so saved only once
+        y = F.linear(x, self.weight, self.bias)
+        return _LinearNormTap.apply(y, x.detach(), self.bias is not None, w_sq, b_sq, self.example_count,
+                                    ids, link_q, link_s, ghost, self.max_chunk_numel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Embedding
+
+def _embedding_backward_norms(ctx, dy, dq, ds, fused):
+    """Shared by both embedding Functions: per-example norms (and the weight gradient if
+    fused) from the saved ids and dy, with the tied head's contributions dq, ds if linked."""
+    ids, = ctx.saved_tensors
+    w_sq, count = ctx.bufs
+    B = _examples(ids, 0)
+    if dy is None:  # the lookup's output was not used
+        dy = torch.zeros((*ids.shape, ctx.embedding_dim), dtype=torch.float32, device=ids.device)
+    ids2 = ids.reshape(B, -1)
+    rows, row_ids, dx = _embedding_rows(ids2, dy, ctx.num_embeddings, ctx.padding_idx)
+    sq = _sqsum(rows)
+    if dq is not None:
+        sq = sq + 2 * (dx * dq.reshape(dx.shape)).sum()
+    if ds is not None:
+        sq = sq + ds
+    w_sq.add_(sq)
+    count.add_(B)
+    if not fused:
+        return None
+    D = rows.shape[1]
+    if ctx.num_embeddings <= ids2.shape[1]:
+        dw = rows.view(B, ctx.num_embeddings, D).sum(0)
+    else:
+        dw = rows.new_zeros(ctx.num_embeddings, D).index_add_(0, row_ids, rows)
+    return dw.to(ctx.weight_dtype)
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    """Embedding lookup whose backward builds the weight gradient from per-example rows."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, w_sq, count, padding_idx, linked):
+        ctx.save_for_backward(ids)
+        ctx.bufs = (w_sq, count)
+        ctx.num_embeddings, ctx.embedding_dim = weight.shape
+        ctx.padding_idx, ctx.weight_dtype = padding_idx, weight.dtype
+        ctx.set_materialize_grads(False)
+        y = F.embedding(ids, weight, padding_idx)
+        if not linked:
+            return y
+        return (y, *_link_tensors(ids, weight))
+
+    @staticmethod
+    def backward(ctx, dy, dq=None, ds=None):
+        dw = _embedding_backward_norms(ctx, dy, dq, ds, fused=True)
+        return None, dw, None, None, None, None
+
+
+class _EmbeddingNormTap(torch.autograd.Function):
+    """Identity on a torch embedding's output; its backward measures the per-example norms."""
+
+    @staticmethod
+    def forward(ctx, y, ids, w_sq, count, num_embeddings, padding_idx, linked):
+        ctx.save_for_backward(ids)
+        ctx.bufs = (w_sq, count)
+        ctx.num_embeddings, ctx.embedding_dim, ctx.padding_idx = num_embeddings, y.shape[-1], padding_idx
+        ctx.set_materialize_grads(False)
+        if not linked:
+            return y.view_as(y)
+        return (y.view_as(y), *_link_tensors(ids, y))
+
+    @staticmethod
+    def backward(ctx, dy, dq=None, ds=None):
+        _embedding_backward_norms(ctx, dy, dq, ds, fused=False)
+        return dy, None, None, None, None, None, None
+
+
+def _link_tensors(ids, like):
+    """The two tensors through whose gradients a tied head reports to the embedding: [B,T,D]
+    for Q and a scalar for sum_b ||H_b||^2. Zero-stride views: they cost no memory."""
+    B = _examples(ids, 0)
+    zero = torch.zeros((), dtype=torch.float32, device=like.device)
+    return zero.expand(B, ids.numel() // B, like.shape[-1]), zero.clone()
+
+
+class _MeasuredEmbedding(_Float32Buffers, nn.Embedding):
+    """What the two Embedding classes share."""
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
+                 scale_grad_by_freq=False, sparse=False, _weight=None, _freeze=False, device=None, dtype=None):
+        if scale_grad_by_freq or sparse:
+            raise ValueError(f"{type(self).__name__} does not support scale_grad_by_freq or sparse gradients")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq,
+                         sparse, _weight, _freeze, device, dtype)
+        register_sqgradnorm_buffers(self)
+        self._tie = None  # set by tie_weights when this is a tied token embedding
+
+    def _prepare(self, ids):
+        """Renormalise rows for max_norm (as F.embedding does) and say whether to measure and link."""
+        if self._tie is not None:
+            self._tie.pop("link", None)  # never leave a previous forward's link behind
+        if self.max_norm is not None:
+            with torch.no_grad():
+                torch.embedding_renorm_(self.weight, ids, self.max_norm, self.norm_type)
+        measure = (torch.is_grad_enabled() and self.weight.requires_grad
+                   and "weight_sqgradnorm" in self._buffers)
+        return measure, measure and self._tie is not None
+
+    def _hand_link(self, ids, out, linked):
+        if not linked:
+            return out
+        y, link_q, link_s = out
+        self._tie["link"] = (ids, link_q, link_s)
+        return y
+
+
+class PEGradNormEmbedding(_MeasuredEmbedding):
+    """
+    nn.Embedding whose backward builds the weight gradient and the per-example squared norms
+    from the same per-(example, id) rows (sum_{t: id_bt = v} dx_bt; padding_idx excluded as in
+    nn.Embedding). Extra memory: about the size of dx in float32 (B*T*D, or B*V*D when V <= T).
+    """
+
+    def forward(self, ids):
+        measure, linked = self._prepare(ids)
+        if not measure:
+            return F.embedding(ids, self.weight, self.padding_idx)
+        out = _EmbeddingFn.apply(ids, self.weight, self.weight_sqgradnorm, self.example_count,
+                                 self.padding_idx, linked)
+        return self._hand_link(ids, out, linked)
+
+
+class PEGradNormShimEmbedding(_MeasuredEmbedding):
+    """nn.Embedding with torch's own backward (bit-identical .grad), norms measured beside it."""
+
+    def forward(self, ids):
+        measure, linked = self._prepare(ids)
+        y = F.embedding(ids, self.weight, self.padding_idx)
+        if not measure:
+            return y
+        out = _EmbeddingNormTap.apply(y, ids, self.weight_sqgradnorm, self.example_count,
+                                      self.num_embeddings, self.padding_idx, linked)
+        return self._hand_link(ids, out, linked)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm
+
+class _AffineFn(torch.autograd.Function):
+    """y = xhat * gamma + beta whose backward also measures dgamma_b = sum_t dy * xhat and
+    dbeta_b = sum_t dy per example (float32)."""
+
+    @staticmethod
+    def forward(ctx, xhat, weight, bias, w_sq, b_sq, count, n_norm_dims):
+        ctx.save_for_backward(xhat, weight)
+        ctx.bufs = (w_sq, b_sq, count)
+        ctx.has_bias, ctx.n_norm_dims = bias is not None, n_norm_dims
+        # like torch's layer_norm: the output has xhat's dtype (also with float32 gamma, beta
+        # and a bfloat16 input), computed in at least float32
+        compute = torch.promote_types(xhat.dtype, torch.float32)
+        y = xhat.to(compute) * weight.to(compute)
+        if bias is not None:
+            y = y + bias.to(compute)
+        return y.to(xhat.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, weight = ctx.saved_tensors
+        w_sq, b_sq, count = ctx.bufs
+        B = _examples(xhat, ctx.n_norm_dims)
+        N = weight.numel()
+        compute = torch.promote_types(xhat.dtype, torch.float32)
+        dxhat = (dy.to(compute) * weight.to(compute)).to(xhat.dtype) if ctx.needs_input_grad[0] else None
+        dw = db = None
+        dy3 = dy.reshape(B, -1, N)
+        if ctx.needs_input_grad[1]:
+            per_example = (dy3.float() * xhat.reshape(B, -1, N).float()).sum(1)  # [B, N]
+            dw = per_example.sum(0).view(weight.shape).to(weight.dtype)
+            w_sq.add_(per_example.square().sum())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            per_example = dy3.sum(1, dtype=torch.float32)
+            db = per_example.sum(0).view(weight.shape).to(weight.dtype)
+            b_sq.add_(per_example.square().sum())
+        count.add_(B)
+        return dxhat, dw, db, None, None, None, None
+
+
+class PEGradNormSeparatedLayerNorm(_Float32Buffers, nn.LayerNorm):
+    """
+    nn.LayerNorm computed as a normalisation without affine followed by an affine part whose
+    backward measures the per-example squared norms of dgamma_b and dbeta_b (the cheap ones:
+    Gray et al. 2024 find these alone predict the whole model's gradient noise scale).
+    Same parameters and state_dict keys as nn.LayerNorm, bias=False included.
+    """
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        register_sqgradnorm_buffers(self)
+
+    def forward(self, x):
+        w_trains = self.weight is not None and self.weight.requires_grad
+        b_trains = self.bias is not None and self.bias.requires_grad
+        if not torch.is_grad_enabled() or not (w_trains or b_trains):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        xhat = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        return _AffineFn.apply(xhat, self.weight, self.bias,
+                               self.weight_sqgradnorm if w_trains else None,
+                               self.bias_sqgradnorm if b_trains else None,
+                               self.example_count, len(self.normalized_shape))

@@ -175,14 +175,15 @@ for split in ('train', 'val'):
             f"run: python data/{dataset}/prepare.py")
 
 
-def get_batch(split):
+def get_batch(split, rng=None):
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
     if len(data) <= block_size:
         die(f"{split}.bin holds {len(data)} tokens, too few for block_size={block_size}")
     # every rank draws the whole global micro-batch from the same generator and keeps its own
     # slice, so the examples of a step do not depend on how many processes share them: a 2-rank
     # run sees exactly the batches of a 1-process run with twice the batch_size
-    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,), generator=batch_rng[split])
+    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,),
+                       generator=rng or batch_rng[split])
     ix = ix[ddp_rank * batch_size:(ddp_rank + 1) * batch_size]
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
@@ -245,7 +246,10 @@ if block_size < model.config.block_size:
     model_args['block_size'] = block_size
 model.to(device)
 # data order: seeded by the iteration we start from, so a resumed run does not replay the start
-batch_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k) for k, split in enumerate(('train', 'val'))}
+# evaluation (on the master alone) draws from generators of its own, so the training batches of
+# all ranks stay in step
+batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
+eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
 
 import gnshooks  # noqa: E402
 from microbatch_gns import MicrobatchGNS  # noqa: E402
@@ -318,7 +322,7 @@ def estimate_loss():
     for split in ['train', 'val']:
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
-            X, Y = get_batch(split)
+            X, Y = get_batch(split, eval_rng[split])
             with ctx:
                 logits, loss = eval_model(X, Y)
             losses[k] = loss.item()

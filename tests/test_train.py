@@ -81,3 +81,80 @@ def test_ddp_on_cpu_with_gloo(tiny_dataset, tmp_path):
     toks = [int(t.replace(',', '')) for t in re.findall(r"tokens ([\d,]+),", p.stdout)]
     assert toks == [128, 256, 384, 512]
     assert torch.load(out / "ckpt.pt", weights_only=False)['iter_num'] == 4
+
+
+def read_log(out_dir):
+    import pandas as pd
+    return pd.read_csv(os.path.join(out_dir, "log.csv"))
+
+
+GNS_OPTIONS = [
+    # every value of every option at least once; all-layer measurement in several forms
+    dict(linearclass="gns", embeddingclass="gns", lnclass="shim"),
+    dict(linearclass="shim", embeddingclass="shim", lnclass="fused"),
+    dict(linearclass="gns", embeddingclass="shim", lnclass="nn", gns_hooks="sogns", microbatch_gns=True),
+    dict(linearclass="nn", embeddingclass="gns", lnclass="fused", gns_hooks="exact"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opts", GNS_OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_every_gns_option_trains_and_logs_its_columns(tiny_dataset, tmp_path, opts):
+    out = tmp_path / "out"
+    flags = [f"--{k}={v}" for k, v in opts.items()]
+    run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2",
+              "--gradient_accumulation_steps=2", "--max_tokens=1000000", *flags)
+    df = read_log(out)
+    assert list(df["iter_num"]) == [0, 1, 2, 3, 4]  # four steps and the final evaluation
+    cols = set(df.columns)
+    measured = {c.split("/")[2] for c in cols if c.startswith("train/gns/")}
+    if opts["lnclass"] != "nn":
+        assert "transformer.ln_f.weight" in measured
+    if opts["linearclass"] != "nn":
+        assert "transformer.h.0.mlp.c_fc.weight" in measured
+    if opts["embeddingclass"] != "nn":
+        assert "transformer.wpe.weight" in measured
+    if opts["linearclass"] != "nn" and opts["embeddingclass"] != "nn":
+        assert "transformer.wte.weight" in measured  # the tied weight, measured exactly
+    for prefix in {"sogns": ["train/sogns/"], "exact": ["train/gnshooks/"]}.get(opts.get("gns_hooks"), []):
+        assert any(c.startswith(prefix) for c in cols)
+    if opts.get("microbatch_gns"):
+        assert any(c.startswith("train/microbatch_gns/") and c.endswith("/small_batch_size") for c in cols)
+    gns_cols = [c for c in cols if c.startswith("train/") and c.count("/") >= 3]  # train/<estimator>/<param>/<what>
+    steps = df[df["iter_num"] < 4]
+    assert steps[gns_cols].notna().all().all() and (steps[gns_cols].abs() < float("inf")).all().all()
+    assert (steps["train/gns/transformer.h.0.ln_1.weight/batch_size" if opts["lnclass"] != "nn"
+                  else "train/gns/transformer.wpe.weight/batch_size"] == 8).all()  # 2 micro-steps x 4
+
+
+def test_no_clipping_still_logs_grad_norm(tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=3", "--eval_interval=100",
+              "--grad_clip=0.0", "--lnclass=shim", "--max_tokens=1000000")
+    df = read_log(out)
+    steps = df[df["iter_num"] < 3]
+    assert len(steps) == 3 and (steps["grad_norm"] > 0).all()
+
+
+@pytest.mark.slow
+def test_ddp_per_example_gns_equals_one_process_on_the_same_global_batch(tiny_dataset, tmp_path):
+    """Each rank's buffers hold norms of its own slice of the global batch; after the all-reduce
+    and the B_rank^2/B rescaling, 2 ranks x 2 examples log what 1 process x 4 examples logs."""
+    common = [*TINY, f"--dataset={tiny_dataset}", "--max_iters=3", "--eval_interval=100",
+              "--max_tokens=1000000", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim",
+              "--backend=gloo"]
+    # gradient_accumulation_steps is global (nanoGPT): 2 micro-steps per process in both runs
+    run_train(*common, f"--out_dir={tmp_path / 'one'}", "--batch_size=4", "--gradient_accumulation_steps=2")
+    p = run_train(*common, f"--out_dir={tmp_path / 'two'}", "--batch_size=2", "--gradient_accumulation_steps=4",
+                  torchrun_procs=2)
+    one, two = read_log(tmp_path / "one"), read_log(tmp_path / "two")
+    gns_cols = [c for c in one.columns if c.startswith("train/gns/")]
+    assert len(gns_cols) == 3 * 15  # every parameter (bias=False): 6 per block x 2, ln_f, wte (tied), wpe
+    assert set(gns_cols) <= set(two.columns)
+    steps = one["iter_num"] < 3
+    for c in gns_cols:
+        assert two.loc[steps, c].to_numpy() == pytest.approx(one.loc[steps, c].to_numpy(), rel=1e-4), c
+    # the DDP estimator is logged beside it, finite
+    assert (two.loc[steps, "ddp/small_batch_size"] == 4).all() and (two.loc[steps, "ddp/big_batch_size"] == 8).all()
+    assert two.loc[steps, "ddp/gns"].notna().all()
+    assert "ddp gns" in p.stdout

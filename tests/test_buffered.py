@@ -1,0 +1,520 @@
+"""
+buffered.py against brute force: per-example gradients of the plain torch layer by
+torch.func.vmap(grad(...)) over the examples, in float64 sums. A layer that sees the gradient of
+L = (1/N) sum_b l_b over N examples (split into micro-steps) must hold sum_b ||g_b||^2 / N^2.
+"""
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings, strategies as st
+from torch.func import functional_call, grad, vmap
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import buffered  # noqa: E402
+from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
+                      PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers,
+                      tie_weights, zero_sqgradnorm_buffers)
+
+LINEARS = [PEGradNormLinear, PEGradNormShimLinear]
+EMBEDDINGS = [PEGradNormEmbedding, PEGradNormShimEmbedding]
+SHIMS = (PEGradNormShimLinear, PEGradNormShimEmbedding)
+PLAIN = {PEGradNormLinear: nn.Linear, PEGradNormShimLinear: nn.Linear, PEGradNormEmbedding: nn.Embedding,
+         PEGradNormShimEmbedding: nn.Embedding, PEGradNormSeparatedLayerNorm: nn.LayerNorm}
+
+
+def example_loss(y, r):
+    """l_b for an output y of one or more examples: a fixed random functional of y."""
+    return (torch.sin(y.float()) * r).sum()
+
+
+def brute_force(plain, batches):
+    """{parameter name: sum_b ||g_b||^2 / N^2} over all examples of all micro-batches, from
+    per-example gradients of the plain torch module (vmap over the first dimension)."""
+    params = {n: p.detach() for n, p in plain.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach() for n, p in plain.named_parameters() if not p.requires_grad}
+
+    def loss(p, x, r):
+        return example_loss(functional_call(plain, {**p, **frozen}, (x.unsqueeze(0),)), r.unsqueeze(0))
+
+    total = {n: torch.zeros((), dtype=torch.float64) for n in params}
+    N = 0
+    for x, r in batches:
+        g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, r)
+        for n in params:
+            total[n] += g[n].double().flatten(1).square().sum()
+        N += x.shape[0]
+    return {n: v / N ** 2 for n, v in total.items()}
+
+
+def run(layer, batches, scale=1.0, autocast=None):
+    """Micro-steps of forward + backward on L = (1/N) sum_b l_b (times a loss scale)."""
+    N = sum(x.shape[0] for x, _ in batches)
+    for x, r in batches:
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            y = layer(x)
+        (example_loss(y, r) * (scale / N)).backward()
+
+
+def measured(layer):
+    return {n: buf.item() for n, _, buf, _ in find_sqgradnorm_buffers(layer)}
+
+
+def float_batches(steps, shape, out_features, dtype=torch.float32, r_scale=1.0):
+    batches = []
+    for _ in range(steps):
+        x = torch.randn(shape, dtype=dtype)
+        batches.append((x, r_scale * torch.randn(*shape[:-1], out_features)))
+    return batches
+
+
+def id_batches(steps, shape, num_embeddings, dim, padding_idx=None):
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, num_embeddings, shape)
+        if padding_idx is not None:
+            ids.view(-1)[::3] = padding_idx  # make sure padding occurs
+        batches.append((ids, torch.randn(*shape, dim)))
+    return batches
+
+
+def twins(cls, *args, dtype=torch.float32, **kwargs):
+    """(measured layer, plain torch layer) with the same random parameters."""
+    layer = cls(*args, **kwargs).to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    plain = PLAIN[cls](*args, **kwargs).to(dtype)
+    plain.load_state_dict(layer.state_dict())
+    return layer, plain
+
+
+def check(layer, plain, batches, rtol=1e-5, grad_exact=None):
+    """Norms against brute force, example count, and .grad against the plain layer's."""
+    expected = brute_force(plain, batches)
+    run(layer, batches)
+    run(plain, batches)
+    got = measured(layer)
+    assert set(got) == set(expected)
+    for n in expected:
+        torch.testing.assert_close(torch.tensor(got[n], dtype=torch.float64), expected[n], rtol=rtol, atol=1e-9)
+    assert all(c.item() == sum(x.shape[0] for x, _ in batches) for *_, c in find_sqgradnorm_buffers(layer))
+    grad_exact = isinstance(layer, SHIMS) if grad_exact is None else grad_exact
+    for (n, p), q in zip(layer.named_parameters(), plain.parameters()):
+        if p.requires_grad:
+            if grad_exact:
+                assert torch.equal(p.grad, q.grad), n
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Linear
+
+@pytest.mark.parametrize("cls", LINEARS)
+@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 6), (3, 4, 6), (2, 3, 2, 6)])
+@pytest.mark.parametrize("steps", [1, 3])
+def test_linear_matches_brute_force(cls, mode, bias, shape, steps):
+    torch.manual_seed(0)
+    layer, plain = twins(cls, 6, 7, bias=bias)
+    layer.per_example_mode = mode
+    batches = float_batches(steps, shape, 7)
+    with torch.no_grad():
+        assert torch.equal(layer(batches[0][0]), plain(batches[0][0]))
+    check(layer, plain, batches)
+    assert ("bias_sqgradnorm" in layer._buffers) == bias
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+def test_linear_chunks_bound_memory_and_agree(cls, mode):
+    """With a tiny chunk budget every example is its own chunk; the norms do not change."""
+    torch.manual_seed(1)
+    layer, plain = twins(cls, 6, 5)
+    layer.per_example_mode, layer.max_chunk_numel = mode, 1
+    check(layer, plain, float_batches(2, (7, 3, 6), 5))
+
+
+def test_automatic_choice_follows_the_shapes():
+    assert buffered._use_ghost(1, 384, 384, True, None)  # one token per example: ghost
+    assert not buffered._use_ghost(1024, 768, 768, True, None)  # long sequences: materialise
+    assert buffered._use_ghost(256, 384, 1536, False, None)  # shim: T (K+L) < K L
+    assert not buffered._use_ghost(256, 384, 65, False, None)
+    assert buffered._use_ghost(1024, 8, 8, True, "ghost") and not buffered._use_ghost(1, 8, 8, True, "materialise")
+    with pytest.raises(ValueError):
+        buffered._use_ghost(1, 2, 2, True, "sometimes")
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+def test_linear_noncontiguous_output_gradient(cls, mode):
+    """The loss reads the output transposed, so the incoming gradient is not contiguous."""
+    torch.manual_seed(2)
+    layer, plain = twins(cls, 4, 3)
+    layer.per_example_mode = mode
+    x = torch.randn(5, 6, 4)
+    r = torch.randn(5, 3, 6)
+
+    def loss(p, xb, rb):
+        return (torch.sin(functional_call(plain, p, (xb[None],)).transpose(1, 2)) * rb[None]).sum()
+
+    params = {n: p.detach() for n, p in plain.named_parameters()}
+    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, r)
+    for module in (layer, plain):
+        (torch.sin(module(x).transpose(1, 2)) * r).sum().div(5).backward()
+    for n, buf in measured(layer).items():
+        torch.testing.assert_close(buf, g[n].double().flatten(1).square().sum().item() / 25, rtol=1e-5, atol=0)
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_linear_frozen_parameter_is_not_measured(cls, frozen):
+    torch.manual_seed(3)
+    layer, plain = twins(cls, 4, 3)
+    getattr(layer, frozen).requires_grad_(False)
+    getattr(plain, frozen).requires_grad_(False)
+    check(layer, plain, float_batches(2, (3, 2, 4), 3))
+    assert [n for n, *_ in find_sqgradnorm_buffers(layer)] == [{"weight": "bias", "bias": "weight"}[frozen]]
+    assert getattr(layer, f"{frozen}_sqgradnorm").item() == 0
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+def test_linear_all_frozen_and_no_grad_measure_nothing(cls):
+    layer = cls(4, 3)
+    x = torch.randn(2, 4, requires_grad=True)
+    with torch.no_grad():
+        layer(x)
+    layer.requires_grad_(False)
+    layer(x).sum().backward()
+    assert x.grad is not None and find_sqgradnorm_buffers(layer) == []
+    assert all(b.item() == 0 for b in layer.buffers())
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding
+
+@pytest.mark.parametrize("cls", EMBEDDINGS)
+@pytest.mark.parametrize("num_embeddings", [3, 40])  # V <= T: dense per-example table; V > T: sorted rows
+@pytest.mark.parametrize("padding_idx", [None, 1])
+@pytest.mark.parametrize("shape", [(6,), (3, 5), (2, 3, 4)])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_embedding_matches_brute_force(cls, num_embeddings, padding_idx, shape, steps):
+    torch.manual_seed(4)
+    layer, plain = twins(cls, num_embeddings, 6, padding_idx=padding_idx)
+    batches = id_batches(steps, shape, num_embeddings, 6, padding_idx)
+    with torch.no_grad():
+        assert torch.equal(layer(batches[0][0]), plain(batches[0][0]))
+    check(layer, plain, batches)
+    if padding_idx is not None:
+        assert layer.weight.grad[padding_idx].abs().sum() == 0
+
+
+@pytest.mark.parametrize("cls", EMBEDDINGS)
+def test_embedding_noncontiguous_gradient_and_frozen(cls):
+    torch.manual_seed(5)
+    layer, plain = twins(cls, 9, 4)
+    ids = torch.randint(0, 9, (3, 5))
+    r = torch.randn(3, 4, 5)
+
+    def loss(p, i, rb):
+        return (torch.sin(functional_call(plain, p, (i[None],)).transpose(1, 2)) * rb[None]).sum()
+
+    g = vmap(grad(loss), in_dims=(None, 0, 0))({"weight": plain.weight.detach()}, ids, r)["weight"]
+    for module in (layer, plain):
+        (torch.sin(module(ids).transpose(1, 2)) * r).sum().div(3).backward()
+    torch.testing.assert_close(layer.weight_sqgradnorm.item(), g.double().flatten(1).square().sum().item() / 9,
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-7)
+    layer.weight.requires_grad_(False)
+    zero_sqgradnorm_buffers(layer)
+    layer(ids).sum()  # frozen: plain lookup, nothing measured or reported
+    assert find_sqgradnorm_buffers(layer) == [] and layer.example_count.item() == 0
+
+
+def test_embedding_rejects_what_it_cannot_measure():
+    with pytest.raises(ValueError):
+        PEGradNormEmbedding(5, 3, sparse=True)
+    with pytest.raises(ValueError):
+        PEGradNormShimEmbedding(5, 3, scale_grad_by_freq=True)
+
+
+@pytest.mark.parametrize("cls", EMBEDDINGS)
+def test_embedding_max_norm_like_torch(cls):
+    torch.manual_seed(6)
+    layer, plain = twins(cls, 7, 4, max_norm=1.0)
+    batches = id_batches(1, (3, 4), 7, 4)
+    run(layer, batches)
+    run(plain, batches)
+    torch.testing.assert_close(layer.weight.detach(), plain.weight.detach())  # rows renormalised alike
+    assert torch.equal(layer.weight.grad, plain.weight.grad)
+    renormed = nn.Embedding(7, 4)  # vmap cannot renormalise in place: brute force on the renormalised rows
+    renormed.load_state_dict(plain.state_dict())
+    expected = brute_force(renormed, batches)["weight"].item()
+    torch.testing.assert_close(layer.weight_sqgradnorm.item(), expected, rtol=1e-5, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(5, 6), (3, 4, 6), (2, 2, 3, 6)])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_layernorm_matches_brute_force(bias, shape, steps):
+    torch.manual_seed(7)
+    layer, plain = twins(PEGradNormSeparatedLayerNorm, 6, bias=bias)
+    batches = float_batches(steps, shape, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(batches[0][0]), plain(batches[0][0]), rtol=1e-6, atol=1e-6)
+    check(layer, plain, batches)
+    assert ("bias_sqgradnorm" in layer._buffers) == bias
+
+
+def test_layernorm_multidimensional_normalized_shape():
+    torch.manual_seed(8)
+    layer, plain = twins(PEGradNormSeparatedLayerNorm, (3, 4))
+    check(layer, plain, float_batches(2, (2, 5, 3, 4), 4))
+
+
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_layernorm_frozen_parameter_is_not_measured(frozen):
+    torch.manual_seed(9)
+    layer, plain = twins(PEGradNormSeparatedLayerNorm, 5)
+    getattr(layer, frozen).requires_grad_(False)
+    getattr(plain, frozen).requires_grad_(False)
+    check(layer, plain, float_batches(2, (3, 2, 5), 5))
+    assert len(find_sqgradnorm_buffers(layer)) == 1
+
+
+def test_layernorm_without_affine_is_plain():
+    layer = PEGradNormSeparatedLayerNorm(4, elementwise_affine=False)
+    x = torch.randn(2, 3, 4)
+    assert torch.equal(layer(x), nn.LayerNorm(4, elementwise_affine=False)(x))
+    assert find_sqgradnorm_buffers(layer) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Drop-in properties
+
+ALL = [(PEGradNormLinear, (5, 3)), (PEGradNormShimLinear, (5, 3)), (PEGradNormEmbedding, (5, 3)),
+       (PEGradNormShimEmbedding, (5, 3)), (PEGradNormSeparatedLayerNorm, (5,))]
+
+
+@pytest.mark.parametrize("cls,args", ALL)
+@pytest.mark.parametrize("bias", [True, False])
+def test_state_dict_round_trips_with_torch_layers(cls, args, bias):
+    kwargs = {} if PLAIN[cls] is nn.Embedding else dict(bias=bias)
+    layer, plain = cls(*args, **kwargs), PLAIN[cls](*args, **kwargs)
+    assert layer.state_dict().keys() == plain.state_dict().keys()
+    assert isinstance(layer, PLAIN[cls])
+    layer.load_state_dict(plain.state_dict())
+    plain.load_state_dict(layer.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(layer.state_dict().values(), plain.state_dict().values()))
+
+
+@pytest.mark.parametrize("cls,args", ALL)
+def test_buffers_stay_float32_through_casts(cls, args):
+    layer = cls(*args)
+    layer.example_count.fill_(3.0)
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        layer.to(dtype)
+        assert all(b.dtype == torch.float32 for b in layer.buffers())
+        assert layer.weight.dtype == dtype
+    layer.half()
+    assert all(b.dtype == torch.float32 for b in layer.buffers()) and layer.example_count.item() == 3.0
+
+
+@pytest.mark.parametrize("cls,args", ALL)
+def test_half_parameters_with_a_large_loss_scale(cls, args):
+    """model.half() and a float16 loss scale of 65536: the buffers are float32, finite, and
+    hold s^2 times the brute-force value (computed in float32 from the same half values)."""
+    torch.manual_seed(10)
+    scale = 65536.0
+    layer = cls(*args).half()
+    plain = PLAIN[cls](*args)
+    plain.load_state_dict({k: v.float() for k, v in layer.state_dict().items()})
+    if PLAIN[cls] is nn.Embedding:
+        batches = id_batches(2, (4, 3), args[0], args[1])
+    else:
+        batches = [(x.half().float(), r) for x, r in float_batches(2, (4, 3, args[0]), args[-1], r_scale=0.05)]
+    expected = brute_force(plain, batches)
+    half_batches = [(x.half() if x.is_floating_point() else x, r) for x, r in batches]
+    run(layer, half_batches, scale=scale)
+    for n, p, buf, _ in find_sqgradnorm_buffers(layer):
+        assert buf.dtype == torch.float32 and torch.isfinite(buf) and torch.isfinite(p.grad).all()
+        torch.testing.assert_close(buf.item() / scale ** 2, expected[n].item(), rtol=2e-2, atol=0)
+
+
+# Under autocast the per-example gradients are computed in the low-precision dtype, so the
+# norms match the float32 brute force only to that dtype's precision: bfloat16 (8-bit
+# mantissa) within 3%, float16 (11-bit) within 0.5%.
+AUTOCAST_RTOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.mark.parametrize("cls,args", ALL)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1.0, 65536.0])
+def test_autocast(cls, args, dtype, scale):
+    torch.manual_seed(11)
+    layer, plain = twins(cls, *args)
+    if PLAIN[cls] is nn.Embedding:
+        batches = id_batches(2, (4, 3), args[0], args[1])
+    else:
+        batches = float_batches(2, (4, 3, args[0]), args[-1], r_scale=0.05)
+    expected = brute_force(plain, batches)
+    run(layer, batches, scale=scale, autocast=dtype)
+    run(plain, batches, scale=scale, autocast=dtype)
+    for n, p, buf, _ in find_sqgradnorm_buffers(layer):
+        assert buf.dtype == torch.float32 and torch.isfinite(buf)
+        torch.testing.assert_close(buf.item() / scale ** 2, expected[n].item(), rtol=AUTOCAST_RTOL[dtype], atol=0)
+    for p, q in zip(layer.parameters(), plain.parameters()):
+        if isinstance(layer, SHIMS):
+            assert torch.equal(p.grad, q.grad)
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=AUTOCAST_RTOL[dtype], atol=1e-2 * q.grad.abs().max().item())
+    with torch.autocast("cpu", dtype=dtype), torch.no_grad():
+        x = batches[0][0]
+        assert layer(x).dtype == plain(x).dtype
+
+
+@pytest.mark.parametrize("cls,args", ALL)
+def test_zero_and_accumulate(cls, args):
+    torch.manual_seed(12)
+    layer = cls(*args)
+    x = torch.randint(0, 5, (3, 2)) if PLAIN[cls] is nn.Embedding else torch.randn(3, 2, 5)
+    layer(x).square().sum().backward()
+    first = [b.item() for *_, b, _ in find_sqgradnorm_buffers(layer)]
+    layer(x).square().sum().backward()
+    assert [b.item() for *_, b, _ in find_sqgradnorm_buffers(layer)] == pytest.approx([2 * f for f in first])
+    assert layer.example_count.item() == 6
+    zero_sqgradnorm_buffers(layer)
+    assert all(b.item() == 0 for b in layer.buffers())
+
+
+# --------------------------------------------------------------------------------------------
+# Tied embedding / output head
+
+class TiedLM(nn.Module):
+    """ids -> embedding -> tanh(Linear) -> head tied to the embedding (a GPT in miniature)."""
+
+    def __init__(self, Embedding, Head, V=11, D=4, last_only=False, flat=False):
+        super().__init__()
+        self.wte = Embedding(V, D)
+        self.mix = nn.Linear(D, D)
+        self.head = Head(D, V, bias=False)
+        tie_weights(self.wte, self.head)
+        self.last_only, self.flat = last_only, flat
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.wte(ids)))
+        if self.last_only:
+            h = h[:, [-1], :]
+        return self.head(h)
+
+
+@pytest.mark.parametrize("Embedding", EMBEDDINGS)
+@pytest.mark.parametrize("Head", LINEARS)
+@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+@pytest.mark.parametrize("variant", ["full", "last_only", "flat"])
+def test_tied_weight_norm_includes_the_cross_term(Embedding, Head, mode, variant):
+    torch.manual_seed(13)
+    model = TiedLM(Embedding, Head, last_only=variant == "last_only")
+    plain = TiedLM(nn.Embedding, nn.Linear, last_only=variant == "last_only")
+    plain.load_state_dict(model.state_dict())
+    model.head.per_example_mode = mode
+    shape = (6,) if variant == "flat" else (3, 5)
+    out_shape = (3, 1, 11) if variant == "last_only" else (*shape, 11)
+    batches = [(torch.randint(0, 11, shape), torch.randn(out_shape)) for _ in range(2)]
+    expected = brute_force(plain, batches)
+    run(model, batches)
+    got = measured(model)
+    assert set(got) == {"wte.weight"}  # the tied weight once, under its first name; mix is plain
+    torch.testing.assert_close(got["wte.weight"], expected["wte.weight"].item(), rtol=1e-5, atol=0)
+    assert model.wte.example_count.item() == 2 * shape[0]
+    assert not model.head._tie  # nothing left behind for the next forward
+
+
+@pytest.mark.parametrize("Embedding,Head", [(PEGradNormEmbedding, nn.Linear), (nn.Embedding, PEGradNormShimLinear)])
+def test_tied_weight_with_a_plain_side_is_not_reported(Embedding, Head):
+    buffered._warned.clear()
+    with pytest.warns(UserWarning, match="tied weight"):
+        model = TiedLM(Embedding, Head)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TiedLM(Embedding, Head)  # once only
+    model(torch.randint(0, 11, (2, 3))).sum().backward()
+    assert find_sqgradnorm_buffers(model) == []
+
+
+def test_tied_forward_without_backward_leaves_nothing_behind():
+    torch.manual_seed(14)
+    model = TiedLM(PEGradNormEmbedding, PEGradNormLinear)
+    plain = TiedLM(nn.Embedding, nn.Linear)
+    plain.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 11, (3, 5))
+    model(ids)  # grad enabled, output dropped, no backward
+    with torch.no_grad():
+        model(ids)
+    model.wte(ids)  # embedding alone: its link is dropped by the next embedding forward
+    assert all(b.item() == 0 for b in model.buffers())
+    batches = [(ids, torch.randn(3, 5, 11))]
+    expected = brute_force(plain, batches)
+    run(model, batches)
+    torch.testing.assert_close(measured(model)["wte.weight"], expected["wte.weight"].item(), rtol=1e-5, atol=0)
+
+
+def test_tied_head_with_mismatched_examples_is_an_error():
+    model = TiedLM(PEGradNormEmbedding, PEGradNormLinear)
+    h = model.wte(torch.randint(0, 11, (3, 5)))
+    with pytest.raises(ValueError, match="tied output head"):
+        model.head(h.reshape(15, 4))
+
+
+# --------------------------------------------------------------------------------------------
+# Property test over random shapes, dtypes, bias and accumulation steps
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(["gns", "shim", "ln"]), B=st.integers(1, 4), T=st.integers(1, 5),
+       K=st.integers(1, 6), L=st.integers(1, 6), bias=st.booleans(), steps=st.integers(1, 3),
+       dtype=st.sampled_from([torch.float32, torch.float64]), mode=st.sampled_from([None, "ghost", "materialise"]))
+def test_property_linear_and_layernorm(kind, B, T, K, L, bias, steps, dtype, mode):
+    torch.manual_seed(B * 1000 + T * 100 + K * 10 + L)
+    if kind == "ln":
+        K = L = max(K, 2)  # one feature normalises to rounding noise times 1/sqrt(eps)
+        layer, plain = twins(PEGradNormSeparatedLayerNorm, K, bias=bias, dtype=dtype)
+    else:
+        layer, plain = twins(PEGradNormLinear if kind == "gns" else PEGradNormShimLinear, K, L, bias=bias,
+                             dtype=dtype)
+        layer.per_example_mode = mode
+    check(layer, plain, float_batches(steps, (B, T, K), L, dtype=dtype), grad_exact=kind == "shim")
+
+
+@settings(max_examples=25, deadline=None)
+@given(cls=st.sampled_from(EMBEDDINGS), B=st.integers(1, 4), T=st.integers(1, 6), V=st.integers(1, 12),
+       D=st.integers(1, 5), steps=st.integers(1, 3), padding=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_property_embedding(cls, B, T, V, D, steps, padding, dtype):
+    torch.manual_seed(B * 1000 + T * 100 + V * 10 + D)
+    padding_idx = V - 1 if padding else None
+    layer, plain = twins(cls, V, D, padding_idx=padding_idx, dtype=dtype)
+    check(layer, plain, id_batches(steps, (B, T), V, D, padding_idx))
+
+
+@settings(max_examples=15, deadline=None)
+@given(Embedding=st.sampled_from(EMBEDDINGS), Head=st.sampled_from(LINEARS), B=st.integers(1, 3),
+       T=st.integers(1, 5), V=st.integers(1, 9), D=st.integers(1, 4), steps=st.integers(1, 2),
+       mode=st.sampled_from(["ghost", "materialise"]))
+def test_property_tied(Embedding, Head, B, T, V, D, steps, mode):
+    torch.manual_seed(B * 1000 + T * 100 + V * 10 + D)
+    model, plain = TiedLM(Embedding, Head, V, D), TiedLM(nn.Embedding, nn.Linear, V, D)
+    plain.load_state_dict(model.state_dict())
+    model.head.per_example_mode = mode
+    batches = [(torch.randint(0, V, (B, T)), torch.randn(B, T, V)) for _ in range(steps)]
+    expected = brute_force(plain, batches)
+    run(model, batches)
+    torch.testing.assert_close(measured(model)["wte.weight"], expected["wte.weight"].item(), rtol=1e-5, atol=1e-9)
