@@ -19,9 +19,9 @@ Settings (train.py's flags for each):
     hooks-exact  --gns_hooks=exact                       ghost-norm hooks on plain Linears
 
 Reported per setting: median milliseconds per iteration over all timed iterations, tokens/s,
-their ratio to the nn baseline (tokens/s over tokens/s) with its range over the rounds (each
-round's median against that round's baseline: a wide range means the machine was noisy), and
-peak memory. Peak memory is measured for each setting in a fresh subprocess that builds the
+their ratio to the nn baseline (tokens/s over tokens/s), the same ratio taken round by round
+(each round's median against that round's baseline: the median of those cancels drift between
+rounds, and their range says how noisy the machine was), and peak memory. Peak memory is measured for each setting in a fresh subprocess that builds the
 model and trains a few steps: on CUDA torch.cuda.max_memory_allocated (everything: weights,
 optimizer state, activations, buffers); on CPU the peak resident set size above the one before
 the model was built (VmHWM after resetting it through /proc/self/clear_refs). A fresh process
@@ -371,23 +371,26 @@ def main(argv=None):
         ms = statistics.median(t for rnd in times[s] for t in rnd) * 1e3
         round_ratios = [statistics.median(b) / statistics.median(t) for b, t in zip(times[BASELINE], times[s])]
         rows.append(dict(setting=s, flags=flags_text(s), ms_per_iter=ms, tokens_per_s=tokens_per_iter / ms * 1e3,
-                         ratio=base_ms / ms, ratio_min=min(round_ratios), ratio_max=max(round_ratios),
+                         ratio=base_ms / ms, ratio_rounds=statistics.median(round_ratios),
+                         ratio_min=min(round_ratios), ratio_max=max(round_ratios),
                          peak_mem_mib=memory[s] / 2**20, mem_ratio=memory[s] / memory[BASELINE],
                          device=args.device, dtype=args.dtype, compile=args.compile, n_layer=args.n_layer,
                          n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size,
                          batch_size=args.batch_size, iters=args.iters, rounds=args.rounds))
     mem_what = 'max_memory_allocated' if args.device.startswith('cuda') else 'peak RSS increase'
     print()
-    header = (f"{'setting':<12} {'ms/iter':>9} {'tokens/s':>10} {'vs nn':>7} {'rounds':>13} "
+    header = (f"{'setting':<12} {'ms/iter':>9} {'tokens/s':>10} {'vs nn':>7} {'by round (min-max)':>24} "
               f"{'peak MiB':>9} {'vs nn':>6}  flags")
     print(header)
     print('-' * (len(header) + 40))
     for row in rows:
         print(f"{row['setting']:<12} {row['ms_per_iter']:9.2f} {row['tokens_per_s']:10,.0f} {row['ratio']:6.3f}x "
-              f"{row['ratio_min']:6.3f}-{row['ratio_max']:.3f} {row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x  "
+              f"{row['ratio_rounds']:9.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) "
+              f"{row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x  "
               f"{row['flags']}")
-    print(f"(vs nn: tokens/s over the baseline's, median over all timed iterations; rounds: the range of "
-          f"each round's ratio; peak memory: {mem_what}, one process per setting)")
+    print(f"(vs nn: tokens/s over the baseline's, from the medians over all timed iterations; by round: the "
+          f"median and range of each round's ratio to the same round's baseline, which cancels drift between "
+          f"rounds, a wide range says the machine was noisy; peak memory: {mem_what}, one process per setting)")
     if args.csv:
         try:
             with open(args.csv, 'w', newline='') as f:

@@ -32,7 +32,7 @@ def test_settings_table_and_csv(tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["setting"] for r in rows] == ["nn", "ln-fused", "hooks-exact"]
     for r in rows:
-        for key in ("ms_per_iter", "tokens_per_s", "ratio", "ratio_min", "ratio_max", "peak_mem_mib", "mem_ratio"):
+        for key in ("ms_per_iter", "tokens_per_s", "ratio", "ratio_rounds", "ratio_min", "ratio_max", "peak_mem_mib", "mem_ratio"):
             assert float(r[key]) > 0, (r["setting"], key, r[key])
         # tokens/s is the tokens of one iteration (2 x 8) over its time
         assert float(r["tokens_per_s"]) == pytest.approx(16 / (float(r["ms_per_iter"]) / 1e3), rel=1e-6)
