@@ -1,0 +1,107 @@
+"""
+The two short CPU training runs that `Replicating Figures.ipynb` draws its figures from: the
+same small GPT, the same tokens and learning-rate schedule, every parameter's per-example
+gradient norm measured (--linearclass=gns --embeddingclass=gns --lnclass=shim), once with a
+fixed batch and once with a batch-size schedule (--bs_schedule=True: gradient accumulation
+growing linearly in tokens from 1 step to the fixed run's gradient_accumulation_steps).
+
+    python bench/figure_runs.py                      # out-figures/fixed, out-figures/schedule
+    python bench/figure_runs.py --out_dir runs --dataset data/shakespeare_char --max_tokens=400000
+
+Any other --key=value is passed to train.py for both runs (model size, tokens, evaluation...).
+The two runs go side by side, each with half the CPU threads; each run's output is kept in
+OUT_DIR/<run>.out. With --execute the notebook then runs headless on them (nbclient): the PNGs
+go to OUT_DIR/figures and the notebook with its outputs to OUT_DIR/Replicating Figures.ipynb.
+Or open the notebook in Jupyter with GNS_RUN_FIXED=OUT_DIR/fixed GNS_RUN_SCHEDULE=OUT_DIR/schedule.
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from csv_tools import ToolParser  # noqa: E402
+
+# A 4-layer, 128-wide character-level GPT (as in the CPU demo), 32 examples of 64 tokens per
+# optimizer step in the fixed run: a few minutes on 2 CPU cores
+TRAIN_FLAGS = dict(
+    device='cpu', dtype='float32', compile=False, device_name='M1_eflops',
+    n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=8, dropout=0.0, bias=False,
+    gradient_accumulation_steps=4, max_tokens=400 * 4 * 8 * 64,
+    learning_rate=1e-3, min_lr=1e-4, beta2=0.99, warmup_tokens=20 * 4 * 8 * 64, lr_decay_tokens=400 * 4 * 8 * 64,
+    eval_interval=20, eval_iters=10, log_interval=50, always_save_checkpoint=False,
+    linearclass='gns', embeddingclass='gns', lnclass='shim',
+)
+RUNS = {'fixed': dict(bs_schedule=False), 'schedule': dict(bs_schedule=True)}
+NOTEBOOK = 'Replicating Figures.ipynb'
+
+
+def main(argv=None):
+    parser = ToolParser(prog='bench/figure_runs.py', description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--out_dir', default='out-figures', help="where the runs go: OUT_DIR/fixed, OUT_DIR/schedule "
+                                                                  "(default: out-figures)")
+    parser.add_argument('--dataset', default='shakespeare_char',
+                        help="a dataset under data/ or a folder holding train.bin, val.bin (default: shakespeare_char; "
+                             "prepare it with python data/shakespeare_char/prepare.py)")
+    parser.add_argument('--execute', action='store_true',
+                        help="then execute Replicating Figures.ipynb on the two runs (PNGs in OUT_DIR/figures)")
+    args, extra = parser.parse_known_args(argv)
+    for flag in extra:
+        if not flag.startswith('--') or '=' not in flag:
+            parser.error(f"{flag!r}: train.py flags must be written --key=value")
+    lr_decay_given = any(f.startswith('--lr_decay_tokens=') for f in extra)
+    max_tokens = [f.split('=', 1)[1] for f in extra if f.startswith('--max_tokens=')]
+    flags = dict(TRAIN_FLAGS, dataset=args.dataset)
+    if max_tokens and not lr_decay_given:
+        extra.append(f'--lr_decay_tokens={max_tokens[-1]}')  # decay over the whole run, as by default
+
+    data_dir = args.dataset if os.path.isdir(args.dataset) else os.path.join(ROOT, 'data', args.dataset)
+    if not os.path.isfile(os.path.join(data_dir, 'train.bin')):
+        parser.error(f"dataset {args.dataset!r} is not prepared (no {os.path.join(data_dir, 'train.bin')}); "
+                     f"for shakespeare_char run: python data/shakespeare_char/prepare.py")
+    threads = str(max(1, (os.cpu_count() or 2) // len(RUNS)))
+    procs = {}
+    for name, run_flags in RUNS.items():
+        out_dir = os.path.join(args.out_dir, name)
+        os.makedirs(out_dir, exist_ok=True)
+        argv = [sys.executable, os.path.join(ROOT, 'train.py')]
+        argv += [f'--{k}={v}' for k, v in {**flags, **run_flags, 'out_dir': out_dir}.items()] + extra
+        log = open(os.path.join(args.out_dir, f'{name}.out'), 'w')
+        env = dict(os.environ, OMP_NUM_THREADS=threads, WANDB_MODE='disabled')
+        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env), log)
+        print(f"{name}: training into {out_dir} (output in {log.name})", flush=True)
+    failed = []
+    for name, (proc, log) in procs.items():
+        proc.wait()
+        log.close()
+        if proc.returncode != 0:
+            with open(log.name) as f:
+                lines = f.read().strip().splitlines()
+            failed.append(f"{name} run failed: {lines[-1] if lines else 'no output'} (see {log.name})")
+    for message in failed:
+        print(f"bench/figure_runs.py: error: {message}", file=sys.stderr)
+    if failed:
+        return 2
+    print(f"done: GNS_RUN_FIXED={os.path.join(args.out_dir, 'fixed')} "
+          f"GNS_RUN_SCHEDULE={os.path.join(args.out_dir, 'schedule')}")
+    if args.execute:
+        execute_notebook(args.out_dir)
+    return 0
+
+
+def execute_notebook(out_dir):
+    import nbclient
+    import nbformat
+    out_dir = os.path.abspath(out_dir)
+    os.environ.update(GNS_RUN_FIXED=os.path.join(out_dir, 'fixed'), GNS_RUN_SCHEDULE=os.path.join(out_dir, 'schedule'),
+                      FIGURES_DIR=os.path.join(out_dir, 'figures'))
+    nb = nbformat.read(os.path.join(ROOT, NOTEBOOK), as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': ROOT}}).execute()
+    nbformat.write(nb, os.path.join(out_dir, NOTEBOOK))
+    print(f"figures in {os.environ['FIGURES_DIR']}, the executed notebook in {os.path.join(out_dir, NOTEBOOK)}")
+
+
+if __name__ == '__main__':
+    sys.exit(main())
