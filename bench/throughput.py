@@ -233,23 +233,52 @@ def memory_in_subprocess(setting, args):
 
 # -- profile ------------------------------------------------------------------------------------
 
-def profile(run, iters, rows):
-    """Top ops by self CPU time over `iters` steps, and the backward nodes by total CPU time."""
+PROFILE_PASSES = 3  # interleaved, like the timing rounds, so that drift does not land on one setting
+
+
+def profile(runs, settings, iters, rows):
+    """
+    torch.profiler over PROFILE_PASSES x `iters` steps of each setting and the baseline, the
+    settings taking turns. Prints, per setting: the top ops by self CPU time (last pass), the
+    backward nodes by total CPU time, and the ops whose self CPU time per iteration differs most
+    from the baseline's: where a setting's extra time goes.
+    """
     from torch.profiler import ProfilerActivity, profile as torch_profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == 'cuda' else [])
-    with torch_profile(activities=activities) as prof:
-        run.timed_steps(iters)
-    events = prof.key_averages()
-    print(f"\nprofile of {run.setting} ({flags_text(run.setting)}), {iters} iterations: ops by self CPU time")
-    print(events.table(sort_by='self_cpu_time_total', row_limit=rows))
-    nodes = sorted((e for e in events if e.key.startswith('autograd::engine::evaluate_function: ')),
-                   key=lambda e: -e.cpu_time_total)
-    total = sum(e.self_cpu_time_total for e in events)
-    print(f"backward nodes of {run.setting} by total CPU time (all ops inside; {total / 1e3 / iters:.1f} ms of "
-          f"self CPU time per iteration in all):")
-    for e in nodes[:rows]:
-        name = e.key.split(': ', 1)[1]
-        print(f"  {name:<44} {e.cpu_time_total / 1e3 / iters:9.3f} ms/iter  {e.count // iters:4d} calls/iter")
+    settings = [BASELINE] + [s for s in settings if s != BASELINE]
+    self_ms = {s: {} for s in settings}  # op -> self CPU ms per iteration
+    node_ms = {s: {} for s in settings}  # backward node -> total CPU ms per iteration
+    wall_ms = {s: 0.0 for s in settings}
+    tables = {}
+    n = PROFILE_PASSES * iters
+    for _ in range(PROFILE_PASSES):
+        for s in settings:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runs[s].device.type == 'cuda' else [])
+            with torch_profile(activities=activities) as prof:
+                wall_ms[s] += sum(runs[s].timed_steps(iters)) * 1e3 / n
+            events = prof.key_averages()
+            for e in events:
+                self_ms[s][e.key] = self_ms[s].get(e.key, 0.0) + e.self_cpu_time_total / 1e3 / n
+                if e.key.startswith('autograd::engine::evaluate_function: '):
+                    name = e.key.split(': ', 1)[1]
+                    node_ms[s][name] = node_ms[s].get(name, 0.0) + e.cpu_time_total / 1e3 / n
+            tables[s] = events.table(sort_by='self_cpu_time_total', row_limit=rows)
+    base = self_ms[BASELINE]
+    for s in settings:
+        in_ops = sum(self_ms[s].values())
+        print(f"\nprofile of {s} ({flags_text(s)}), {PROFILE_PASSES} x {iters} iterations: {wall_ms[s]:.1f} ms per "
+              f"iteration under the profiler, {in_ops:.1f} ms of it inside ops; ops by self CPU time (last pass):")
+        print(tables[s])
+        print(f"backward nodes of {s}, total CPU time per iteration (the ops inside them included):")
+        for name, ms in sorted(node_ms[s].items(), key=lambda kv: -kv[1])[:rows]:
+            print(f"  {name:<56} {ms:9.2f} ms")
+        if s == BASELINE:
+            continue
+        deltas = sorted(((ms - base.get(op, 0.0), op) for op, ms in self_ms[s].items()), reverse=True)
+        deltas += sorted((-ms, op) for op, ms in base.items() if op not in self_ms[s])
+        print(f"self CPU time per iteration against {BASELINE}'s ({in_ops - sum(base.values()):+.1f} ms inside ops, "
+              f"{wall_ms[s] - wall_ms[BASELINE]:+.1f} ms wall), the largest differences:")
+        for delta, op in sorted(deltas, key=lambda d: -abs(d[0]))[:rows]:
+            print(f"  {op:<56} {delta:+8.2f} ms  ({base.get(op, 0.0):.2f} -> {self_ms[s].get(op, 0.0):.2f})")
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -297,7 +326,9 @@ def parse_args(argv):
     parser.add_argument('--quick', action='store_true', help="a small model and few iterations: about a minute on 2 CPU cores")
     parser.add_argument('--csv', metavar='PATH', help="also write the results to this CSV file")
     parser.add_argument('--profile', type=settings_list, metavar='SETTINGS',
-                        help="after timing, profile these settings (torch.profiler) and print the top ops")
+                        help=f"after timing, profile these settings and the baseline (torch.profiler, {PROFILE_PASSES} "
+                             f"interleaved passes of --iters iterations): top ops, backward nodes, and the ops whose "
+                             f"time differs most from the baseline's")
     parser.add_argument('--profile_rows', type=positive_int, default=15, help="rows of each profile table (default: 15)")
     parser.add_argument('--threads', type=positive_int,
                         help="CPU threads for torch (default: torch's own choice); on a busy machine 1 is steadier")
@@ -358,8 +389,7 @@ def main(argv=None):
         print(f"  round {r + 1}/{args.rounds}: " + ', '.join(
             f"{s} {statistics.median(times[s][-1]) * 1e3:.1f}" for s in args.settings) + " ms/iter", flush=True)
     if args.profile:
-        for s in args.profile:
-            profile(runs[s], args.iters, args.profile_rows)
+        profile(runs, args.profile, args.iters, args.profile_rows)
     del runs
     gc.collect()
 
