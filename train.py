@@ -363,7 +363,7 @@ def evaluate_and_checkpoint():
 
 
 def finished():
-    return int(raw_model.tokens_processed) >= max_tokens or (max_iters > 0 and iter_num >= max_iters)
+    return tokens_processed >= max_tokens or (max_iters > 0 and iter_num >= max_iters)
 
 
 # out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for
@@ -374,15 +374,17 @@ if master_process:
                         wandb_log=wandb_log, wandb_project=wandb_project, wandb_run_name=wandb_run_name)
 
 params = [p for p in raw_model.parameters() if p.requires_grad]
+# a host copy of the model's tokens_processed buffer: reading the device buffer would sync
+tokens_processed = int(raw_model.tokens_processed)
 X, Y = get_batch('train')
 t0 = time.time()
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
 running_mfu = -1.0
 while not finished():
     if schedule is not None:
-        gradient_accumulation_steps = schedule.steps_at(int(raw_model.tokens_processed), ddp_world_size)
+        gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
-    lr = lr_at(int(raw_model.tokens_processed) + tokens_this_step, learning_rate, min_lr,
+    lr = lr_at(tokens_processed + tokens_this_step, learning_rate, min_lr,
                warmup_tokens, lr_decay_tokens, decay_lr)
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
@@ -390,7 +392,7 @@ while not finished():
     if iter_num % eval_interval == 0 and master_process:
         evaluate_and_checkpoint()
         if eval_only:
-            logger.log({'iter_num': iter_num, 'tokens_processed': int(raw_model.tokens_processed)})
+            logger.log({'iter_num': iter_num, 'tokens_processed': tokens_processed})
             logger.step()
             break
 
@@ -438,6 +440,7 @@ while not finished():
     if microbatch is not None:
         microbatch.zero()
     raw_model.tokens_processed += tokens_this_step
+    tokens_processed += tokens_this_step
 
     t1 = time.time()
     dt = t1 - t0
@@ -447,9 +450,10 @@ while not finished():
         if local_iter_num >= 5:  # the first iterations are slow (allocation, compilation)
             mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps * ddp_world_size, dt)
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-        logger.log({'iter_num': iter_num, 'tokens_processed': int(raw_model.tokens_processed), 'dt': dt,
+        grad_normf = grad_norm.item()
+        logger.log({'iter_num': iter_num, 'tokens_processed': tokens_processed, 'dt': dt,
                     'tokens_per_sec': tokens_this_step / dt, 'mfu': running_mfu, 'lr': lr,
-                    'grad_norm': grad_norm.item(), 'gradient_accumulation_steps': gradient_accumulation_steps,
+                    'grad_norm': grad_normf, 'gradient_accumulation_steps': gradient_accumulation_steps,
                     'train/lossf': lossf})
         logger.log(gns_logs.pop())
         logger.log(approx_logs)
@@ -460,7 +464,7 @@ while not finished():
             if ddp_gns is not None:
                 gns_msg += f", ddp gns {ddp_gns.get_gns():.1f}"
             print(f"iter {iter_num + 1}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
-                  f"tokens {int(raw_model.tokens_processed):,}, lr {lr:.3e}, grad_norm {grad_norm.item():.3f}{gns_msg}")
+                  f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}{gns_msg}")
         logger.step()
     iter_num += 1
     local_iter_num += 1
@@ -469,7 +473,7 @@ while not finished():
 if master_process:
     if not eval_only:
         evaluate_and_checkpoint()
-        logger.log({'iter_num': iter_num, 'tokens_processed': int(raw_model.tokens_processed)})
+        logger.log({'iter_num': iter_num, 'tokens_processed': tokens_processed})
         logger.step()
     logger.close()
     if gns_tracker is not None and gns_tracker.skipped_steps:
