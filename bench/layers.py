@@ -5,8 +5,9 @@ torch layers against every layer `gns` (fused) and every layer `shim`. Each sett
 fresh subprocess so that its peak resident memory (ru_maxrss) is its own.
 
 Reports ms per iteration (forward + backward + AdamW step, after warmup), median and fastest over
-all timed iterations of all rounds, and the peak resident memory, total and above what the
-process held before its first step (the largest over rounds).
+all timed iterations of all rounds, the median process CPU time per iteration (all threads; less
+sensitive than wall time to other load on the machine), and the peak resident memory, total and
+above what the process held before its first step (the largest over rounds).
 
     python bench/layers.py                    # batch 8
     python bench/layers.py --batch_size 64    # nanoGPT's shakespeare_char batch (slow on CPU)
@@ -52,17 +53,19 @@ def child(args):
     x = torch.randint(0, 65, (args.batch_size, 256))
     y = torch.randint(0, 65, (args.batch_size, 256))
     before = maxrss_mib()
-    times = []
+    times, cpu_times = [], []
     for i in range(args.warmup + args.iters):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         _, loss = model(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         buffered.zero_sqgradnorm_buffers(model)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     measured = len(buffered.find_sqgradnorm_buffers(model))
     print(json.dumps(dict(setting=args.child, ms=[1000 * t for t in times[args.warmup:]],
+                          cpu_ms=[1000 * t for t in cpu_times[args.warmup:]],
                           peak_mib=maxrss_mib(), extra_mib=maxrss_mib() - before, measured=measured)))
 
 
@@ -117,16 +120,17 @@ def main():
             if out.returncode != 0:
                 sys.exit(f"setting {name} failed:\n{out.stderr}")
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"{'layers':>6} {'median ms':>10} {'x nn':>6} {'min ms':>8} {'x nn':>6} {'peak MiB':>9} {'extra MiB':>10}"
-          f" {'measured params':>16}")
+    print(f"{'layers':>6} {'median ms':>10} {'x nn':>6} {'min ms':>8} {'x nn':>6} {'CPU ms':>8} {'x nn':>6}"
+          f" {'peak MiB':>9} {'extra MiB':>10} {'measured params':>16}")
     base = None
     for name, runs in results.items():
         times = [t for r in runs for t in r["ms"]]
+        cpu = statistics.median([t for r in runs for t in r["cpu_ms"]])  # less sensitive to other load
         median, fastest = statistics.median(times), min(times)
-        base = base or (median, fastest)
+        base = base or (median, fastest, cpu)
         print(f"{name:>6} {median:>10.0f} {median / base[0]:>6.2f} {fastest:>8.0f} {fastest / base[1]:>6.2f}"
-              f" {max(r['peak_mib'] for r in runs):>9.0f} {max(r['extra_mib'] for r in runs):>10.0f}"
-              f" {runs[0]['measured']:>16}")
+              f" {cpu:>8.0f} {cpu / base[2]:>6.2f} {max(r['peak_mib'] for r in runs):>9.0f}"
+              f" {max(r['extra_mib'] for r in runs):>10.0f} {runs[0]['measured']:>16}")
 
 
 if __name__ == "__main__":
