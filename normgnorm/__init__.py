@@ -139,6 +139,39 @@ _layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 torch.library.register_autocast("normgnorm::layer_norm_fwd", "cuda", torch.float32)
 
 
+class _EagerTorchPath(torch.autograd.Function):
+    """
+    The torch path as a plain autograd Function: what layer_norm runs in eager mode off GPU.
+    The custom op is what torch.compile needs; in eager mode its Python dispatch costs about
+    as much as a small LayerNorm itself, for the same maths.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps):
+        D = x.shape[-1]
+        y2d, mean, rstd = torch_path.forward(x.reshape(-1, D), weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
+        ctx.has_bias = bias is not None
+        return y2d.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        weight_sqgradnorm, bias_sqgradnorm, example_count = ctx.bufs
+        D = x.shape[-1]
+        num_examples, N = _examples_and_rows(x)
+        need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        if N == 0:
+            example_count.add_(num_examples)
+            return (torch.zeros_like(x), torch.zeros_like(weight) if need_dw else None,
+                    torch.zeros_like(weight) if need_db else None, None, None, None, None)
+        dx2d, dw, db = torch_path.backward(dy.reshape(-1, D), x.reshape(-1, D), weight, mean, rstd,
+                                           num_examples, need_dw, need_db,
+                                           weight_sqgradnorm, bias_sqgradnorm, example_count)
+        return dx2d.view(x.shape), dw, db, None, None, None, None
+
+
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
                eps: float = 1e-5, backend: Optional[str] = None) -> Tensor:
@@ -147,4 +180,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     squared norms of dγ, dβ into the float32 0-dim buffers weight_sqgradnorm, bias_sqgradnorm
     (None when there is no bias) and the number of examples into example_count.
     """
-    return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend or "")[0]
+    backend = backend or ""
+    if not x.is_cuda and not torch.compiler.is_compiling() and resolve_backend(backend, x) == "torch":
+        return _EagerTorchPath.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps)
+    return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend)[0]

@@ -64,7 +64,13 @@ def make_inputs(shape, dtype, bias, seed, device="cpu"):
     return x, dy, weight, b
 
 
-def check_op(shapes, dtype, bias, backend, device="cpu"):
+def through_op(x, weight, b, sq_w, sq_b, count, eps, backend):
+    """The custom op itself (what torch.compile traces), not the plain autograd Function that
+    normgnorm.layer_norm takes in eager mode off GPU."""
+    return normgnorm._layer_norm_fwd(x, weight, b, sq_w, sq_b, count, eps, backend or "")[0]
+
+
+def check_op(shapes, dtype, bias, backend, device="cpu", layer_norm=normgnorm.layer_norm):
     """Two calls (two gradient-accumulation micro-steps, different data) through the autograd op."""
     weight0 = make_inputs(shapes[0], dtype, bias, seed=0, device=device)[2]
     weight = weight0.clone().requires_grad_()
@@ -76,7 +82,7 @@ def check_op(shapes, dtype, bias, backend, device="cpu"):
     for call, shape in enumerate(shapes):
         x, dy, _, _ = make_inputs(shape, dtype, bias, seed=call + 1, device=device)
         x.requires_grad_()
-        y = normgnorm.layer_norm(x, weight, b, sq_w, sq_b, count, EPS, backend)
+        y = layer_norm(x, weight, b, sq_w, sq_b, count, EPS, backend)
         y.backward(dy)
         ref = oracle(x, weight, b, dy)
         tol = TOL[dtype]
@@ -101,11 +107,21 @@ SHAPES = {"3d": [(3, 5, 40), (2, 7, 40)], "2d": [(6, 40), (4, 40)], "4d": [(2, 3
 
 # ---------------------------------------------------------------- the pure-PyTorch path (CPU)
 
+@pytest.mark.parametrize("entry", ["eager", "op"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_torch_path_matches_oracles(dtype, bias, shape):
-    check_op(SHAPES[shape], dtype, bias, backend="torch")
+def test_torch_path_matches_oracles(dtype, bias, shape, entry):
+    check_op(SHAPES[shape], dtype, bias, backend="torch",
+             layer_norm=normgnorm.layer_norm if entry == "eager" else through_op)
+
+
+def test_eager_cpu_calls_skip_the_custom_op():
+    x, _, weight, b = make_inputs((2, 3, 8), torch.float32, True, seed=2)
+    bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
+    x.requires_grad_()
+    assert type(normgnorm.layer_norm(x, weight, b, *bufs).grad_fn).__name__ == "_EagerTorchPathBackward"
+    assert "layer_norm_fwd" in type(through_op(x, weight, b, *bufs, EPS, "").grad_fn).__name__.lower()
 
 
 def test_oracle_per_example_norms_by_loop():
@@ -155,11 +171,12 @@ def test_cpu_path_needs_no_triton():
     assert done.returncode == 0, done.stderr
 
 
-def test_empty_input():
+@pytest.mark.parametrize("layer_norm", [normgnorm.layer_norm, through_op], ids=["eager", "op"])
+def test_empty_input(layer_norm):
     x = torch.zeros(0, 5, 8, requires_grad=True)
     weight = torch.ones(8, requires_grad=True)
     sq_w, count = torch.zeros(()), torch.zeros(())
-    normgnorm.layer_norm(x, weight, None, sq_w, None, count).sum().backward()
+    layer_norm(x, weight, None, sq_w, None, count, EPS, "").sum().backward()
     assert x.grad.shape == x.shape and weight.grad.abs().sum() == 0 and sq_w.item() == 0 and count.item() == 0
 
 
