@@ -42,6 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
+from normgnorm.torch_path import per_example_affine_grads
+
 
 def register_sqgradnorm_buffers(module):
     """Give `module` an example counter and one float32 running-sum buffer per own parameter."""
@@ -118,8 +120,13 @@ def tie_weights(embedding, head):
 # Per-example squared norms, as pure functions of [B, T, .] tensors (float32 results).
 
 def _sqsum(t):
-    """Sum of squares of t, reduced in (at least) float32, as float32."""
-    return torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).square().float()
+    """Sum of squares of t as float32, accumulated in at least float32. A dot product where t
+    is float32/64: on CPU it is faster and far more precise than vector_norm (relative error
+    ~1e-5 against ~1e-4 over a few million elements)."""
+    if t.dtype in (torch.float32, torch.float64):
+        flat = t.reshape(-1)
+        return torch.dot(flat, flat).float()
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
 
 
 def _chunk(per_example_numel, B, max_chunk_numel):
@@ -128,8 +135,10 @@ def _chunk(per_example_numel, B, max_chunk_numel):
 
 
 # Fused layers: use the ghost norm when T^2 (K+L) < FUSED_GHOST_RATIO * K L. The crossover
-# measured on CPU (bench/layers.py --sweep) lies between 20 and 80.
-FUSED_GHOST_RATIO = 32
+# measured on CPU (bench/layers.py --sweep) lies between 20 and 80; inside a small GPT's
+# backward (T 64, width 128) both cost the same at about 40, where the ghost's few [T, T]
+# Gram matrices take far less memory than B*K*L per-example weight gradients.
+FUSED_GHOST_RATIO = 48
 
 
 def _use_ghost(T, K, L, fused, mode):
@@ -148,39 +157,50 @@ def _use_ghost(T, K, L, fused, mode):
 
 
 def _weight_sqnorm_ghost(x, dy, max_chunk_numel):
-    """sum_b ||dy_b^T x_b||^2 = sum_b sum_{t,t'} <x_bt, x_bt'> <dy_bt, dy_bt'>, in float32
-    (the Gram matrices of a loss-scaled fp16 dy would overflow in fp16)."""
+    """sum_b ||dy_b^T x_b||^2 = sum_b sum_{t,t'} <x_bt, x_bt'> <dy_bt, dy_bt'>, the Gram matrices
+    in at least float32 (those of a loss-scaled fp16 dy would overflow in fp16)."""
     B, T, K = x.shape
     L = dy.shape[2]
-    chunk = _chunk(3 * T * T + T * (K + L), B, max_chunk_numel)
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    chunk = _chunk(2 * T * T + T * (K + L), B, max_chunk_numel)
+    total = None
     for s in range(0, B, chunk):
-        xc, dc = x[s:s + chunk].float(), dy[s:s + chunk].float()
-        total = total + (torch.bmm(xc, xc.mT) * torch.bmm(dc, dc.mT)).sum()
+        xc, dc = x[s:s + chunk].to(acc), dy[s:s + chunk].to(acc)
+        gram_x, gram_dy = torch.bmm(xc, xc.mT), torch.bmm(dc, dc.mT)
+        part = torch.dot(gram_x.view(-1), gram_dy.view(-1)).float()  # <G_x, G_dy> over the chunk
+        total = part if total is None else total + part
     return total
 
 
-def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad):
+def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
     """sum_b ||W_b||^2 with W_b = dy_b^T x_b materialised a chunk of examples at a time, in
     the compute dtype (it is the weight gradient's own GEMM split by example); also their sum,
-    the weight gradient (float32), when want_grad."""
+    the weight gradient (in at least float32), when want_grad; and for a tied output head (ids
+    given, [B, T]) Q_b[t] = W_b[id_bt] as float32 [B, T, K], a gather from the rows at hand."""
     B, T, K = x.shape
     L = dy.shape[2]
+    acc = torch.promote_types(x.dtype, torch.float32)
     chunk = _chunk(2 * K * L, B, max_chunk_numel)
-    total = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad = None
+    total = grad = None
+    q_parts = []
     for s in range(0, B, chunk):
         per_example = torch.bmm(dy[s:s + chunk].mT, x[s:s + chunk])  # [chunk, L, K]
-        total = total + _sqsum(per_example)
+        part = _sqsum(per_example)
+        total = part if total is None else total + part
         if want_grad:
-            part = per_example.sum(0, dtype=torch.float32)
-            grad = part if grad is None else grad + part
-    return total, grad
+            part = per_example.sum(0, dtype=acc)
+            grad = part if grad is None else grad.add_(part)
+        if ids is not None:
+            rows = ids[s:s + chunk, :, None].expand(-1, -1, K)
+            q_parts.append(per_example.gather(1, rows).float())
+    q = None if ids is None else torch.cat(q_parts) if len(q_parts) > 1 else q_parts[0]
+    return total, grad, q
 
 
 def _head_grad_at_ids(x, dy, ids, max_chunk_numel):
-    """For a tied output head: Q_b[t] = H_b[id_bt] = sum_t' dy_bt'[id_bt] x_bt', [B, T, D]
-    float32: the head's per-example weight gradient read at the rows the embedding used."""
+    """For a tied output head whose per-example weight gradients are not materialised (ghost
+    norm): Q_b[t] = H_b[id_bt] = sum_t' dy_bt'[id_bt] x_bt', [B, T, D] float32, the head's
+    per-example weight gradient read at the rows the embedding used, O(B T' T D) flops."""
     B, T2, V = dy.shape
     T = ids.shape[1]
     chunk = _chunk(2 * T2 * T, B, max_chunk_numel)
@@ -275,15 +295,18 @@ class _LinearFn(torch.autograd.Function):
             dx = dy.matmul(weight)
         if ctx.needs_input_grad[1]:
             measured = w_sq is not None or ctx.linked
+            ids2 = ids.reshape(B, -1) if ctx.linked else None
             if measured and not ctx.ghost:
-                sq, dw32 = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, want_grad=True)
+                sq, dw32, q = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, True, ids2)
                 dw = dw32.to(weight.dtype)
             else:
                 dw = dy.reshape(-1, L).mT.mm(x.reshape(-1, K))
                 if measured:
                     sq = _weight_sqnorm_ghost(x3, dy3, ctx.max_chunk_numel)
+                if ctx.linked:
+                    q = _head_grad_at_ids(x3, dy3, ids2, ctx.max_chunk_numel)
             if ctx.linked:  # tied head: the norm and the cross-term factor go to the embedding
-                h_sq, q = sq, _head_grad_at_ids(x3, dy3, ids.reshape(B, -1), ctx.max_chunk_numel)
+                h_sq = sq
             elif w_sq is not None:
                 w_sq.add_(sq)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -317,12 +340,15 @@ class _LinearNormTap(torch.autograd.Function):
         x3, dy3 = x.reshape(B, -1, K), dy.reshape(B, -1, L)
         q = h_sq = None
         if w_sq is not None or ctx.linked:
+            ids2 = ids.reshape(B, -1) if ctx.linked else None
             if ctx.ghost:
                 sq = _weight_sqnorm_ghost(x3, dy3, ctx.max_chunk_numel)
+                if ctx.linked:
+                    q = _head_grad_at_ids(x3, dy3, ids2, ctx.max_chunk_numel)
             else:
-                sq, _ = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, want_grad=False)
+                sq, _, q = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, False, ids2)
             if ctx.linked:
-                h_sq, q = sq, _head_grad_at_ids(x3, dy3, ids.reshape(B, -1), ctx.max_chunk_numel)
+                h_sq = sq
             else:
                 w_sq.add_(sq)
         if b_sq is not None:
@@ -561,43 +587,50 @@ class PEGradNormShimEmbedding(_MeasuredEmbedding):
 class _LayerNormFn(torch.autograd.Function):
     """
     torch's layer_norm, whose backward also measures the affine part's per-example gradients
-    dgamma_b = sum_t dy * xhat and dbeta_b = sum_t dy (float32). Only x is saved (as torch
-    saves it): backward recomputes the statistics with torch's kernel, so dx is torch's own.
+    dgamma_b = sum_t dy * xhat and dbeta_b = sum_t dy (float32). Forward and dx are torch's
+    native kernels, so output and input gradient are torch's own; besides x (which torch saves
+    too) only the row statistics mean, rstd ([B, T, 1]) are kept for backward.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, w_sq, b_sq, count, normalized_shape, eps):
-        y = F.layer_norm(x, normalized_shape, weight, bias, eps)  # autocast's policy applies here
-        ctx.save_for_backward(x, weight, bias)
+        # native_layer_norm has no autocast rule of its own: apply layer_norm's here. GPU
+        # autocast runs layer_norm in float32; CPU autocast leaves it in the input's dtype.
+        ctx.cast = x.device.type != "cpu" and torch.is_autocast_enabled(x.device.type)
+        xc, wc, bc = _float32_unless_double(x, weight, bias) if ctx.cast else (x, weight, bias)
+        y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.bufs = (w_sq, b_sq, count)
-        ctx.normalized_shape, ctx.eps, ctx.compute_dtype = normalized_shape, eps, y.dtype
+        ctx.normalized_shape = normalized_shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias = ctx.saved_tensors
+        x, weight, bias, mean, rstd = ctx.saved_tensors
         w_sq, b_sq, count = ctx.bufs
         shape = ctx.normalized_shape
-        xc = x.to(ctx.compute_dtype)  # what layer_norm normalised (autocast may have cast x)
-        # the statistics exactly as torch's kernel made them for this input and these weights
-        _, mean, rstd = torch.native_layer_norm(xc, shape, weight, bias, ctx.eps)
+        xc, wc, bc = _float32_unless_double(x, weight, bias) if ctx.cast else (x, weight, bias)
+        need_dw, need_db = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.aten.native_layer_norm_backward(dy, xc, shape, mean, rstd, weight, bias,
+            dx = torch.ops.aten.native_layer_norm_backward(dy, xc, shape, mean, rstd, wc, bc,
                                                            [True, False, False])[0].to(x.dtype)
         B, N = _examples(x, len(shape)), weight.numel()
-        dy3 = dy.reshape(B, -1, N)
-        if ctx.needs_input_grad[1]:
-            xhat = ((xc.float() - mean.float()) * rstd.float()).reshape(B, -1, N)
-            per_example = (dy3.float() * xhat).sum(1)  # [B, N]
-            dw = per_example.sum(0).view(weight.shape).to(weight.dtype)
-            w_sq.add_(per_example.square().sum())
-        if bias is not None and ctx.needs_input_grad[2]:
-            per_example = dy3.sum(1, dtype=torch.float32)
-            db = per_example.sum(0).view(bias.shape).to(bias.dtype)
-            b_sq.add_(per_example.square().sum())
+        dw_b, db_b = per_example_affine_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N),
+                                              mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1), need_dw, need_db)
+        if need_dw:
+            dw = dw_b.sum(0).view(weight.shape).to(weight.dtype)
+            w_sq.add_(dw_b.square().sum())
+        if need_db:
+            db = db_b.sum(0).view(bias.shape).to(bias.dtype)
+            b_sq.add_(db_b.square().sum())
         count.add_(B)
         return dx, dw, db, None, None, None, None, None
+
+
+def _float32_unless_double(*tensors):
+    """Autocast's float32 policy: floating tensors below float32 are cast up, float64 stays."""
+    return tuple(t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
 
 
 class PEGradNormSeparatedLayerNorm(_Float32Buffers, nn.LayerNorm):

@@ -445,13 +445,15 @@ class TiedLM(nn.Module):
 @pytest.mark.parametrize("Embedding", EMBEDDINGS)
 @pytest.mark.parametrize("Head", LINEARS)
 @pytest.mark.parametrize("mode", ["ghost", "materialise"])
-@pytest.mark.parametrize("variant", ["full", "last_only", "flat"])
+@pytest.mark.parametrize("variant", ["full", "last_only", "flat", "chunked"])
 def test_tied_weight_norm_includes_the_cross_term(Embedding, Head, mode, variant):
     torch.manual_seed(13)
     model = TiedLM(Embedding, Head, last_only=variant == "last_only")
     plain = TiedLM(nn.Embedding, nn.Linear, last_only=variant == "last_only")
     plain.load_state_dict(model.state_dict())
     model.head.per_example_mode = mode
+    if variant == "chunked":  # one example at a time: the head's cross-term factor comes in pieces
+        model.head.max_chunk_numel = 1
     shape = (6,) if variant == "flat" else (3, 5)
     out_shape = (3, 1, 11) if variant == "last_only" else (*shape, 11)
     batches = [(torch.randint(0, 11, shape), torch.randn(out_shape)) for _ in range(2)]
