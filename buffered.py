@@ -71,11 +71,10 @@ def find_sqgradnorm_buffers(model):
 @torch.no_grad()
 def zero_sqgradnorm_buffers(model):
     """Zero every per-example-norm buffer in place (after each optimizer step)."""
-    for module in model.modules():
-        if "example_count" in module._buffers:
-            for name, buf in module._buffers.items():
-                if name == "example_count" or name.endswith("_sqgradnorm"):
-                    buf.zero_()
+    bufs = [buf for module in model.modules() if "example_count" in module._buffers
+            for name, buf in module._buffers.items() if name == "example_count" or name.endswith("_sqgradnorm")]
+    if bufs:
+        torch._foreach_zero_(bufs)  # one call for all of them
 
 
 _warned = set()
