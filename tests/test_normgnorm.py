@@ -116,6 +116,12 @@ def test_torch_path_matches_oracles(dtype, bias, shape, entry):
              layer_norm=normgnorm.layer_norm if entry == "eager" else through_op)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_path_one_example_at_a_time(monkeypatch, dtype):
+    monkeypatch.setattr(normgnorm.torch_path, "CPU_CHUNK_NUMEL", 1)
+    check_op(SHAPES["3d"], dtype, True, backend="torch")
+
+
 def test_eager_cpu_calls_skip_the_custom_op():
     x, _, weight, b = make_inputs((2, 3, 8), torch.float32, True, seed=2)
     bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
