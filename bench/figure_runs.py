@@ -13,6 +13,11 @@ The two runs go side by side, each with half the CPU threads; each run's output 
 OUT_DIR/<run>.out. With --execute the notebook then runs headless on them (nbclient): the PNGs
 go to OUT_DIR/figures and the notebook with its outputs to OUT_DIR/Replicating Figures.ipynb.
 Or open the notebook in Jupyter with GNS_RUN_FIXED=OUT_DIR/fixed GNS_RUN_SCHEDULE=OUT_DIR/schedule.
+
+Runs made elsewhere (the paper's scale, on GPUs with torchrun: see the README) go in the same
+two folders; --notebook_only then draws the figures from them without training anything:
+
+    python bench/figure_runs.py --out_dir runs-owt --notebook_only
 """
 import argparse
 import os
@@ -47,7 +52,17 @@ def main(argv=None):
                              "prepare it with python data/shakespeare_char/prepare.py)")
     parser.add_argument('--execute', action='store_true',
                         help="then execute Replicating Figures.ipynb on the two runs (PNGs in OUT_DIR/figures)")
+    parser.add_argument('--notebook_only', action='store_true',
+                        help="train nothing: execute the notebook on the runs already in OUT_DIR/fixed and "
+                             "OUT_DIR/schedule (e.g. full-scale GPU runs)")
     args, extra = parser.parse_known_args(argv)
+    if args.notebook_only:
+        missing = [os.path.join(args.out_dir, name, 'log.csv') for name in RUNS
+                   if not os.path.isfile(os.path.join(args.out_dir, name, 'log.csv'))]
+        if missing:
+            parser.error(f"no run to draw from: {', '.join(missing)} not found")
+        execute_notebook(args.out_dir)
+        return 0
     for flag in extra:
         if not flag.startswith('--') or '=' not in flag:
             parser.error(f"{flag!r}: train.py flags must be written --key=value")

@@ -20,7 +20,7 @@ TINY_RUNS = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--b
 
 
 @pytest.mark.slow
-def test_notebook_writes_every_figure(tmp_path, tiny_dataset, monkeypatch):
+def test_notebook_writes_every_figure(tmp_path, tiny_dataset):
     runs = tmp_path / "runs"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "figure_runs.py"), "--out_dir", str(runs),
                            "--dataset", tiny_dataset, *TINY_RUNS], capture_output=True, text=True, cwd=ROOT,
@@ -29,14 +29,13 @@ def test_notebook_writes_every_figure(tmp_path, tiny_dataset, monkeypatch):
     with open(runs / "schedule" / "grad_accum_schedule.txt") as f:
         assert "15_360, 4" in f.read()  # the schedule grows to the fixed run's accumulation
 
-    figures = tmp_path / "figures"
-    monkeypatch.setenv("GNS_RUN_FIXED", str(runs / "fixed"))
-    monkeypatch.setenv("GNS_RUN_SCHEDULE", str(runs / "schedule"))
-    monkeypatch.setenv("FIGURES_DIR", str(figures))
-    monkeypatch.setenv("GNS_ALPHA", "0.9")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": ROOT}})
-    client.execute()  # raises CellExecutionError on any failing cell
+    # the notebook on those runs, as for full-scale runs made elsewhere: --notebook_only
+    env = dict(os.environ, GNS_ALPHA="0.9")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "figure_runs.py"), "--out_dir", str(runs),
+                           "--notebook_only"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = runs / "figures"
+    nb = nbformat.read(runs / "Replicating Figures.ipynb", as_version=4)  # executed, with its outputs
 
     for name in FIGURES:
         path = figures / name
@@ -46,3 +45,9 @@ def test_notebook_writes_every_figure(tmp_path, tiny_dataset, monkeypatch):
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, (name, len(data))
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "Pearson r" in printed and ("saved" in printed or "does not reach" in printed), printed
+
+
+def test_notebook_only_needs_the_runs(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "figure_runs.py"), "--out_dir",
+                           str(tmp_path), "--notebook_only"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "no run to draw from" in done.stderr and "Traceback" not in done.stderr
