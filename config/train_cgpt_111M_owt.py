@@ -12,9 +12,9 @@ wandb_project = 'owt'
 wandb_run_name = 'cgpt-111M'
 
 dataset = 'openwebtext'
-batch_size = 8
+batch_size = 15
 block_size = 2048
-gradient_accumulation_steps = 15  # 8 * 15 * 2048 = 245,760 tokens per step
+gradient_accumulation_steps = 8  # global: 15 * 8 * 2048 = 245,760 tokens per step; 1, 2, 4 or 8 GPUs
 
 n_layer = 10
 n_head = 12

@@ -56,3 +56,15 @@ def test_help_lists_keys(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "Train a GPT." in out and "--batch_size=12" in out
+
+
+def test_paper_config_splits_over_the_gpus_it_names():
+    """config/train_cgpt_111M_owt.py: the paper's step of 120 sequences of 2048 tokens, with global
+    accumulation steps that train.py can divide over 1, 2, 4 or 8 DDP processes."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = {}
+    with open(os.path.join(root, 'config', 'train_cgpt_111M_owt.py')) as f:
+        exec(f.read(), {}, cfg)
+    assert cfg['batch_size'] * cfg['gradient_accumulation_steps'] == 120 and cfg['block_size'] == 2048
+    assert all(cfg['gradient_accumulation_steps'] % gpus == 0 for gpus in (1, 2, 4, 8))
