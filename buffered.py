@@ -118,7 +118,7 @@ def tie_weights(embedding, head):
 # ---------------------------------------------------------------------------------------------
 # Per-example squared norms, as pure functions of [B, T, .] tensors (float32 results).
 
-def _sqsum(t):
+def sum_of_squares(t):
     """Sum of squares of t as float32, accumulated in at least float32. A dot product where t
     is float32/64: on CPU it is faster and far more precise than vector_norm (relative error
     ~1e-5 against ~1e-4 over a few million elements)."""
@@ -184,7 +184,7 @@ def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
     q_parts = []
     for s in range(0, B, chunk):
         per_example = torch.bmm(dy[s:s + chunk].mT, x[s:s + chunk])  # [chunk, L, K]
-        part = _sqsum(per_example)
+        part = sum_of_squares(per_example)
         total = part if total is None else total + part
         if want_grad:
             part = per_example.sum(0, dtype=acc)
@@ -455,7 +455,7 @@ def _embedding_backward_norms(ctx, dy, dq, ds, fused):
         dy = torch.zeros((*ids.shape, ctx.embedding_dim), dtype=torch.float32, device=ids.device)
     ids2 = ids.reshape(B, -1)
     rows, row_ids, dx = _embedding_rows(ids2, dy, ctx.num_embeddings, ctx.padding_idx)
-    sq = _sqsum(rows)
+    sq = sum_of_squares(rows)
     if dq is not None:
         sq = sq + 2 * (dx * dq.reshape(dx.shape)).sum()
     if ds is not None:

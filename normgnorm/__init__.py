@@ -71,16 +71,36 @@ def _examples_and_rows(x):
     return num_examples, x.numel() // x.shape[-1]
 
 
+def _forward(x, weight, bias, eps, backend):
+    """y, mean, rstd from the chosen implementation, on x seen as rows [N, D]."""
+    D = x.shape[-1]
+    impl = _implementation(resolve_backend(backend, x))
+    y2d, mean, rstd = impl.forward(x.reshape(-1, D).contiguous(), weight.contiguous(),
+                                   None if bias is None else bias.contiguous(), eps)
+    return y2d.view(x.shape), mean, rstd
+
+
+def _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm,
+                   example_count, backend):
+    """dx, dw, db (None where not needed), adding the per-example norms to the buffers."""
+    D = x.shape[-1]
+    num_examples, N = _examples_and_rows(x)
+    if N == 0:
+        example_count.add_(num_examples)
+        return torch.zeros_like(x), weight.new_zeros(D) if need_dw else None, weight.new_zeros(D) if need_db else None
+    impl = _implementation(resolve_backend(backend, x))
+    dx2d, dw, db = impl.backward(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(), weight.contiguous(),
+                                 mean, rstd, num_examples, need_dw, need_db,
+                                 weight_sqgradnorm, bias_sqgradnorm, example_count)
+    return dx2d.view(x.shape), dw, db
+
+
 @torch.library.custom_op("normgnorm::layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
                     eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     # The buffers are inputs only so that the backward can reach them; the forward leaves them alone.
-    D = x.shape[-1]
-    x2d = x.reshape(-1, D).contiguous()
-    impl = _implementation(resolve_backend(backend, x))
-    y2d, mean, rstd = impl.forward(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), eps)
-    return y2d.view(x.shape), mean, rstd
+    return _forward(x, weight, bias, eps, backend)
 
 
 @_layer_norm_fwd.register_fake
@@ -95,18 +115,11 @@ def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: T
                     need_dw: bool, need_db: bool,
                     weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    D = x.shape[-1]
-    num_examples, N = _examples_and_rows(x)
-    if N == 0:
-        example_count.add_(num_examples)
-        return torch.zeros_like(x), weight.new_zeros(D if need_dw else 0), weight.new_zeros(D if need_db else 0)
-    impl = _implementation(resolve_backend(backend, x))
-    dx2d, dw, db = impl.backward(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(), weight.contiguous(),
-                                 mean, rstd, num_examples, need_dw, need_db,
-                                 weight_sqgradnorm, bias_sqgradnorm, example_count)
+    dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db,
+                                weight_sqgradnorm, bias_sqgradnorm, example_count, backend)
     # a custom op returns tensors, never None: an empty one stands for "not needed"
     empty = weight.new_empty(0)
-    return dx2d.view(x.shape), empty if dw is None else dw, empty if db is None else db
+    return dx, empty if dw is None else dw, empty if db is None else db
 
 
 @_layer_norm_bwd.register_fake
@@ -148,28 +161,18 @@ class _EagerTorchPath(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps):
-        D = x.shape[-1]
-        y2d, mean, rstd = torch_path.forward(x.reshape(-1, D), weight, bias, eps)
+        y, mean, rstd = _forward(x, weight, bias, eps, "torch")
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
         ctx.has_bias = bias is not None
-        return y2d.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
-        weight_sqgradnorm, bias_sqgradnorm, example_count = ctx.bufs
-        D = x.shape[-1]
-        num_examples, N = _examples_and_rows(x)
         need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-        if N == 0:
-            example_count.add_(num_examples)
-            return (torch.zeros_like(x), torch.zeros_like(weight) if need_dw else None,
-                    torch.zeros_like(weight) if need_db else None, None, None, None, None)
-        dx2d, dw, db = torch_path.backward(dy.reshape(-1, D), x.reshape(-1, D), weight, mean, rstd,
-                                           num_examples, need_dw, need_db,
-                                           weight_sqgradnorm, bias_sqgradnorm, example_count)
-        return dx2d.view(x.shape), dw, db, None, None, None, None
+        dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, "torch")
+        return dx, dw, db, None, None, None, None
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
