@@ -27,6 +27,9 @@ from .plan import MIN_ROWS_PER_CHUNK, plan_backward
 MAX_BLOCK_D = 8192
 LOOPED_BLOCK_D = 4096   # piece of a row the looped kernels hold at once
 COLUMN_BLOCK = 64       # columns per program in the reduction kernels
+# Fused multiply-add, said explicitly: left unset, Triton 3.9 warns that its default changes
+# (to off) in 3.10. FMA rounds once where a multiply then an add rounds twice.
+LAUNCH = dict(enable_fp_fusion=True)
 
 
 @triton.jit
@@ -283,11 +286,11 @@ def forward(x2d, weight, bias, eps, max_block_d=MAX_BLOCK_D):
         rows = max(1, 4096 // block_d)  # several short rows per program
         _forward_kernel[(triton.cdiv(N, rows),)](
             x2d, y, weight, bias_arg, mean, rstd, N, D, eps,
-            HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, num_warps=_num_warps(rows * block_d))
+            HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, num_warps=_num_warps(rows * block_d), **LAUNCH)
     else:
         block = min(LOOPED_BLOCK_D, max_block_d)
         _forward_kernel_looped[(N,)](x2d, y, weight, bias_arg, mean, rstd, D, eps,
-                                     HAS_BIAS=has_bias, BLOCK_D=block, num_warps=_num_warps(block))
+                                     HAS_BIAS=has_bias, BLOCK_D=block, num_warps=_num_warps(block), **LAUNCH)
     return y, mean, rstd
 
 
@@ -317,7 +320,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
         _backward_kernel_looped[(n_programs,)](
             x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, T, D, n_chunks, rows_per_chunk,
             NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=min(LOOPED_BLOCK_D, max_block_d),
-            num_warps=_num_warps(min(LOOPED_BLOCK_D, max_block_d)))
+            num_warps=_num_warps(min(LOOPED_BLOCK_D, max_block_d)), **LAUNCH)
         sq_w = sq_b = None
     else:
         sq_w = torch.empty(n_programs if whole else 0, **f32)
@@ -326,7 +329,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
             x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, sq_w, sq_b,
             B, T, D, examples_per_program, n_chunks, rows_per_chunk,
             NEED_DW=need_dw, NEED_DB=need_db, WHOLE=whole, BLOCK_D=block_d, ROWS=rows,
-            num_warps=_num_warps(rows * block_d))
+            num_warps=_num_warps(rows * block_d), **LAUNCH)
     if not (need_dw or need_db):
         count.add_(B)
         return dx, None, None
@@ -340,7 +343,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
         _reduce_examples_kernel[(B, n_column_blocks)](
             part_w, part_b, ex_w, ex_b, sq_w, sq_b, n_chunks, D, n_column_blocks,
             NEED_DW=need_dw, NEED_DB=need_db, BLOCK_C=COLUMN_BLOCK,
-            CHUNK_TILE=min(32, triton.next_power_of_2(n_chunks)), num_warps=4)
+            CHUNK_TILE=min(32, triton.next_power_of_2(n_chunks)), num_warps=4, **LAUNCH)
         part_w, part_b = ex_w, ex_b
     n_parts = part_w.shape[0] if need_dw else part_b.shape[0]
     n_sq = sq_w.numel() if need_dw else sq_b.numel()
@@ -353,5 +356,5 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
         n_parts, D, n_sq, B,
         NEED_DW=need_dw, NEED_DB=need_db, BLOCK_C=COLUMN_BLOCK,
         PART_TILE=min(32, triton.next_power_of_2(n_parts)),
-        SQ_TILE=min(1024, triton.next_power_of_2(n_sq)), num_warps=4)
+        SQ_TILE=min(1024, triton.next_power_of_2(n_sq)), num_warps=4, **LAUNCH)
     return dx, dw, db
