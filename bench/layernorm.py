@@ -9,6 +9,13 @@ read x, write y; read x and dy, write dx), and the ratio to torch. The aim: the 
 
     python bench/layernorm.py
     python bench/layernorm.py --shapes 8x1024x768 8x2048x8192 --dtype float16 --iters 100
+
+With --compile_only (no GPU needed) it compiles the Triton kernels each shape would launch for
+a GPU architecture instead, and prints what ptxas made of them: registers, spills, how many
+programs fit on a multiprocessor, and how many waves the grid takes.
+
+    python bench/layernorm.py --compile_only --arch 90 --sms 132    # H100 SXM
+    python bench/layernorm.py --compile_only --arch 80 --sms 108    # A100
 """
 import argparse
 import os
@@ -107,6 +114,33 @@ def time_fwd_bwd(layer, x, dy, warmup, iters):
     return statistics.median(times)
 
 
+def compile_report(shapes, dtype, arch, sms):
+    """The Triton kernels' launches for each shape, compiled for sm_<arch>; False if any spills."""
+    from normgnorm import triton_aot
+    print(f"Triton kernels compiled for sm_{arch} with {sms} multiprocessors, {dtype} (nothing runs)")
+    header = (f"{'shape':>16}  {'kernel':<24}{'grid':>12}{'warps':>6}{'regs':>6}{'spill B':>8}"
+              f"{'per SM':>7}{'waves':>7}")
+    print(header)
+    print("-" * len(header))
+    spills = []
+    for B, T, D in shapes:
+        shape = (B, T, D)
+        launches = triton_aot.forward_launches(shape, dtype) + triton_aot.backward_launches(shape, dtype, sm_count=sms)
+        for launch in launches:
+            c = triton_aot.compile_launch(launch, arch)
+            programs = 1
+            for n in c.grid:
+                programs *= n
+            waves = programs / (sms * c.programs_per_sm) if c.programs_per_sm else float("inf")
+            grid = "x".join(str(n) for n in c.grid)
+            print(f"{f'{B}x{T}x{D}':>16}  {c.name:<24}{grid:>12}{c.num_warps:>6}{c.registers:>6}{c.stack_bytes:>8}"
+                  f"{c.programs_per_sm:>7}{waves:>7.2f}")
+            if c.stack_bytes:
+                spills.append(f"{B}x{T}x{D} {c.name}")
+    print("registers spilled to memory: " + (", ".join(spills) if spills else "none"))
+    return not spills
+
+
 def parse_shape(text):
     try:
         B, T, D = (int(v) for v in text.lower().split("x"))
@@ -122,9 +156,24 @@ def main():
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--compile_only", action="store_true",
+                        help="compile the Triton kernels for --arch and report their resources; no GPU needed")
+    parser.add_argument("--arch", type=int, choices=[80, 90], default=90,
+                        help="with --compile_only: compute capability, 80 (A100) or 90 (H100) (default %(default)s)")
+    parser.add_argument("--sms", type=int, default=None,
+                        help="with --compile_only: multiprocessors, which set how the backward shares out rows "
+                             "(default 108 for --arch 80, 132 for --arch 90)")
     args = parser.parse_args()
+    if args.compile_only:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            parser.error("--compile_only needs triton (pip install triton)")
+        sms = args.sms or {80: 108, 90: 132}[args.arch]
+        return 0 if compile_report(args.shapes, DTYPES[args.dtype], args.arch, sms) else 1
     if not torch.cuda.is_available():
-        print("bench/layernorm.py measures GPU kernels and needs a CUDA GPU; none here, nothing to do.")
+        print("bench/layernorm.py measures GPU kernels and needs a CUDA GPU; none here, nothing to do.\n"
+              "(--compile_only compiles the Triton kernels for a GPU and reports their resources without one.)")
         return 0
     dtype = DTYPES[args.dtype]
     backends = fused_backends()

@@ -42,3 +42,14 @@ def test_local_shim_matches_oracle():
     torch.testing.assert_close(shim.weight_sqgradnorm.double(), ref["sq_w"], rtol=1e-5, atol=0)
     torch.testing.assert_close(shim.bias_sqgradnorm.double(), ref["sq_b"], rtol=1e-5, atol=0)
     assert shim.example_count.item() == 3
+
+
+def test_compile_only_reports_kernels_without_a_gpu():
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, BENCH, "--compile_only", "--arch", "80", "--shapes", "2x64x1000",
+                           "--dtype", "float16"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled for sm_80 with 108 multiprocessors" in done.stdout
+    for kernel in ("_forward_kernel", "_backward_kernel", "_finish_kernel"):
+        assert f"2x64x1000  {kernel}" in done.stdout, done.stdout
+    assert "registers spilled to memory: none" in done.stdout

@@ -243,6 +243,66 @@ def test_triton_kernels_interpreted():
     assert " passed" in done.stdout and " skipped" not in done.stdout, done.stdout[-3000:]
 
 
+# ---------------------------------------------------------------- Triton kernels, compiled for GPUs (no GPU needed)
+
+# (shape, dtype, bias, need_db, launcher arguments): between them every kernel, dtype and plan
+AOT_CASES = {
+    "GPT-2 small, split": ((8, 1024, 768), torch.bfloat16, True, True, {}),
+    "widest row in registers, split": ((8, 2048, 8192), torch.bfloat16, True, True, {}),
+    "odd D, whole examples, no bias": ((600, 4, 1000), torch.float16, False, False, {}),
+    "2-D float32, no dβ wanted": ((4096, 768), torch.float32, True, False, {}),
+    "looped rows": ((4, 64, 12288), torch.bfloat16, True, True, {}),
+}
+
+
+def aot_compiled(arch):
+    from normgnorm import triton_aot
+    compiled = []
+    for shape, dtype, bias, need_db, kwargs in AOT_CASES.values():
+        launches = (triton_aot.forward_launches(shape, dtype, bias)
+                    + triton_aot.backward_launches(shape, dtype, bias, need_db=need_db, **kwargs))
+        compiled += [(shape, triton_aot.compile_launch(launch, arch)) for launch in launches]
+    return compiled
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_triton_kernels_compile_for_gpus_without_spilling(arch):
+    """
+    Every launch the kernels would get at these shapes, compiled by Triton's GPU compiler for
+    A100 (sm_80) and H100 (sm_90): code that lowers under the interpreter but not to GPU code
+    fails here, and so does a tile that no longer fits in registers (ptxas spills to memory).
+    """
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    from normgnorm import triton_aot
+    compiled = aot_compiled(arch)
+    assert {c.name for _, c in compiled} == set(triton_aot.KERNELS)
+    spilled = [f"{shape}: {c}" for shape, c in compiled if c.stack_bytes]
+    assert not spilled, "\n".join(spilled)
+    assert all(c.programs_per_sm >= 1 for _, c in compiled)
+
+
+def test_triton_aot_records_launches_and_sees_spills():
+    """The recorder leaves the real kernels in place, and a tile too big for registers is reported."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    from normgnorm import triton_aot, triton_kernels
+    launches = triton_aot.backward_launches((2, 10, 40), torch.float32, target_programs=8, min_rows_per_chunk=3)
+    assert [l.name for l in launches] == ["_backward_kernel", "_reduce_examples_kernel", "_finish_kernel"]
+    assert launches[0].grid == (8,) and launches[0].kwargs["WHOLE"] is False
+    assert all(type(getattr(triton_kernels, name)).__name__ == "JITFunction" for name in triton_aot.KERNELS)
+    # a whole 64k-wide float32 row held by one program's registers cannot fit: ptxas spills
+    huge = triton_aot.forward_launches((2, 4, 65536), torch.float32, max_block_d=65536)[0]
+    assert triton_aot.compile_launch(huge, 80).stack_bytes > 0
+
+
+def test_programs_per_sm():
+    from normgnorm.triton_aot import programs_per_sm
+    assert programs_per_sm(90, registers=40, num_warps=16, shared_bytes=2048) == 3   # 1280 registers a warp
+    assert programs_per_sm(90, registers=76, num_warps=16, shared_bytes=8192) == 1   # 2560: 25 warps
+    assert programs_per_sm(80, registers=32, num_warps=4, shared_bytes=0) == 16      # the 64-warp limit
+    assert programs_per_sm(80, registers=16, num_warps=1, shared_bytes=0) == 32      # the 32-program limit
+    assert programs_per_sm(80, registers=32, num_warps=4, shared_bytes=100 * 1024) == 1  # shared memory
+
+
 # ---------------------------------------------------------------- CUDA sources (compiled, no GPU needed)
 
 needs_nvcc = pytest.mark.skipif(cuda_ext.find_cuda_home() is None, reason="no CUDA toolkit (nvcc) found")
@@ -266,6 +326,30 @@ def test_cuda_kernels_compile(cuda_build_dir):
         assert compiler.returncode == 0, f"{arch}: {output}"
         assert "warning" not in output.lower(), f"{arch}: {output}"
         assert os.path.getsize(objects[arch]) > 0
+        spilled = cuda_kernels_with_spills(objects[arch])
+        if spilled is not None:
+            # rows up to 4096 features (ITEMS = 4 a thread) and the reductions never spill; the
+            # wider rows' kernels, bound to 64 registers by 1024-thread blocks, may (sm_80 does
+            # a little from ITEMS = 8 on, sm_90 only at ITEMS = 32)
+            assert not [name for name in spilled if "Li4E" in name or "Li" not in name], f"{arch}: {spilled}"
+
+
+def cuda_kernels_with_spills(obj):
+    """Mangled names of the object's kernels with a stack frame (register spills), by the
+    cuobjdump that ships with Triton; None without Triton."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    text = subprocess.run([tool, "--dump-resource-usage", obj], capture_output=True, text=True, check=True).stdout
+    spilled, name = [], None
+    for line in text.splitlines():
+        if line.strip().startswith("Function "):
+            name = line.strip()[len("Function "):].rstrip(":")
+        elif "STACK:" in line and int(line.split("STACK:")[1].split()[0]) > 0:
+            spilled.append(name)
+    return spilled
 
 
 @pytest.mark.slow
