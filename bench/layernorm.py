@@ -10,6 +10,12 @@ read x, write y; read x and dy, write dx), and the ratio to torch. The aim: the 
     python bench/layernorm.py
     python bench/layernorm.py --shapes 8x1024x768 8x2048x8192 --dtype float16 --iters 100
 
+With --sweep (GPU) it times the fused Triton op over ways of sharing out the backward's work
+(normgnorm/triton_kernels.py BACKWARD_TUNING) and prints the fastest for each shape and over
+all of them, to be written back into BACKWARD_TUNING.
+
+    python bench/layernorm.py --sweep --iters 20
+
 With --compile_only (no GPU needed) it compiles the Triton kernels each shape would launch for
 a GPU architecture instead, and prints what ptxas made of them: registers, spills, how many
 programs fit on a multiprocessor, and how many waves the grid takes.
@@ -18,6 +24,8 @@ programs fit on a multiprocessor, and how many waves the grid takes.
     python bench/layernorm.py --compile_only --arch 80 --sms 108    # A100
 """
 import argparse
+import itertools
+import math
 import os
 import statistics
 import sys
@@ -141,6 +149,89 @@ def compile_report(shapes, dtype, arch, sms):
     return not spills
 
 
+# what --sweep tries: every combination, each timed once per distinct set of launches
+SWEEP = dict(programs_per_sm=[2, 4, 8], min_rows_per_chunk=[16, 32, 64], max_tile=[2048, 4096, 8192],
+             values_per_thread=[4, 8, 16])
+
+
+def sweep_settings(shape, dtype, sm_count):
+    """
+    The combinations of SWEEP grouped by the backward launches they make at this shape on a GPU
+    with sm_count multiprocessors (many choices launch the same kernels): a list of
+    (settings, launches), the current BACKWARD_TUNING's group first. Nothing runs.
+    """
+    from normgnorm import triton_aot, triton_kernels
+    tuning = triton_kernels.BACKWARD_TUNING
+    saved = dict(tuning)
+    groups = {}
+    try:
+        for values in [tuple(saved[k] for k in SWEEP)] + list(itertools.product(*SWEEP.values())):
+            setting = dict(zip(SWEEP, values))
+            tuning.update(setting)
+            launches = triton_aot.backward_launches(shape, dtype, sm_count=sm_count)
+            key = tuple((l.name, l.grid, tuple(sorted(l.kwargs.items())),
+                         tuple(a for a in l.args if isinstance(a, int))) for l in launches)
+            if setting not in groups.setdefault(key, ([], launches))[0]:
+                groups[key][0].append(setting)
+    finally:
+        tuning.clear()
+        tuning.update(saved)
+    return list(groups.values())
+
+
+def _setting_text(setting):
+    return " ".join(f"{k}={v}" for k, v in setting.items())
+
+
+def sweep(shapes, dtype, warmup, iters, device="cuda", timer=time_fwd_bwd):
+    """
+    Time the fused Triton op under each group of sweep_settings and print the fastest; returns
+    the best setting over all shapes. (device and timer let the tests run it on CPU under the
+    Triton interpreter.)
+    """
+    from normgnorm import triton_kernels
+    tuning = triton_kernels.BACKWARD_TUNING
+    saved = dict(tuning)
+    if device == "cuda":
+        sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        name = torch.cuda.get_device_name()
+    else:
+        sms, name = 2, device
+    print(f"{name} ({sms} SMs), {dtype}, fused[triton] forward+backward, "
+          f"median of {iters} after {warmup} warmup; now: {_setting_text(saved)}")
+    ratios = {}  # each combination of SWEEP -> its time over torch's, per shape
+    for B, T, D in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(B, T, D, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        torch_ms = timer(nn.LayerNorm(D).to(device=device, dtype=dtype), x, dy, warmup, iters)
+        layer = PEGradNormFusedLayerNorm(D, backend="triton").to(device=device, dtype=dtype)
+        timed = []
+        try:
+            for settings, _ in sweep_settings((B, T, D), dtype, sms):
+                tuning.update(settings[0])
+                ms = timer(layer, x, dy, warmup, iters)
+                timed.append((ms, settings))
+                for setting in settings:
+                    ratios.setdefault(tuple(setting.values()), []).append(ms / torch_ms)
+        finally:
+            tuning.clear()
+            tuning.update(saved)
+        now_ms = timed[0][0]
+        print(f"\n{B}x{T}x{D}: torch {torch_ms:.3f} ms, now {now_ms:.3f} ms ({now_ms / torch_ms:.2f}x); "
+              f"{len(timed)} distinct launches, fastest:")
+        for ms, settings in sorted(timed, key=lambda t: t[0])[:5]:
+            print(f"  {ms:8.3f} ms {ms / torch_ms:5.2f}x  {_setting_text(settings[0])}"
+                  + (f" (and {len(settings) - 1} equivalent)" if len(settings) > 1 else ""))
+    complete = {k: v for k, v in ratios.items() if len(v) == len(shapes)}
+    geomean = {k: math.exp(sum(map(math.log, v)) / len(v)) for k, v in complete.items()}
+    best = min(geomean, key=geomean.get)
+    now = tuple(saved[k] for k in SWEEP)
+    print(f"\nover all shapes (geometric mean of the ratio to torch): now {geomean[now]:.3f}x, "
+          f"best {geomean[best]:.3f}x with {_setting_text(dict(zip(SWEEP, best)))}")
+    return dict(zip(SWEEP, best))
+
+
 def parse_shape(text):
     try:
         B, T, D = (int(v) for v in text.lower().split("x"))
@@ -156,6 +247,8 @@ def main():
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the fused Triton op over ways of sharing out the backward's work (GPU)")
     parser.add_argument("--compile_only", action="store_true",
                         help="compile the Triton kernels for --arch and report their resources; no GPU needed")
     parser.add_argument("--arch", type=int, choices=[80, 90], default=90,
@@ -176,6 +269,9 @@ def main():
               "(--compile_only compiles the Triton kernels for a GPU and reports their resources without one.)")
         return 0
     dtype = DTYPES[args.dtype]
+    if args.sweep:
+        sweep(args.shapes, dtype, args.warmup, args.iters)
+        return 0
     backends = fused_backends()
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, median of {args.iters} after {args.warmup} warmup")
     header = f"{'shape':>16}  {'implementation':<26}{'ms':>9}{'GB/s':>9}{'vs torch':>10}"

@@ -21,7 +21,8 @@ def next_power_of_2(n):
     return 1 << (n - 1).bit_length()
 
 
-def plan_backward(num_examples, T, D, target_programs, max_block_d=None, min_rows_per_chunk=MIN_ROWS_PER_CHUNK):
+def plan_backward(num_examples, T, D, target_programs, max_block_d=None, min_rows_per_chunk=MIN_ROWS_PER_CHUNK,
+                  max_tile=MAX_TILE):
     """
     A dict: looped (rows wider than max_block_d: the Triton kernel walks the row in pieces and,
     with one partial row per example, never takes several examples), whole, n_chunks,
@@ -37,8 +38,8 @@ def plan_backward(num_examples, T, D, target_programs, max_block_d=None, min_row
         n_chunks = cdiv(T, rows_per_chunk)
         examples_per_program = 1
     n_programs = cdiv(num_examples, examples_per_program) * n_chunks
-    # as many rows per tile as fit MAX_TILE, but no more than a program has
-    rows_per_tile = 1 if looped else min(max(1, MAX_TILE // next_power_of_2(D)), next_power_of_2(rows_per_chunk))
+    # as many rows per tile as fit max_tile, but no more than a program has
+    rows_per_tile = 1 if looped else min(max(1, max_tile // next_power_of_2(D)), next_power_of_2(rows_per_chunk))
     return dict(looped=looped, whole=n_chunks == 1 and not looped, n_chunks=n_chunks,
                 rows_per_chunk=rows_per_chunk, examples_per_program=examples_per_program,
                 n_programs=n_programs, rows_per_tile=rows_per_tile)

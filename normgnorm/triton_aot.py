@@ -5,7 +5,7 @@ compiler (to PTX, then ptxas to a cubin) for a chosen architecture, with the res
 ptxas gave each kernel. This catches what the CPU interpreter cannot (code that does not
 lower to GPU code, register spills at wide rows) on a machine with no GPU and no driver.
 
-Launches are recorded, not run: the launchers are called on CPU tensors of the right shapes
+Launches are recorded, not run: the launchers are called on meta tensors of the right shapes
 and dtypes with the kernels swapped for recorders, and each recorded call is specialised the
 way a real launch is (Triton's own argument binder: dtypes, 16-byte alignment, divisibility).
 
@@ -67,10 +67,12 @@ def _recording():
 
 
 def _inputs(shape, dtype, bias):
+    # meta tensors: shapes and dtypes without memory (their address, 0, is aligned as a GPU
+    # allocation's is, so the launch is specialised the same way)
     D = shape[-1]
-    x2d = torch.zeros(shape, dtype=dtype).reshape(-1, D)
-    weight = torch.ones(D, dtype=dtype)
-    return x2d, weight, (torch.zeros(D, dtype=dtype) if bias else None)
+    meta = dict(dtype=dtype, device="meta")
+    x2d = torch.empty(shape, **meta).reshape(-1, D)
+    return x2d, torch.empty(D, **meta), (torch.empty(D, **meta) if bias else None)
 
 
 def forward_launches(shape, dtype, bias=True, **kwargs):
@@ -88,13 +90,13 @@ def backward_launches(shape, dtype, bias=True, need_dw=True, need_db=True, sm_co
     """
     x2d, weight, b = _inputs(shape, dtype, bias)
     N = x2d.shape[0]
-    f32 = dict(dtype=torch.float32)
-    mean, rstd = torch.zeros(N, **f32), torch.ones(N, **f32)
-    kwargs.setdefault("target_programs", 4 * sm_count)
+    f32 = dict(dtype=torch.float32, device="meta")
+    mean, rstd = torch.empty(N, **f32), torch.empty(N, **f32)
+    kwargs.setdefault("target_programs", triton_kernels.BACKWARD_TUNING["programs_per_sm"] * sm_count)
     with _recording() as launches:
         triton_kernels.backward(x2d.clone(), x2d, weight, mean, rstd, shape[0] if len(shape) >= 2 else 1,
-                                need_dw, need_db and bias, torch.zeros((), **f32),
-                                torch.zeros((), **f32) if bias else None, torch.zeros((), **f32), **kwargs)
+                                need_dw, need_db and bias, torch.empty((), **f32),
+                                torch.empty((), **f32) if bias else None, torch.empty((), **f32), **kwargs)
     return launches
 
 

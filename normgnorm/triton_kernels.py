@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import MIN_ROWS_PER_CHUNK, plan_backward
+from .plan import MAX_TILE, MIN_ROWS_PER_CHUNK, plan_backward
 
 # Wider rows use the looped kernels. A [1, 8192] float32 tile over 16 warps is 16 values a
 # thread per live array; the backward holds about six, which still fits the register file.
@@ -257,9 +257,17 @@ def _finish_kernel(PartW, PartB, DW, DB, SqW, SqB, WeightSq, BiasSq, Count,
         tl.store(Count, tl.load(Count) + num_examples)
 
 
-def _num_warps(elements):
-    return min(16, max(1, triton.next_power_of_2(elements) // 256))
+def _num_warps(elements, values_per_thread=8):
+    return min(16, max(1, triton.next_power_of_2(elements) // (32 * values_per_thread)))
 
+
+# How the backward shares out its work on a GPU. The values are a reasoned first choice, not
+# yet tuned on hardware: `python bench/layernorm.py --sweep` times alternatives on a GPU.
+# programs_per_sm: programs aimed for per multiprocessor; min_rows_per_chunk: fewest rows a
+# program takes of one example; max_tile: elements of a program's [rows, BLOCK_D] tile;
+# values_per_thread: elements of the tile each thread holds (sets the warps).
+BACKWARD_TUNING = dict(programs_per_sm=4, min_rows_per_chunk=MIN_ROWS_PER_CHUNK, max_tile=MAX_TILE,
+                       values_per_thread=8)
 
 _sm_counts = {}
 
@@ -270,7 +278,7 @@ def _target_programs(device):
         return 2
     if device not in _sm_counts:
         _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return 4 * _sm_counts[device]
+    return BACKWARD_TUNING["programs_per_sm"] * _sm_counts[device]
 
 
 def forward(x2d, weight, bias, eps, max_block_d=MAX_BLOCK_D):
@@ -295,12 +303,13 @@ def forward(x2d, weight, bias, eps, max_block_d=MAX_BLOCK_D):
 
 
 def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count,
-             max_block_d=MAX_BLOCK_D, target_programs=None, min_rows_per_chunk=MIN_ROWS_PER_CHUNK):
+             max_block_d=MAX_BLOCK_D, target_programs=None, min_rows_per_chunk=None):
     """
     dx, dw, db (None where not needed) for contiguous dy2d, x2d [N, D]; adds Σ_b ||dγ_b||²,
     Σ_b ||dβ_b||² to weight_sq, bias_sq and num_examples to count, all on the device.
     max_block_d, target_programs and min_rows_per_chunk pick the kernel variant and the
-    work split (the tests use them to reach every path at small sizes).
+    work split (the tests use them to reach every path at small sizes); left out, the work is
+    shared out as BACKWARD_TUNING says.
     """
     N, D = x2d.shape
     B = num_examples
@@ -308,7 +317,9 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     device = x2d.device
     dx = torch.empty_like(x2d)
     block_d = triton.next_power_of_2(D)
-    plan = plan_backward(B, T, D, target_programs or _target_programs(device), max_block_d, min_rows_per_chunk)
+    tuning = BACKWARD_TUNING
+    plan = plan_backward(B, T, D, target_programs or _target_programs(device), max_block_d,
+                         min_rows_per_chunk or tuning["min_rows_per_chunk"], tuning["max_tile"])
     looped, whole, n_chunks, rows_per_chunk, examples_per_program, n_programs, rows = (
         plan[k] for k in ("looped", "whole", "n_chunks", "rows_per_chunk", "examples_per_program", "n_programs", "rows_per_tile"))
 
@@ -329,7 +340,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
             x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, sq_w, sq_b,
             B, T, D, examples_per_program, n_chunks, rows_per_chunk,
             NEED_DW=need_dw, NEED_DB=need_db, WHOLE=whole, BLOCK_D=block_d, ROWS=rows,
-            num_warps=_num_warps(rows * block_d), **LAUNCH)
+            num_warps=_num_warps(rows * block_d, tuning["values_per_thread"]), **LAUNCH)
     if not (need_dw or need_db):
         count.add_(B)
         return dx, None, None

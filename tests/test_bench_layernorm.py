@@ -1,4 +1,5 @@
 """bench/layernorm.py off GPU: it says it needs one and exits 0; its local shim is exact."""
+import itertools
 import os
 import subprocess
 import sys
@@ -53,3 +54,61 @@ def test_compile_only_reports_kernels_without_a_gpu():
     for kernel in ("_forward_kernel", "_backward_kernel", "_finish_kernel"):
         assert f"2x64x1000  {kernel}" in done.stdout, done.stdout
     assert "registers spilled to memory: none" in done.stdout
+
+
+def test_sweep_groups_settings_by_their_launches():
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        from layernorm import SWEEP, sweep_settings
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    from normgnorm import triton_kernels
+    before = dict(triton_kernels.BACKWARD_TUNING)
+    groups = sweep_settings((8, 1024, 768), torch.bfloat16, sm_count=132)
+    assert triton_kernels.BACKWARD_TUNING == before  # left as it was
+    assert before in groups[0][0]  # the current setting's group first
+    every = [s for settings, _ in groups for s in settings]
+    assert len(every) == len({tuple(s.values()) for s in every}) == 3 ** 4 == len(list(itertools.product(*SWEEP.values())))
+    signatures = [[(l.name, l.grid, l.kwargs["num_warps"]) for l in launches] for _, launches in groups]
+    assert len(groups) > 1
+    # the groups differ in what they launch: work split (grid) or tile (warps, rows)
+    assert len({str((sig, l[0].kwargs.get("ROWS"), l[0].args[-3:])) for sig, (_, l) in zip(signatures, groups)}) == len(groups)
+
+
+# run in a fresh process: the Triton interpreter must be on before triton is imported
+SWEEP_ON_CPU = """
+import sys, torch
+sys.path.insert(0, "bench")
+import layernorm
+from normgnorm import triton_kernels
+
+timed = []
+def fake_timer(layer, x, dy, warmup, iters):
+    y = layer(x)                         # really runs (the kernels, interpreted) ...
+    torch.autograd.grad(y, [x] + list(layer.parameters()), dy)
+    if not hasattr(layer, "weight_sqgradnorm"):
+        return 1.0                       # torch's own LayerNorm
+    t = dict(triton_kernels.BACKWARD_TUNING)   # ... with a made-up time that depends on the setting
+    timed.append((2.0 + abs(t["min_rows_per_chunk"] - 16) + abs(t["values_per_thread"] - 16) / 4, t))
+    return timed[-1][0]
+
+shape = (2, 64, 16)
+before = dict(triton_kernels.BACKWARD_TUNING)
+best = layernorm.sweep([shape], torch.float32, 0, 1, device="cpu", timer=fake_timer)
+groups = layernorm.sweep_settings(shape, torch.float32, 2)
+assert len(timed) == len(groups) > 2, (len(timed), len(groups))  # each distinct launch timed once
+assert timed[0][1] == before                                       # the current setting first
+fastest = min(timed, key=lambda e: e[0])[1]
+assert fastest != before and any(fastest in s and best in s for s, _ in groups), (fastest, best)
+assert triton_kernels.BACKWARD_TUNING == before                    # put back
+print("SWEEP OK")
+"""
+
+
+def test_sweep_runs_and_picks_the_fastest_on_cpu():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", SWEEP_ON_CPU], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert done.returncode == 0 and "SWEEP OK" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "over all shapes (geometric mean of the ratio to torch): now" in done.stdout
