@@ -76,6 +76,9 @@ KERNEL_CASES = {
     "looped, whole examples": ((5, 2, 40), dict(target_programs=2, max_block_d=16),
                                dict(looped=True, n_chunks=1, examples_per_program=1)),
     "2-D, many examples": ((9, 24), dict(target_programs=4), dict(whole=True, examples_per_program=3)),
+    # as on a GPU, each example's chunks take more than one tile of the reduction (CHUNK_TILE 32)
+    "split, more chunks than a tile": ((2, 40, 8), dict(target_programs=80, min_rows_per_chunk=1),
+                                       dict(whole=False, n_chunks=40)),
 }
 
 
@@ -97,6 +100,27 @@ def test_triton_kernels_every_plan(case, dtype):
 def test_triton_kernels_some_parameters_frozen(case, needs):
     shape, plan_args, _ = KERNEL_CASES[case]
     run_kernels(shape, torch.float32, bias=True, need_dw=needs[0], need_db=needs[1], **plan_args)
+
+
+def test_finish_kernel_loops_over_many_tiles():
+    """On a GPU the finish kernel sums hundreds of partial rows (PART_TILE 32 at a time) and, in
+    whole mode, one square per program, over a thousand (SQ_TILE 1024): straight through the
+    kernel here (the whole backward with 1100 programs takes 10 s interpreted)."""
+    g = torch.Generator().manual_seed(5)
+    D, n_parts, n_sq, B = 70, 45, 1100, 7
+    part_w, part_b = torch.randn(n_parts, D, generator=g), torch.randn(n_parts, D, generator=g)
+    sq_w, sq_b = torch.rand(n_sq, generator=g), torch.rand(n_sq, generator=g)
+    dw, db = torch.empty(D), torch.empty(D)
+    weight_sq, bias_sq, count = torch.full((), 0.5), torch.full((), 0.25), torch.full((), 2.0)
+    block = triton_kernels.COLUMN_BLOCK
+    triton_kernels._finish_kernel[(plan.cdiv(D, block),)](
+        part_w, part_b, dw, db, sq_w, sq_b, weight_sq, bias_sq, count, n_parts, D, n_sq, B,
+        NEED_DW=True, NEED_DB=True, BLOCK_C=block, PART_TILE=32, SQ_TILE=1024)
+    torch.testing.assert_close(dw, part_w.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, part_b.sum(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight_sq.double(), 0.5 + sq_w.double().sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(bias_sq.double(), 0.25 + sq_b.double().sum(), rtol=1e-5, atol=0)
+    assert count.item() == 2 + B
 
 
 def test_triton_kernels_no_bias_non_power_of_two():
