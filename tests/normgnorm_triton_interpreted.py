@@ -102,6 +102,16 @@ def test_triton_kernels_some_parameters_frozen(case, needs):
     run_kernels(shape, torch.float32, bias=True, need_dw=needs[0], need_db=needs[1], **plan_args)
 
 
+@pytest.mark.parametrize("case", ["whole, three examples a program", "split into chunks"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_kernels_several_tiles_a_program(monkeypatch, case, dtype):
+    """On a GPU a program walks its rows a few at a time (4 rows of 768 a tile, 32 rows a chunk);
+    at these small shapes one tile would hold them all, so make tiles of two rows."""
+    monkeypatch.setitem(triton_kernels.BACKWARD_TUNING, "max_tile", 128)
+    shape, plan_args, _ = KERNEL_CASES[case]
+    run_kernels(shape, dtype, bias=True, **plan_args)
+
+
 def test_finish_kernel_loops_over_many_tiles():
     """On a GPU the finish kernel sums hundreds of partial rows (PART_TILE 32 at a time) and, in
     whole mode, one square per program, over a thousand (SQ_TILE 1024): straight through the
