@@ -34,9 +34,10 @@ def test_triton_backend_runs_on_cpu_under_the_interpreter():
     assert normgnorm.resolve_backend("", torch.zeros(1, 2)) == "torch"  # never by default off GPU
 
 
-def run_kernels(shape, dtype, bias, need_dw=True, need_db=True, **plan_args):
-    """Forward + backward straight through the kernels; returns what they made and the oracle."""
+def run_kernels(shape, dtype, bias, need_dw=True, need_db=True, x_scale=1.0, **plan_args):
+    """Forward + backward straight through the kernels, checked against the oracle."""
     x, dy, weight, b = make_inputs(shape, dtype, bias, seed=3)
+    x = x * x_scale
     D = shape[-1]
     B = shape[0] if len(shape) >= 2 else 1
     fwd_args = {k: v for k, v in plan_args.items() if k == "max_block_d"}
@@ -76,6 +77,11 @@ KERNEL_CASES = {
     "looped, whole examples": ((5, 2, 40), dict(target_programs=2, max_block_d=16),
                                dict(looped=True, n_chunks=1, examples_per_program=1)),
     "2-D, many examples": ((9, 24), dict(target_programs=4), dict(whole=True, examples_per_program=3)),
+    # as on a GPU: the forward over several programs of 64 rows (the last one partial), the
+    # backward over two tiles of rows, the reductions over two column blocks (COLUMN_BLOCK 64)
+    "whole, many rows": ((2, 65, 40), dict(target_programs=2), dict(whole=True, examples_per_program=1)),
+    "split, two column blocks": ((2, 10, 100), dict(target_programs=8, min_rows_per_chunk=3),
+                                 dict(whole=False, n_chunks=4)),
     # as on a GPU, each example's chunks take more than one tile of the reduction (CHUNK_TILE 32)
     "split, more chunks than a tile": ((2, 40, 8), dict(target_programs=80, min_rows_per_chunk=1),
                                        dict(whole=False, n_chunks=40)),
@@ -110,6 +116,12 @@ def test_triton_kernels_several_tiles_a_program(monkeypatch, case, dtype):
     monkeypatch.setitem(triton_kernels.BACKWARD_TUNING, "max_tile", 128)
     shape, plan_args, _ = KERNEL_CASES[case]
     run_kernels(shape, dtype, bias=True, **plan_args)
+
+
+@pytest.mark.parametrize("max_block_d", [triton_kernels.MAX_BLOCK_D, 16], ids=["in registers", "looped"])
+def test_triton_kernels_rows_with_variance_near_eps(max_block_d):
+    # x's spread ~1e-3 (variance ~1e-6, eps 1e-5): eps sets most of rstd, so it must be there
+    run_kernels((3, 4, 24), torch.float32, bias=True, x_scale=5e-4, target_programs=3, max_block_d=max_block_d)
 
 
 def test_finish_kernel_loops_over_many_tiles():

@@ -143,6 +143,30 @@ def test_oracle_per_example_norms_by_loop():
     torch.testing.assert_close(ref["sq_b"], sq_b)
 
 
+on_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_gpu), pytest.param("cuda", marks=on_gpu)])
+def test_rows_with_variance_near_eps(backend):
+    """x's spread ~1e-3 (variance ~1e-6 against eps 1e-5): eps sets most of rstd, so an
+    implementation that dropped or misplaced it fails here (the other inputs have variance ~4)."""
+    if backend == "cuda" and cuda_ext.find_cuda_home() is None:
+        pytest.skip("no CUDA toolkit to build the extension")
+    device = "cpu" if backend == "torch" else "cuda"
+    x, dy, weight, b = make_inputs((3, 4, 24), torch.float32, True, seed=4, device=device)
+    x = (x * 5e-4).requires_grad_()
+    f32 = dict(dtype=torch.float32, device=device)
+    sq_w, sq_b, count = torch.zeros((), **f32), torch.zeros((), **f32), torch.zeros((), **f32)
+    w, bias = weight.clone().requires_grad_(), b.clone().requires_grad_()
+    y = normgnorm.layer_norm(x, w, bias, sq_w, sq_b, count, EPS, backend)
+    y.backward(dy)
+    ref = oracle(x, weight, b, dy)
+    torch.testing.assert_close(y.double(), ref["y"], **TOL[torch.float32])
+    torch.testing.assert_close(x.grad.double(), ref["dx"], rtol=1e-4, atol=1e-3)  # dx ~ rstd ~ 300
+    torch.testing.assert_close(sq_w.double(), ref["sq_w"], **BUFFER_TOL)
+    torch.testing.assert_close(sq_b.double(), ref["sq_b"], **BUFFER_TOL)
+
+
 def test_only_parameters_with_gradients_are_measured():
     x, dy, weight, b = make_inputs((3, 4, 24), torch.float32, True, seed=1)
     sq_w, sq_b, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
