@@ -300,6 +300,39 @@ def test_layernorm_output_and_input_gradient_are_torchs_own(dtype, bias):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
+@pytest.mark.parametrize("cls,args,x", [
+    (PEGradNormLinear, (6, 3), torch.randn(6)), (PEGradNormShimLinear, (6, 3), torch.randn(6)),
+    (PEGradNormEmbedding, (5, 3), torch.tensor(2)), (PEGradNormShimEmbedding, (5, 3), torch.tensor(2)),
+    (PEGradNormSeparatedLayerNorm, (6,), torch.randn(6)),
+    (PEGradNormSeparatedLayerNorm, ((3, 4),), torch.randn(3, 4))])
+def test_unbatched_input_is_one_example(cls, args, x):
+    # torch's layers take an input without a batch dimension: one example, whose norm is the
+    # whole gradient's
+    torch.manual_seed(16)
+    layer, plain = twins(cls, *args)
+    r = torch.randn(plain(x).shape)
+    example_loss(layer(x), r).backward()
+    example_loss(plain(x), r).backward()
+    for n, p, buf, count in find_sqgradnorm_buffers(layer):
+        assert count.item() == 1
+        q = dict(plain.named_parameters())[n]
+        torch.testing.assert_close(buf.item(), q.grad.double().square().sum().item(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_shim_linear_half_bias_sums_beyond_float16_range():
+    # float16, T = 64 rows of dy ~ 2000 each: an example's bias gradient (~1.3e5) is past
+    # float16's largest value (65504), so its sum over t must be taken in float32
+    torch.manual_seed(17)
+    layer = PEGradNormShimLinear(4, 3).half()
+    x = torch.randn(2, 64, 4).half()
+    y = layer(x)
+    y.backward(torch.full(y.shape, 2000.0, dtype=torch.float16))
+    expected = 2 * 3 * (64 * 2000.0) ** 2  # two examples, three outputs, each summing 64 x 2000
+    assert torch.isfinite(layer.bias_sqgradnorm)
+    torch.testing.assert_close(layer.bias_sqgradnorm.item(), expected, rtol=1e-6, atol=0)
+
+
 def test_layernorm_multidimensional_normalized_shape():
     torch.manual_seed(8)
     layer, plain = twins(PEGradNormSeparatedLayerNorm, (3, 4))
@@ -425,18 +458,25 @@ def test_zero_and_accumulate(cls, args):
 # Tied embedding / output head
 
 class TiedLM(nn.Module):
-    """ids -> embedding -> tanh(Linear) -> head tied to the embedding (a GPT in miniature)."""
+    """ids -> embedding -> tanh(Linear) -> head tied to the embedding (a GPT in miniature).
+    head_only: the embedding's output is detached, so the tied weight learns through the head
+    alone; head_first: the head is declared (and found by modules()) before the embedding."""
 
-    def __init__(self, Embedding, Head, V=11, D=4, last_only=False, flat=False):
+    def __init__(self, Embedding, Head, V=11, D=4, last_only=False, flat=False, padding_idx=None,
+                 head_only=False, head_first=False):
         super().__init__()
-        self.wte = Embedding(V, D)
+        if head_first:
+            self.head = Head(D, V, bias=False)
+        self.wte = Embedding(V, D, padding_idx=padding_idx)
         self.mix = nn.Linear(D, D)
-        self.head = Head(D, V, bias=False)
+        if not head_first:
+            self.head = Head(D, V, bias=False)
         tie_weights(self.wte, self.head)
-        self.last_only, self.flat = last_only, flat
+        self.last_only, self.flat, self.head_only = last_only, flat, head_only
 
     def forward(self, ids):
-        h = torch.tanh(self.mix(self.wte(ids)))
+        e = self.wte(ids)
+        h = torch.tanh(self.mix(e.detach() if self.head_only else e))
         if self.last_only:
             h = h[:, [-1], :]
         return self.head(h)
@@ -464,6 +504,43 @@ def test_tied_weight_norm_includes_the_cross_term(Embedding, Head, mode, variant
     torch.testing.assert_close(got["wte.weight"], expected["wte.weight"].item(), rtol=1e-5, atol=0)
     assert model.wte.example_count.item() == 2 * shape[0]
     assert not model.head._tie  # nothing left behind for the next forward
+
+
+@pytest.mark.parametrize("Embedding", EMBEDDINGS)
+@pytest.mark.parametrize("Head", LINEARS)
+@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+@pytest.mark.parametrize("variant", ["padding", "head_only", "head_first"])
+def test_tied_weight_other_arrangements(Embedding, Head, mode, variant):
+    # padding: the padding row gets no gradient from the embedding, only from the head, which
+    # changes the cross term; head_only: the embedding's backward runs with no output gradient
+    # of its own; head_first: the tied weight is met first in the head
+    torch.manual_seed(15)
+    options = dict(padding_idx=1 if variant == "padding" else None, head_only=variant == "head_only",
+                   head_first=variant == "head_first")
+    model, plain = TiedLM(Embedding, Head, **options), TiedLM(nn.Embedding, nn.Linear, **options)
+    plain.load_state_dict(model.state_dict())
+    model.head.per_example_mode = mode
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(0, 11, (3, 5))
+        ids.view(-1)[::4] = 1  # in the "padding" variant, the padding id
+        batches.append((ids, torch.randn(3, 5, 11)))
+    expected = brute_force(plain, batches)
+    run(model, batches)
+    got = measured(model)
+    name = "head.weight" if variant == "head_first" else "wte.weight"
+    assert set(got) == {name} and "weight_sqgradnorm" not in model.head._buffers
+    torch.testing.assert_close(got[name], expected[name].item(), rtol=1e-5, atol=0)
+    assert model.wte.example_count.item() == 6
+
+
+def test_tied_embedding_forward_under_no_grad_drops_its_link():
+    model = TiedLM(PEGradNormEmbedding, PEGradNormLinear)
+    ids = torch.randint(0, 11, (3, 5))
+    model.wte(ids)
+    with torch.no_grad():
+        model.wte(ids)
+    assert "link" not in model.wte._tie
 
 
 @pytest.mark.parametrize("Embedding,Head", [(PEGradNormEmbedding, nn.Linear), (nn.Embedding, PEGradNormShimLinear)])
