@@ -129,8 +129,9 @@ class MeasurementTracker:
         Call after the last micro-step's backward (and the DDP all-reduce of the buffers), before
         scaler.unscale_ and gradient clipping. batch_size is B, the examples in the whole
         optimizer step over all ranks and micro-steps; every buffer's count must equal it
-        (default: take B from the counts). step goes into the metadata (default: the number of
-        earlier calls). Parameters without a gradient or with a zero count this step are left out.
+        (default: take B from the counts). step goes into the metadata (default: one more than
+        the previous call's, 0 at first). Parameters without a gradient or with a zero count this
+        step are left out.
         """
         step = self.step_count if step is None else step
         self.step_count = step + 1

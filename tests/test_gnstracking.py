@@ -231,6 +231,47 @@ def test_parameters_without_gradient_are_left_out():
     assert buffers_are_zero(model)
 
 
+def test_module_that_did_not_run_is_left_out():
+    # a gradient kept from before (zero_grad(set_to_none=False)) but no examples counted this step
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    a.grad, b.grad = torch.ones(3), torch.zeros(2)
+    f32 = dict(dtype=torch.float32)
+    entries = [("a", a, torch.full((), 0.5, **f32), torch.full((), 4.0, **f32)),
+               ("b", b, torch.zeros((), **f32), torch.zeros((), **f32))]
+    measurements = MeasurementTracker(entries).step(batch_size=4)
+    assert [m.metadata["name"] for m in measurements] == ["a"]
+
+
+def test_step_without_gradients_still_zeroes_the_buffers():
+    model = make_model()
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    assert not buffers_are_zero(model)
+    model.zero_grad(set_to_none=True)
+    assert MeasurementTracker.from_model(model).step(batch_size=4) == []
+    assert buffers_are_zero(model)
+
+
+def test_step_numbers_follow_the_last_given():
+    p = torch.nn.Parameter(torch.zeros(2))
+    tracker = MeasurementTracker([("p", p, torch.zeros(()), torch.zeros(()))])
+    steps = []
+    for given in (None, None, 10, None):
+        p.grad = torch.ones(2)
+        tracker.entries[0][2].fill_(1.0)
+        tracker.entries[0][3].fill_(2.0)
+        steps.append(tracker.step(step=given)[0].metadata["step"])
+    assert steps == [0, 1, 10, 11]
+
+
+def test_float16_gradient_past_float16_range():
+    # every element finite (300), the norm (~1.3e5) past float16's largest value: measured in float32
+    p = torch.nn.Parameter(torch.zeros(200_000, dtype=torch.float16))
+    p.grad = torch.full((200_000,), 300.0, dtype=torch.float16)
+    measurement, = MeasurementTracker([("w", p, torch.full((), 1.0), torch.full((), 4.0))]).step(batch_size=4)
+    assert measurement.big_batch_norm == pytest.approx(300.0 * 200_000 ** 0.5, rel=1e-6)
+
+
 def test_from_model_unwraps_compile_and_requires_buffers():
     model = make_model()
     tracker = MeasurementTracker.from_model(torch.compile(model))
