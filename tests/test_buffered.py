@@ -339,6 +339,33 @@ def test_layernorm_multidimensional_normalized_shape():
     check(layer, plain, float_batches(2, (2, 5, 3, 4), 4))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU autocast leaves layer_norm alone)")
+def test_layernorm_under_cuda_autocast_like_torch():
+    # CUDA autocast runs layer_norm in float32 on a bfloat16 input (as after a Linear): so must
+    # the separated LayerNorm, in forward and backward, and its norms are those of float32 maths
+    torch.manual_seed(18)
+    layer, plain = twins(PEGradNormSeparatedLayerNorm, 64)
+    reference = PLAIN[PEGradNormSeparatedLayerNorm](64)
+    reference.load_state_dict(plain.state_dict())
+    layer, plain = layer.cuda(), plain.cuda()
+    x = torch.randn(4, 8, 64, device="cuda")
+    r = torch.randn(4, 8, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = nn.functional.linear(x, torch.eye(64, device="cuda"))
+        y, y_plain = layer(h), plain(h)
+    assert h.dtype == torch.bfloat16 and y.dtype == y_plain.dtype == torch.float32
+    torch.testing.assert_close(y, y_plain)
+    (example_loss(y, r) / 4).backward()
+    (example_loss(y_plain, r) / 4).backward()
+    torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.bias.grad, plain.bias.grad, rtol=1e-5, atol=1e-6)
+    expected = brute_force(reference, [(h.float().cpu(), r.cpu())])
+    got = measured(layer)
+    for n in ("weight", "bias"):
+        torch.testing.assert_close(got[n], expected[n].item(), rtol=1e-4, atol=0)
+    assert layer.example_count.item() == 4
+
+
 @pytest.mark.parametrize("frozen", ["weight", "bias"])
 def test_layernorm_frozen_parameter_is_not_measured(frozen):
     torch.manual_seed(9)
