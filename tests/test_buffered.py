@@ -132,12 +132,22 @@ def test_linear_matches_brute_force(cls, mode, bias, shape, steps):
 
 @pytest.mark.parametrize("cls", LINEARS)
 @pytest.mark.parametrize("mode", ["ghost", "materialise"])
-def test_linear_chunks_bound_memory_and_agree(cls, mode):
-    """With a tiny chunk budget every example is its own chunk; the norms do not change."""
+def test_linear_chunks_bound_memory_and_agree(cls, mode, monkeypatch):
+    """With a tiny chunk budget every example is its own chunk (each batched product takes
+    one example), the norms do not change, and the mode asked for is the one that runs."""
     torch.manual_seed(1)
     layer, plain = twins(cls, 6, 5)
     layer.per_example_mode, layer.max_chunk_numel = mode, 1
+    batch_sizes, ran = [], []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda a, b: batch_sizes.append(a.shape[0]) or bmm(a, b))
+    for name in ("_weight_sqnorm_ghost", "_weight_sqnorm_materialised"):
+        fn = getattr(buffered, name)
+        monkeypatch.setattr(buffered, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
     check(layer, plain, float_batches(2, (7, 3, 6), 5))
+    assert batch_sizes and set(batch_sizes) == {1}
+    other = "_weight_sqnorm_materialised" if mode == "ghost" else "_weight_sqnorm_ghost"
+    assert ran and other not in ran
 
 
 def test_automatic_choice_follows_the_shapes():
