@@ -149,7 +149,7 @@ def test_triton_kernels_no_bias_non_power_of_two():
     run_kernels((3, 6, 33), torch.bfloat16, bias=False, target_programs=6, min_rows_per_chunk=3)
 
 
-@pytest.mark.parametrize("shape", ["3d", "2d"])
+@pytest.mark.parametrize("shape", ["3d", "2d", "1d"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_op_matches_oracles(no_torch_path, dtype, bias, shape):

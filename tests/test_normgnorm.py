@@ -102,7 +102,8 @@ def check_op(shapes, dtype, bias, backend, device="cpu", layer_norm=normgnorm.la
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-SHAPES = {"3d": [(3, 5, 40), (2, 7, 40)], "2d": [(6, 40), (4, 40)], "4d": [(2, 3, 2, 24), (2, 3, 2, 24)]}
+SHAPES = {"3d": [(3, 5, 40), (2, 7, 40)], "2d": [(6, 40), (4, 40)], "4d": [(2, 3, 2, 24), (2, 3, 2, 24)],
+          "1d": [(40,), (40,)]}  # 1-D: one example of one token, as torch's LayerNorm takes it
 
 
 # ---------------------------------------------------------------- the pure-PyTorch path (CPU)
@@ -167,14 +168,18 @@ def test_rows_with_variance_near_eps(backend):
     torch.testing.assert_close(sq_b.double(), ref["sq_b"], **BUFFER_TOL)
 
 
-def test_only_parameters_with_gradients_are_measured():
+@pytest.mark.parametrize("layer_norm", [normgnorm.layer_norm, through_op], ids=["eager", "op"])
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_only_parameters_with_gradients_are_measured(layer_norm, frozen):
     x, dy, weight, b = make_inputs((3, 4, 24), torch.float32, True, seed=1)
     sq_w, sq_b, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
-    b.requires_grad_()  # weight is frozen
+    (b if frozen == "weight" else weight).requires_grad_()
     x.requires_grad_()
-    normgnorm.layer_norm(x, weight, b, sq_w, sq_b, count).backward(dy)
-    assert weight.grad is None and sq_w.item() == 0
-    torch.testing.assert_close(sq_b.double(), oracle(x, weight, b, dy)["sq_b"], **BUFFER_TOL)
+    layer_norm(x, weight, b, sq_w, sq_b, count, EPS, "").backward(dy)
+    ref = oracle(x, weight, b, dy)
+    measured, unmeasured = (sq_b, sq_w) if frozen == "weight" else (sq_w, sq_b)
+    assert (weight if frozen == "weight" else b).grad is None and unmeasured.item() == 0
+    torch.testing.assert_close(measured.double(), ref["sq_b" if frozen == "weight" else "sq_w"], **BUFFER_TOL)
     assert count.item() == 3
 
 
@@ -208,6 +213,9 @@ def test_empty_input(layer_norm):
     sq_w, count = torch.zeros(()), torch.zeros(())
     layer_norm(x, weight, None, sq_w, None, count, EPS, "").sum().backward()
     assert x.grad.shape == x.shape and weight.grad.abs().sum() == 0 and sq_w.item() == 0 and count.item() == 0
+    x = torch.zeros(3, 0, 8, requires_grad=True)  # three examples of no tokens still count
+    layer_norm(x, weight, None, sq_w, None, count, EPS, "").sum().backward()
+    assert sq_w.item() == 0 and count.item() == 3
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -397,6 +405,7 @@ GPU_SHAPES = {
     "gpt": [(4, 256, 768), (4, 256, 768)],
     "odd D": [(3, 100, 1000), (2, 37, 1000)],
     "many examples, 2-D": [(2000, 96), (1000, 96)],
+    "one example, 1-D": [(768,), (768,)],
     "wide rows": [(2, 40, 20000), (2, 40, 20000)],
     "wider than the CUDA kernels": [(2, 8, 40000), (1, 8, 40000)],
 }
