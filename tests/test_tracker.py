@@ -248,3 +248,89 @@ def test_wandb_offline(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert load_log(out)[0]["train/loss"].tolist() == [1.0, 0.5, 1.0 / 3]
+
+
+# ---------------------------------------------------------------- what must reach the disk, and when
+
+def _record_fsyncs_and_replaces(monkeypatch):
+    """Every os.fsync (by the file's name) and os.replace the tracker makes, in order."""
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def spy_fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return fsync(fd)
+
+    def spy_replace(src, dst):
+        events.append(("replace", os.path.basename(src), os.path.basename(dst)))
+        return replace(src, dst)
+    monkeypatch.setattr(tracker_module.os, "fsync", spy_fsync)
+    monkeypatch.setattr(tracker_module.os, "replace", spy_replace)
+    return events
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc")
+def test_every_row_is_on_disk_when_step_returns(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    log = LogWrapper(out_dir=out)
+    events = _record_fsyncs_and_replaces(monkeypatch)
+    log.log({"a": 1})
+    log.step()  # first row: the whole file, written beside and swapped in, directory synced
+    assert events == [("fsync", "log.csv.tmp"), ("replace", "log.csv.tmp", "log.csv"), ("fsync", "out")]
+    for step in range(1, 4):  # same columns: appended, and synced each time
+        del events[:]
+        log.log({"a": step})
+        log.step()
+        assert events == [("fsync", "log.csv")]
+    log.close()
+
+
+def test_resume_over_an_empty_log_starts_afresh(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.csv").write_text("")
+    log = LogWrapper(out_dir=out, resume_step=3)
+    log.log({"a": 1})
+    log.step()
+    log.close()
+    assert read_csv(out / "log.csv") == [["step", "a"], ["3", "1"]]
+
+
+@pytest.mark.parametrize("text, error", [("iter,a\n0,1\n5,2\n", "not 'step'"),
+                                         ("step,a\n0,1\nx,2\n1,3\n", "cannot resume")])
+def test_resume_refuses_a_file_that_is_not_its_log_and_leaves_it_alone(tmp_path, text, error):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.csv").write_text(text)
+    with pytest.raises(ValueError, match=error):
+        LogWrapper(out_dir=out, resume_step=3)
+    assert (out / "log.csv").read_text() == text
+
+
+def test_config_json_is_rewritten_on_resume_and_takes_any_value(tmp_path):
+    out = tmp_path / "out"
+    LogWrapper(out_dir=out, config={"lr": 1}).close()
+    LogWrapper(out_dir=out, config={"lr": 2, "dtype": torch.float16}, resume_step=0).close()
+    assert json.loads((out / "config.json").read_text()) == {"lr": 2, "dtype": "torch.float16"}
+
+
+def test_wandb_gets_the_csv_step_numbers(monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, row, **kwargs):
+            calls.append((row, kwargs))
+
+        def finish(self):
+            pass
+    fake = type(sys)("wandb")
+    fake.init = lambda **kwargs: FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    log = LogWrapper(wandb_log=True, resume_step=5)
+    log.log({"a": 1})
+    log.step()
+    log.step()  # nothing logged: no row, but the step counts
+    log.log({"a": 2})
+    log.step()
+    log.close()
+    assert calls == [({"a": 1}, {"step": 5}), ({"a": 2}, {"step": 7})]
