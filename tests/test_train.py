@@ -40,6 +40,11 @@ def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     assert toks == [i * 2 * 4 * 16 for i in (6, 7, 8)]
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     assert ckpt['iter_num'] == 8 and ckpt['model']['tokens_processed'].item() == 8 * 2 * 4 * 16
+    # log.csv holds both runs, once each: steps 0-7 of training and the final evaluation's row
+    from csv_tools import load_log
+    df = load_log(out)[0]
+    assert df.step.tolist() == list(range(9)) and (df.iter_num == df.step).all()
+    assert df.tokens_processed.tolist() == [i * 2 * 4 * 16 for i in range(1, 9)] + [8 * 2 * 4 * 16]
 
 
 def test_lr_follows_the_token_schedule(tiny_dataset, tmp_path):
