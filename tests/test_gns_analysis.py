@@ -480,3 +480,125 @@ def test_micro_batch_estimator_recovers_the_true_gns_of_linear_regression():
     assert last["train/microbatch_gns/total/trace_ema"] == pytest.approx(true_trace, rel=0.03)
     assert last["train/microbatch_gns/total/sq_norm_ema"] == pytest.approx(true_sq_norm, rel=0.03)
     assert info["estimators"]["train/microbatch_gns"]["comparison"]["ratio_median"] == pytest.approx(1, abs=0.03)
+
+
+# -- edge cases: incomplete and partly measured rows, fallbacks, warm-up of comparisons, the CLI -----------
+
+def gns_cols(prefix, name, norm, pegn, B, b=None):
+    """The raw columns of one parameter of a per-parameter estimator."""
+    cols = {f"{prefix}/{name}/norm": norm, f"{prefix}/{name}/pegn": pegn, f"{prefix}/{name}/batch_size": B}
+    if b is not None:
+        cols[f"{prefix}/{name}/small_batch_size"] = b
+    return cols
+
+
+def test_unbiased_estimates_nan_for_small_batch_below_one():
+    assert np.isnan(gns_analysis.unbiased_estimates(1.0, 2.0, 8, 0)).all()
+    assert np.isnan(gns_analysis.unbiased_estimates(1.0, 2.0, 8, -4)).all()
+
+
+def test_incomplete_parameter_is_left_out_and_reported():
+    n = 5
+    df = pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "a", np.full(n, 1.0), np.full(n, 2.0), 8),
+                       "train/gns/b/norm": np.full(n, 1.0)})
+    results, info = gns_analysis.analyze(df, 0.9)
+    assert info["main"] == "train/gns" and info["note"] is None
+    assert info["incomplete"] == ["b"] and info["groups"]["total"] == ["a"]
+    assert "incomplete columns, left out: b (1)" in gns_analysis.summary(results, info, "log.csv", 0.9)
+
+
+def test_fallback_main_follows_the_known_order_and_prefix_may_end_in_slash():
+    rng = np.random.default_rng(3)
+    n = 5
+    df = pd.DataFrame({"step": np.arange(n),  # micro-batch columns first in the log
+                       **gns_cols("train/microbatch_gns", "w", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), 32, 4),
+                       **gns_cols("train/sogns", "w", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), 32)})
+    _, info = gns_analysis.analyze(df, 0.9)
+    assert info["main"] == "train/sogns" and list(info["estimators"]) == ["train/microbatch_gns"]
+    _, info = gns_analysis.analyze(df, 0.9, prefix="train/microbatch_gns/")
+    assert info["main"] == "train/microbatch_gns" and info["note"] is None
+
+
+def test_rows_with_partly_or_not_measured_parameters():
+    """Row 2: the Linear parameter unmeasured; row 3: its batch_size cell empty; row 4: no GNS at all."""
+    n = 6
+    ln, fc = "transformer.h.0.ln_1.weight", "transformer.h.0.mlp.c_fc.weight"
+    fc_norm, fc_B = np.full(n, 1.0), np.full(n, 8.0)
+    fc_norm[[2, 4]], fc_B[[2, 3, 4]] = np.nan, np.nan
+    ln_norm = np.full(n, 0.5)
+    ln_norm[4] = np.nan
+    df = pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", ln, ln_norm, np.full(n, 1.5), np.full(n, 8.0)),
+                       **gns_cols("train/gns", fc, fc_norm, np.full(n, 2.0), fc_B)})
+    results, info = gns_analysis.analyze(df, 0.9)
+    assert results["step"].tolist() == [0, 1, 2, 3, 5], "rows without any measurement dropped, partial ones kept"
+    assert info["main_rows"] == 5 and info["mixed_batch_rows"] == 0
+    assert np.isfinite(results["LayerNorm/sq_norm"]).all()
+    assert np.isnan(results["total/sq_norm"][[2, 3]]).all() and np.isnan(results["batch_size"][[2, 3]]).all()
+    assert results["total/ema_steps"].tolist() == [1, 2, 2, 2, 3]
+
+
+def test_layer_types_and_block_order():
+    assert gns_analysis.layer_type("transformer.wpe.weight") == "Embedding"
+    names = ["transformer.h.10.mlp.c_fc.weight", "transformer.h.2.mlp.c_fc.weight", "transformer.h.1.ln_1.weight"]
+    assert list(gns_analysis.main_groups(names, "train/gns"))[-3:] == ["h.1", "h.2", "h.10"]
+
+
+def test_compare_ratio_median_pearson_and_short_runs():
+    a, d = [2.0, 3.0, 12.0, 5.0], [1.0, 1.0, 2.0, 0.0]  # the last step: denominator GNS 0, left out
+    c = gns_analysis.compare(a, d, [1, 2, 3, 4], alpha=0.9)  # shorter than the window of 10
+    assert c["steps"] == 3 and c["min_ema_steps"] == 1
+    assert c["ratio_median"] == 3.0 and c["ratio_mean"] == pytest.approx(11 / 3)
+    assert c["pearson"] == pytest.approx(np.corrcoef(a[:3], d[:3])[0, 1])
+
+
+def test_comparisons_start_when_both_emas_are_warm():
+    """LayerNorm measured from row 0, the Linear parameter (so the total) from row 10, train/sogns from row 15."""
+    rng = np.random.default_rng(4)
+    n, late = 30, np.arange(30) < 10
+    fc_norm = np.where(late, np.nan, rng.uniform(0.5, 1, n))
+    df = pd.DataFrame({"step": np.arange(n),
+                       **gns_cols("train/gns", "ln_1.weight", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), 16),
+                       **gns_cols("train/gns", "fc.weight", fc_norm, rng.uniform(2, 3, n), 16),
+                       **gns_cols("train/sogns", "fc.weight", np.where(np.arange(n) < 15, np.nan, rng.uniform(0.5, 1, n)),
+                                  rng.uniform(2, 3, n), 16)})
+    results, info = gns_analysis.analyze(df, 0.9)
+    ln = info["comparison"]
+    assert ln["steps"] == 11 and ln["min_ema_steps"] == 10  # total's EMA has 10 estimates from row 19
+    want = (results["LayerNorm/gns"] / results["total/gns"])[-11:]
+    assert ln["ratio_median"] == pytest.approx(np.median(want)) and ln["ratio_mean"] == pytest.approx(np.mean(want))
+    assert info["estimators"]["train/sogns"]["comparison"]["steps"] == 6  # sogns' EMA has 10 from row 24
+
+
+def test_other_estimator_covering_more_parameters_is_compared_on_the_shared_ones():
+    rng = np.random.default_rng(5)
+    n = 12
+    df = pd.DataFrame({"step": np.arange(n),
+                       **gns_cols("train/gns", "fc.weight", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), 16),
+                       **gns_cols("train/sogns", "fc.weight", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), 16),
+                       **gns_cols("train/sogns", "fc.bias", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), 16)})
+    results, info = gns_analysis.analyze(df, 0.9)
+    assert info["estimators"]["train/sogns"]["common"] == ["fc.weight"]
+    # the main estimator's side is the main estimator's own numbers; the other side the other's
+    assert np.allclose(results["train/sogns/main_common/gns"], results["total/gns"], rtol=1e-12)
+    big, small = df["train/sogns/fc.weight/norm"] ** 2, df["train/sogns/fc.weight/pegn"] ** 2
+    sq, tr = (16 * big - small) / 15, (small - big) / (1 - 1 / 16)
+    assert np.allclose(results["train/sogns/common/gns"], hand_ema(tr, 0.9) / hand_ema(sq, 0.9), rtol=1e-12)
+
+
+def test_summary_reports_mixed_batch_rows():
+    n = 3
+    df = pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "a", np.full(n, 1.0), np.full(n, 2.0), 8),
+                       **gns_cols("train/gns", "b", np.full(n, 1.0), np.full(n, 2.0), [8, 16, 8])})
+    results, info = gns_analysis.analyze(df, 0.9)
+    assert info["mixed_batch_rows"] == 1
+    assert "1 steps with different batch sizes across parameters were left out" in \
+        gns_analysis.summary(results, info, "log.csv", 0.9)
+
+
+def test_cli_cannot_write_the_result(tmp_path, capsys):
+    n = 3
+    pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "a", np.full(n, 1.0), np.full(n, 2.0), 8)}
+                 ).to_csv(tmp_path / "log.csv", index=False)
+    (tmp_path / "gns_analysis.csv").mkdir()  # writing it fails even as root
+    assert gns_analysis.main([str(tmp_path), "--no-plots"]) == 1
+    assert "cannot write" in capsys.readouterr().err
