@@ -104,13 +104,15 @@ def fused_backends():
     return names
 
 
-def time_fwd_bwd(layer, x, dy, warmup, iters):
-    """Median milliseconds of y = layer(x) and the gradients of x and of the parameters."""
+def fwd_bwd(layer, x, dy):
+    """One step to time: y = layer(x) and the gradients of x and of the parameters."""
     inputs = [x] + [p for p in layer.parameters()]
+    return lambda: torch.autograd.grad(layer(x), inputs, dy)
 
-    def step():
-        y = layer(x)
-        torch.autograd.grad(y, inputs, dy)
+
+def time_fwd_bwd(layer, x, dy, warmup, iters):
+    """Median milliseconds of one forward+backward launched from Python."""
+    step = fwd_bwd(layer, x, dy)
     for _ in range(warmup):
         step()
     times = []
@@ -130,10 +132,7 @@ def time_graphed(layer, x, dy, iters, replays=10):
     without Python's launch overhead (as under torch.compile's "reduce-overhead" mode). None,
     with the reason printed, where the step cannot be captured.
     """
-    inputs = [x] + [p for p in layer.parameters()]
-
-    def step():
-        torch.autograd.grad(layer(x), inputs, dy)
+    step = fwd_bwd(layer, x, dy)
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
