@@ -6,8 +6,8 @@ the affine part in PyTorch with per-example reductions), at GPT-like shapes.
 Reports the median time of one forward+backward, launched from Python (eager) and replayed
 from a CUDA graph (the GPU's time alone, without launch overhead), the effective bandwidth of
 the latter (bytes that must move: read x, write y; read x and dy, write dx), and each time's
-ratio to torch. The aim: the fused op within
-1.10x of torch's LayerNorm, i.e. per-example norms for free.
+ratio to torch. The aim: the fused op within 1.10x of torch's LayerNorm, i.e. per-example
+norms for free.
 
     python bench/layernorm.py
     python bench/layernorm.py --shapes 8x1024x768 8x2048x8192 --dtype float16 --iters 100
@@ -26,6 +26,7 @@ programs fit on a multiprocessor, and how many waves the grid takes.
     python bench/layernorm.py --compile_only --arch 80 --sms 108    # A100
 """
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -173,10 +174,7 @@ def compile_report(shapes, dtype, arch, sms):
         launches = triton_aot.forward_launches(shape, dtype) + triton_aot.backward_launches(shape, dtype, sm_count=sms)
         for launch in launches:
             c = triton_aot.compile_launch(launch, arch)
-            programs = 1
-            for n in c.grid:
-                programs *= n
-            waves = programs / (sms * c.programs_per_sm) if c.programs_per_sm else float("inf")
+            waves = math.prod(c.grid) / (sms * c.programs_per_sm) if c.programs_per_sm else float("inf")
             grid = "x".join(str(n) for n in c.grid)
             print(f"{f'{B}x{T}x{D}':>16}  {c.name:<24}{grid:>12}{c.num_warps:>6}{c.registers:>6}{c.stack_bytes:>8}"
                   f"{c.programs_per_sm:>7}{waves:>7.2f}")
@@ -191,18 +189,30 @@ SWEEP = dict(programs_per_sm=[2, 4, 8], min_rows_per_chunk=[16, 32, 64], max_til
              values_per_thread=[4, 8, 16])
 
 
+@contextlib.contextmanager
+def tuning_restored():
+    """normgnorm.triton_kernels.BACKWARD_TUNING, to change freely: put back as it was on exit."""
+    from normgnorm import triton_kernels
+    tuning = triton_kernels.BACKWARD_TUNING
+    saved = dict(tuning)
+    try:
+        yield tuning
+    finally:
+        tuning.clear()
+        tuning.update(saved)
+
+
 def sweep_settings(shape, dtype, sm_count):
     """
     The combinations of SWEEP grouped by the backward launches they make at this shape on a GPU
     with sm_count multiprocessors (many choices launch the same kernels): a list of
     (settings, launches), the current BACKWARD_TUNING's group first. Nothing runs.
     """
-    from normgnorm import triton_aot, triton_kernels
-    tuning = triton_kernels.BACKWARD_TUNING
-    saved = dict(tuning)
+    from normgnorm import triton_aot
     groups = {}
-    try:
-        for values in [tuple(saved[k] for k in SWEEP)] + list(itertools.product(*SWEEP.values())):
+    with tuning_restored() as tuning:
+        current = tuple(tuning[k] for k in SWEEP)
+        for values in [current] + list(itertools.product(*SWEEP.values())):
             setting = dict(zip(SWEEP, values))
             tuning.update(setting)
             launches = triton_aot.backward_launches(shape, dtype, sm_count=sm_count)
@@ -210,9 +220,6 @@ def sweep_settings(shape, dtype, sm_count):
                          tuple(a for a in l.args if isinstance(a, int))) for l in launches)
             if setting not in groups.setdefault(key, ([], launches))[0]:
                 groups[key][0].append(setting)
-    finally:
-        tuning.clear()
-        tuning.update(saved)
     return list(groups.values())
 
 
@@ -233,8 +240,7 @@ def sweep(shapes, dtype, warmup, iters, device="cuda", timer=gpu_time):
     Triton interpreter.)
     """
     from normgnorm import triton_kernels
-    tuning = triton_kernels.BACKWARD_TUNING
-    saved = dict(tuning)
+    saved = dict(triton_kernels.BACKWARD_TUNING)
     if device == "cuda":
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         name = torch.cuda.get_device_name()
@@ -250,16 +256,13 @@ def sweep(shapes, dtype, warmup, iters, device="cuda", timer=gpu_time):
         torch_ms = timer(nn.LayerNorm(D).to(device=device, dtype=dtype), x, dy, warmup, iters)
         layer = PEGradNormFusedLayerNorm(D, backend="triton").to(device=device, dtype=dtype)
         timed = []
-        try:
+        with tuning_restored() as tuning:
             for settings, _ in sweep_settings((B, T, D), dtype, sms):
                 tuning.update(settings[0])
                 ms = timer(layer, x, dy, warmup, iters)
                 timed.append((ms, settings))
                 for setting in settings:
                     ratios.setdefault(tuple(setting.values()), []).append(ms / torch_ms)
-        finally:
-            tuning.clear()
-            tuning.update(saved)
         now_ms = timed[0][0]
         print(f"\n{B}x{T}x{D}: torch {torch_ms:.3f} ms, now {now_ms:.3f} ms ({now_ms / torch_ms:.2f}x); "
               f"{len(timed)} distinct launches, fastest:")
