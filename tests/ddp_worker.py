@@ -159,6 +159,7 @@ def main():
                   known=known_noise_scale(rank, world))
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
         json.dump(result, f)
+    dist.barrier()  # leave together (see test_microbatch_gns._ddp_worker)
     dist.destroy_process_group()
 
 
