@@ -12,12 +12,14 @@ x [N, D] is N examples of one token), with x̂ = (x - mean) * rstd and y = γ �
 accumulated in float32 whatever the input dtype. The gradient the layer sees is that of the
 mean loss, so these are Σ_b ||g_b / B||² as buffered.py defines them.
 
-One op, `layer_norm`, with three implementations behind it:
+One autograd Function, `PEGLayerNorm` (called with the reference implementation's arguments),
+and `layer_norm` (the same in fused_gns.py's argument order), with three implementations behind:
 - "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
 - "torch": pure PyTorch (normgnorm/torch_path.py), always used off GPU.
-Choose with the `backend` argument or the NORMGNORM_BACKEND environment variable. The op is a
-torch.library custom op, so torch.compile treats it as one opaque node (no graph breaks).
+Choose with the `backend` argument or the NORMGNORM_BACKEND environment variable. Under
+torch.compile both run torch.library custom ops, which the compiler treats as opaque nodes (no
+graph breaks); in eager mode they skip the ops' dispatch and call the implementation directly.
 """
 import os
 from typing import Optional
@@ -152,27 +154,56 @@ _layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 torch.library.register_autocast("normgnorm::layer_norm_fwd", "cuda", torch.float32)
 
 
-class _EagerTorchPath(torch.autograd.Function):
+class PEGLayerNorm(torch.autograd.Function):
     """
-    The torch path as a plain autograd Function: what layer_norm runs in eager mode off GPU.
-    The custom op is what torch.compile needs; in eager mode its Python dispatch costs about
-    as much as a small LayerNorm itself, for the same maths.
+    LayerNorm forward and backward as one autograd Function; the backward also adds
+    Σ_b ||dγ_b||², Σ_b ||dβ_b||² to the float32 buffers and B to example_count (when given):
+
+        y = PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm,
+                               normalized_shape, eps[, example_count[, backend]])
+
+    The first seven arguments are the reference implementation's, so code written for it runs
+    unchanged. In eager mode this calls the chosen implementation directly (the registered op's
+    Python dispatch costs about as much as a small LayerNorm itself); under torch.compile it
+    calls the registered ops, which the compiler keeps whole. Under CUDA autocast it runs in
+    float32 with a float32 output, as torch's layer_norm does.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps):
-        y, mean, rstd = _forward(x, weight, bias, eps, "torch")
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, normalized_shape, eps=1e-5,
+                example_count=None, backend=None):
+        D = x.shape[-1] if x.dim() else None
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if shape != (D,) or weight.shape != (D,):
+            raise ValueError(f"PEGLayerNorm normalizes over the last dimension only: normalized_shape "
+                             f"{shape} and weight {tuple(weight.shape)} must both be ({D},) for input {tuple(x.shape)}")
+        if example_count is None:  # the reference's call counts nowhere
+            example_count = x.new_zeros((), dtype=torch.float32)
+        backend = backend or ""
+        if torch.compiler.is_compiling():
+            y, mean, rstd = _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count,
+                                            eps, backend)
+        else:
+            y, mean, rstd = _forward(x, weight, bias, eps, backend)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
         ctx.has_bias = bias is not None
+        ctx.backend = backend
         return y
 
     @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
+        # only parameters that receive a gradient are measured
         need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-        dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, "torch")
-        return dx, dw, db, None, None, None, None
+        if torch.compiler.is_compiling():
+            dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+            dw, db = (dw if need_dw else None), (db if need_db else None)
+        else:
+            dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
@@ -183,7 +214,8 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     squared norms of dγ, dβ into the float32 0-dim buffers weight_sqgradnorm, bias_sqgradnorm
     (None when there is no bias) and the number of examples into example_count.
     """
-    backend = backend or ""
-    if not x.is_cuda and not torch.compiler.is_compiling() and resolve_backend(backend, x) == "torch":
-        return _EagerTorchPath.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps)
-    return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend)[0]
+    if torch.compiler.is_compiling():  # the op with its registered autograd: what the compiler traces
+        return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
+                               backend or "")[0]
+    return PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, x.shape[-1:], eps,
+                              example_count, backend)

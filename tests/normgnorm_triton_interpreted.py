@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 import normgnorm  # noqa: E402
 from normgnorm import plan, triton_kernels  # noqa: E402
-from test_normgnorm import BUFFER_TOL, DTYPES, EPS, SHAPES, TOL, _layer, check_op, make_inputs, oracle  # noqa: E402
+from test_normgnorm import BUFFER_TOL, DTYPES, ENTRIES, EPS, SHAPES, TOL, _layer, check_op, make_inputs, oracle  # noqa: E402
 
 
 @pytest.fixture
@@ -154,6 +154,21 @@ def test_triton_kernels_no_bias_non_power_of_two():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_op_matches_oracles(no_torch_path, dtype, bias, shape):
     check_op(SHAPES[shape], dtype, bias, backend="triton")
+
+
+@pytest.mark.parametrize("entry", ["op", "PEGLayerNorm"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_triton_other_entries_match_oracles(no_torch_path, bias, entry):
+    """The registered op (what torch.compile runs) and the reference-style PEGLayerNorm call
+    reach the same kernels as layer_norm's eager call above."""
+    check_op(SHAPES["3d"], torch.bfloat16, bias, backend="triton", layer_norm=ENTRIES[entry])
+
+
+def test_triton_eager_call_skips_the_custom_op(no_torch_path):
+    x, _, weight, b = make_inputs((2, 3, 8), torch.float32, True, seed=2)
+    x.requires_grad_()
+    y = normgnorm.layer_norm(x, weight, b, torch.zeros(()), torch.zeros(()), torch.zeros(()), EPS, "triton")
+    assert type(y.grad_fn).__name__ == "PEGLayerNormBackward"
 
 
 def test_triton_op_compiles_without_graph_breaks(no_torch_path):

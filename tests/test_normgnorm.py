@@ -65,9 +65,17 @@ def make_inputs(shape, dtype, bias, seed, device="cpu"):
 
 
 def through_op(x, weight, b, sq_w, sq_b, count, eps, backend):
-    """The custom op itself (what torch.compile traces), not the plain autograd Function that
-    normgnorm.layer_norm takes in eager mode off GPU."""
+    """The custom op itself (what torch.compile traces), not the autograd Function PEGLayerNorm that
+    normgnorm.layer_norm runs in eager mode."""
     return normgnorm._layer_norm_fwd(x, weight, b, sq_w, sq_b, count, eps, backend or "")[0]
+
+
+def reference_call(x, weight, b, sq_w, sq_b, count, eps, backend):
+    """PEGLayerNorm.apply with the reference implementation's seven arguments, then ours."""
+    return normgnorm.PEGLayerNorm.apply(x, weight, b, sq_w, sq_b, (x.shape[-1],), eps, count, backend)
+
+
+ENTRIES = {"eager": normgnorm.layer_norm, "op": through_op, "PEGLayerNorm": reference_call}
 
 
 def check_op(shapes, dtype, bias, backend, device="cpu", layer_norm=normgnorm.layer_norm):
@@ -108,13 +116,12 @@ SHAPES = {"3d": [(3, 5, 40), (2, 7, 40)], "2d": [(6, 40), (4, 40)], "4d": [(2, 3
 
 # ---------------------------------------------------------------- the pure-PyTorch path (CPU)
 
-@pytest.mark.parametrize("entry", ["eager", "op"])
+@pytest.mark.parametrize("entry", list(ENTRIES))
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_path_matches_oracles(dtype, bias, shape, entry):
-    check_op(SHAPES[shape], dtype, bias, backend="torch",
-             layer_norm=normgnorm.layer_norm if entry == "eager" else through_op)
+    check_op(SHAPES[shape], dtype, bias, backend="torch", layer_norm=ENTRIES[entry])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -123,12 +130,71 @@ def test_torch_path_one_example_at_a_time(monkeypatch, dtype):
     check_op(SHAPES["3d"], dtype, True, backend="torch")
 
 
-def test_eager_cpu_calls_skip_the_custom_op():
+def test_eager_calls_skip_the_custom_op():
     x, _, weight, b = make_inputs((2, 3, 8), torch.float32, True, seed=2)
     bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
     x.requires_grad_()
-    assert type(normgnorm.layer_norm(x, weight, b, *bufs).grad_fn).__name__ == "_EagerTorchPathBackward"
+    assert type(normgnorm.layer_norm(x, weight, b, *bufs).grad_fn).__name__ == "PEGLayerNormBackward"
     assert "layer_norm_fwd" in type(through_op(x, weight, b, *bufs, EPS, "").grad_fn).__name__.lower()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_peglayernorm_called_as_the_reference_does(bias):
+    """Seven arguments, no example counter: the same outputs, gradients and buffers as layer_norm."""
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, bias, seed=6)
+    x.requires_grad_()
+    w = weight.clone().requires_grad_()
+    bb = b.clone().requires_grad_() if bias else None
+    sq_w, sq_b = torch.zeros(()), torch.zeros(()) if bias else None
+    y = normgnorm.PEGLayerNorm.apply(x, w, bb, sq_w, sq_b, (40,), EPS)
+    y.backward(dy)
+    ref = oracle(x, weight, b, dy)
+    torch.testing.assert_close(y.double(), ref["y"], **TOL[torch.float32])
+    torch.testing.assert_close(x.grad.double(), ref["dx"], **TOL[torch.float32])
+    torch.testing.assert_close(w.grad.double(), ref["dw"], **TOL[torch.float32])
+    torch.testing.assert_close(sq_w.double(), ref["sq_w"], **BUFFER_TOL)
+    if bias:
+        torch.testing.assert_close(bb.grad.double(), ref["db"], **TOL[torch.float32])
+        torch.testing.assert_close(sq_b.double(), ref["sq_b"], **BUFFER_TOL)
+
+
+@pytest.mark.parametrize("normalized_shape,weight_size", [((8,), 8), (8, 8), ((4, 8), 8), ((4,), 4), ((8,), 4)])
+def test_peglayernorm_normalizes_the_last_dimension_only(normalized_shape, weight_size):
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    weight = torch.ones(weight_size, requires_grad=True)
+    sq_w, count = torch.zeros(()), torch.zeros(())
+    call = lambda: normgnorm.PEGLayerNorm.apply(x, weight, None, sq_w, None, normalized_shape, EPS, count)
+    if normalized_shape in ((8,), 8) and weight_size == 8:
+        call().sum().backward()
+        assert count.item() == 2
+    else:
+        with pytest.raises(ValueError, match="last dimension only"):
+            call()
+
+
+def test_peglayernorm_compiles_without_graph_breaks():
+    """Called directly under torch.compile, PEGLayerNorm runs the registered ops: one graph,
+    and the compiled step's gradients and buffers equal eager's."""
+    torch._dynamo.reset()
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, True, seed=7)
+    results = []
+    for compiled in (False, True):
+        w, bb = weight.clone().requires_grad_(), b.clone().requires_grad_()
+        bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
+        xi = x.clone().requires_grad_()
+
+        def step(xi):
+            return (normgnorm.PEGLayerNorm.apply(xi, w, bb, bufs[0], bufs[1], (40,), EPS, bufs[2]) * dy).sum()
+        if compiled:
+            explanation = torch._dynamo.explain(step)(xi)
+            assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+            step = torch.compile(step, backend="aot_eager", fullgraph=True)
+        step(xi).backward()
+        results.append((xi.grad, w.grad, bb.grad) + bufs)
+    for eager_value, compiled_value in zip(*results):
+        torch.testing.assert_close(compiled_value, eager_value)
+    assert results[1][-1].item() == 3
+    torch._dynamo.reset()
 
 
 def test_oracle_per_example_norms_by_loop():
@@ -168,7 +234,7 @@ def test_rows_with_variance_near_eps(backend):
     torch.testing.assert_close(sq_b.double(), ref["sq_b"], **BUFFER_TOL)
 
 
-@pytest.mark.parametrize("layer_norm", [normgnorm.layer_norm, through_op], ids=["eager", "op"])
+@pytest.mark.parametrize("layer_norm", list(ENTRIES.values()), ids=list(ENTRIES))
 @pytest.mark.parametrize("frozen", ["weight", "bias"])
 def test_only_parameters_with_gradients_are_measured(layer_norm, frozen):
     x, dy, weight, b = make_inputs((3, 4, 24), torch.float32, True, seed=1)
@@ -206,7 +272,7 @@ def test_cpu_path_needs_no_triton():
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("layer_norm", [normgnorm.layer_norm, through_op], ids=["eager", "op"])
+@pytest.mark.parametrize("layer_norm", list(ENTRIES.values()), ids=list(ENTRIES))
 def test_empty_input(layer_norm):
     x = torch.zeros(0, 5, 8, requires_grad=True)
     weight = torch.ones(8, requires_grad=True)
