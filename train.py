@@ -13,7 +13,8 @@ DDP on 4 GPUs of one node:
 $ torchrun --standalone --nproc_per_node=4 train.py config/train_cgpt_111M_owt.py
 
 DDP on CPU (2 processes):
-$ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu --backend=gloo
+$ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu --backend=gloo \
+      --gradient_accumulation_steps=2
 """
 import os
 import sys
@@ -83,7 +84,9 @@ bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 1 at
 # system
 backend = 'nccl'  # 'nccl' for GPUs, 'gloo' for CPU
 device = 'cuda'  # 'cpu', 'cuda', 'cuda:1', 'mps'
-dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16'
+# float32, bfloat16 or float16 (autocast, also on CPU); without CUDA the default is float32, as
+# nanoGPT trains on CPU (float16 autocast on a CPU is emulated and many times slower)
+dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'
 compile = True
 seed = 1337
 # -----------------------------------------------------------------------------
@@ -149,7 +152,8 @@ if ddp:
     master_process = ddp_rank == 0  # this process logs and checkpoints
     seed_offset = ddp_rank  # each process gets a different seed
     if gradient_accumulation_steps % ddp_world_size != 0 and not bs_schedule:
-        die(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {ddp_world_size} DDP processes")
+        die(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {ddp_world_size} DDP processes "
+            f"(it counts micro-steps over all processes: use --gradient_accumulation_steps={ddp_world_size} or a multiple)")
     gradient_accumulation_steps //= ddp_world_size
 else:
     master_process = True
@@ -289,8 +293,12 @@ gns_tracker = None
 if find_sqgradnorm_buffers(raw_model):
     gns_tracker = MeasurementTracker.from_model(raw_model, callback=gns_logs, scaler=scaler,
                                                 world_size=ddp_world_size)
-# a live estimate for the status line only (gns-analysis.py re-derives everything from the CSV)
-live_gns = ddpgns.GradientNoiseScale(beta=0.95)
+# a live estimate for the status line only (gns-analysis.py re-derives everything from the CSV),
+# smoothed as gns-analysis.py smooths by default (alpha 0.99) and carried across a resume, so
+# its last value is the analysis' total GNS
+live_gns = ddpgns.GradientNoiseScale(beta=0.99)
+if checkpoint is not None and 'live_gns' in checkpoint:
+    live_gns.load_state_dict(checkpoint['live_gns'])
 # the cheap DDP estimator (small batch = one rank's batch), beside the per-example one
 ddp_gns = None
 if ddp and ddp_world_size > 1:
@@ -344,6 +352,7 @@ def save_checkpoint():
     }
     if ddp_gns is not None:
         ckpt['ddp_gns'] = ddp_gns.state_dict()
+    ckpt['live_gns'] = live_gns.state_dict()
     path = os.path.join(out_dir, 'ckpt.pt')
     print(f"saving checkpoint to {out_dir}")
     torch.save(ckpt, path + '.tmp')
@@ -460,9 +469,9 @@ while not finished():
         if ddp_gns is not None:
             logger.log(ddpgns.ddp_gns_log(ddp_gns, sq_small, sq_big, n_small, examples_this_step))
         if (iter_num + 1) % log_interval == 0:
-            gns_msg = f", gns {live_gns.get_gns():.1f}" if gns_tracker is not None else ""
+            gns_msg = f", gns {live_gns.get_gns():.4g}" if gns_tracker is not None else ""
             if ddp_gns is not None:
-                gns_msg += f", ddp gns {ddp_gns.get_gns():.1f}"
+                gns_msg += f", ddp gns {ddp_gns.get_gns():.4g}"
             print(f"iter {iter_num + 1}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
                   f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}{gns_msg}")
         logger.step()

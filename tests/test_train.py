@@ -2,11 +2,14 @@
 exactly, the LR follows the token schedule, bad input fails cleanly, DDP on gloo runs."""
 import os
 import re
+import subprocess
+import sys
 
+import pandas as pd
 import pytest
 import torch
 
-from conftest import TINY, run_train
+from conftest import REPO, TINY, run_train
 
 
 def val_losses(stdout):
@@ -29,7 +32,8 @@ def test_short_run_lowers_val_loss_and_checkpoints(tiny_dataset, tmp_path):
 def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     out = tmp_path / "out"
     common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=5",
-              "--gradient_accumulation_steps=2", "--max_tokens=1000000"]
+              "--gradient_accumulation_steps=2", "--max_tokens=1000000",
+              "--linearclass=gns", "--embeddingclass=gns", "--lnclass=fused"]
     run_train(*common, "--max_iters=5")
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     assert ckpt['iter_num'] == 5 and ckpt['model']['tokens_processed'].item() == 5 * 2 * 4 * 16
@@ -45,6 +49,15 @@ def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     df = load_log(out)[0]
     assert df.step.tolist() == list(range(9)) and (df.iter_num == df.step).all()
     assert df.tokens_processed.tolist() == [i * 2 * 4 * 16 for i in range(1, 9)] + [8 * 2 * 4 * 16]
+    # the status line's GNS, carried across the resume, is gns-analysis.py's total over both runs
+    printed = float(re.findall(r", gns ([\d.e+-]+)$", p.stdout, re.M)[-1])
+    subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), str(out), "--no-plots"],
+                   check=True, capture_output=True)
+    last = pd.read_csv(out / "gns_analysis.csv").dropna(subset=["total/gns"]).iloc[-1]
+    assert last["step"] == 7
+    eps = 1e-8  # what the status line's estimator clamps each average to (ddpgns.GradientNoiseScale)
+    expected = max(last["total/trace_ema"], eps) / max(last["total/sq_norm_ema"], eps)
+    assert printed == pytest.approx(expected, rel=1e-3)  # printed to 4 significant digits
 
 
 def test_lr_follows_the_token_schedule(tiny_dataset, tmp_path):
@@ -86,6 +99,24 @@ def test_ddp_on_cpu_with_gloo(tiny_dataset, tmp_path):
     toks = [int(t.replace(',', '')) for t in re.findall(r"tokens ([\d,]+),", p.stdout)]
     assert toks == [128, 256, 384, 512]
     assert torch.load(out / "ckpt.pt", weights_only=False)['iter_num'] == 4
+
+
+@pytest.mark.slow
+def test_ddp_accumulation_not_divisible_by_processes_says_what_to_use(tiny_dataset, tmp_path):
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--backend=gloo",
+                  torchrun_procs=2, check=False)  # TINY has gradient_accumulation_steps=1
+    assert p.returncode != 0
+    assert "use --gradient_accumulation_steps=2 or a multiple" in p.stderr
+
+
+def test_default_dtype_follows_cuda():
+    """nanoGPT's default where CUDA is (bfloat16 if supported, else float16); float32 without it,
+    where autocast would emulate float16 on the CPU, many times slower."""
+    if torch.cuda.is_available():
+        want = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    else:
+        want = "float32"
+    assert f"--dtype={want!r}" in run_train("--help").stdout
 
 
 def read_log(out_dir):
