@@ -26,6 +26,8 @@ test: $(STAMP)
 
 GPU_PY ?= python3
 gpu-check:
+	@$(GPU_PY) -c 'import torch, triton; assert torch.cuda.is_available()' 2>/dev/null || \
+		{ echo 'gpu-check needs a CUDA GPU and a python with torch and triton; $(GPU_PY) lacks one of them (choose another with GPU_PY=...)'; exit 2; }
 	$(GPU_PY) -m pytest -q tests/test_normgnorm.py tests/test_fused_gns.py tests/test_bench_layernorm.py
 	$(GPU_PY) bench/layernorm.py
 	$(GPU_PY) bench/layernorm.py --sweep --iters 20

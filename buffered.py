@@ -27,7 +27,7 @@ hold s^2 times the true sums: the tracker divides by s^2, the layers never see s
 
 Every layer must be applied once per forward (a layer used twice would need the cross terms
 between its uses); the one exception handled here is the tied token embedding / output head,
-linked by tie_weights(). The maths is in DESIGN.md section 2; the ghost norm is Goodfellow
+linked by tie_weights(). Each class's docstring gives its maths; the ghost norm is Goodfellow
 2015 ("Efficient Per-Example Gradient Computations") extended to sequences as in Li et al.
 2022 ("Large Language Models Can Be Strong Differentially Private Learners").
 

@@ -1,7 +1,8 @@
 """
 normgnorm: a LayerNorm whose backward pass also yields the per-example squared gradient
-norms of its gain and bias, at almost no extra cost (DESIGN.md §2, LayerNorm; Gray et al. 2024
-show these norms alone predict the whole model's gradient noise scale).
+norms of its gain and bias, at almost no extra cost. Gray et al. 2024 ("Normalization Layer
+Per-Example Gradients are Sufficient to Predict Gradient Noise Scale in Transformers") show
+these norms alone predict the whole model's gradient noise scale.
 
 For x [B, T, D] (any leading shape: the first dim counts examples, the rest are tokens; a 2-D
 x [N, D] is N examples of one token), with x̂ = (x - mean) * rstd and y = γ ⊙ x̂ + β:

@@ -17,7 +17,7 @@ CPU_CHUNK_NUMEL = 1 << 19
 
 def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db):
     """
-    The per-example gradients of a LayerNorm's gain and bias (DESIGN.md §2, LayerNorm),
+    The per-example gradients of a LayerNorm's gain and bias (Gray et al. 2024),
         dγ_b = Σ_t dy_bt ⊙ (x_bt - mean_bt) rstd_bt,    dβ_b = Σ_t dy_bt,
     as [B, D] tensors in float32 (float64 for float64 inputs), None where not needed, from
     dy3, x3 [B, T, D] and the row statistics mean3, rstd3 [B, T, 1]. One centring pass, the
