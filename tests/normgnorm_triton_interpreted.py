@@ -184,3 +184,27 @@ def test_triton_op_compiles_without_graph_breaks(no_torch_path):
     torch.testing.assert_close(compiled.weight_sqgradnorm, eager.weight_sqgradnorm)
     torch.testing.assert_close(compiled.bias_sqgradnorm, eager.bias_sqgradnorm)
     torch._dynamo.reset()
+
+
+def test_triton_peglayernorm_compiles_through_the_registered_ops(no_torch_path):
+    """Called directly under torch.compile, PEGLayerNorm must reach the kernels through the
+    registered ops: traced as they are, the kernels would run on fake tensors."""
+    torch._dynamo.reset()
+    x, dy, weight, b = make_inputs((2, 4, 40), torch.float32, True, seed=8)
+    results = []
+    for compiled in (False, True):
+        w, bb = weight.clone().requires_grad_(), b.clone().requires_grad_()
+        bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
+        xi = x.clone().requires_grad_()
+
+        def step(xi):
+            y = normgnorm.PEGLayerNorm.apply(xi, w, bb, bufs[0], bufs[1], (40,), EPS, bufs[2], "triton")
+            return (y * dy).sum()
+        if compiled:
+            step = torch.compile(step, backend="aot_eager", fullgraph=True)
+        step(xi).backward()
+        results.append((xi.grad, w.grad, bb.grad) + bufs)
+    for eager_value, compiled_value in zip(*results):
+        torch.testing.assert_close(compiled_value, eager_value)
+    assert results[1][-1].item() == 2
+    torch._dynamo.reset()
