@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 
 import normgnorm  # noqa: E402
 from normgnorm import plan, triton_kernels  # noqa: E402
-from test_normgnorm import BUFFER_TOL, DTYPES, ENTRIES, EPS, SHAPES, TOL, _layer, check_op, make_inputs, oracle  # noqa: E402
+from test_normgnorm import (BUFFER_TOL, DTYPES, ENTRIES, EPS, SHAPES, TOL, _layer, check_op,  # noqa: E402
+                            check_peglayernorm_compiled, make_inputs, oracle)
 
 
 @pytest.fixture
@@ -189,22 +190,4 @@ def test_triton_op_compiles_without_graph_breaks(no_torch_path):
 def test_triton_peglayernorm_compiles_through_the_registered_ops(no_torch_path):
     """Called directly under torch.compile, PEGLayerNorm must reach the kernels through the
     registered ops: traced as they are, the kernels would run on fake tensors."""
-    torch._dynamo.reset()
-    x, dy, weight, b = make_inputs((2, 4, 40), torch.float32, True, seed=8)
-    results = []
-    for compiled in (False, True):
-        w, bb = weight.clone().requires_grad_(), b.clone().requires_grad_()
-        bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
-        xi = x.clone().requires_grad_()
-
-        def step(xi):
-            y = normgnorm.PEGLayerNorm.apply(xi, w, bb, bufs[0], bufs[1], (40,), EPS, bufs[2], "triton")
-            return (y * dy).sum()
-        if compiled:
-            step = torch.compile(step, backend="aot_eager", fullgraph=True)
-        step(xi).backward()
-        results.append((xi.grad, w.grad, bb.grad) + bufs)
-    for eager_value, compiled_value in zip(*results):
-        torch.testing.assert_close(compiled_value, eager_value)
-    assert results[1][-1].item() == 2
-    torch._dynamo.reset()
+    check_peglayernorm_compiled((2, 4, 40), "triton")
