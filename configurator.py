@@ -5,8 +5,11 @@ nanoGPT's "poor man's configurator": configuration is plain Python globals.
 
 Each positional argument is a Python file executed over the defaults; each --key=value
 overrides one existing key, with the value parsed as a Python literal (falling back to a
-string) and checked against the default's type. Bad input raises ConfigError, which train.py
-turns into one line on stderr and exit code 2.
+string) and checked against the default's type (values a config file sets are checked too).
+Bad input raises ConfigError, which train.py turns into one line on stderr and exit code 2.
+
+Scripts written for nanoGPT (or the reference implementation) apply it their way,
+`exec(open('configurator.py').read())` among their globals, and that works here as well.
 """
 import os
 from ast import literal_eval
@@ -16,25 +19,31 @@ class ConfigError(Exception):
     pass
 
 
+def _checked(key, value, default, shown):
+    """value if it fits the default's type (an int where a float is expected becomes a float),
+    else ConfigError; a default of None takes anything (train.py checks those itself)."""
+    if default is None:
+        return value
+    if isinstance(default, bool) or isinstance(value, bool):
+        if isinstance(default, bool) and isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} expects bool (True/False), got {shown}")
+    if isinstance(default, float) and isinstance(value, int):
+        return float(value)  # --learning_rate=1 means 1.0
+    if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):
+        return type(default)(value)
+    if not isinstance(value, type(default)):
+        raise ConfigError(f"{key} expects {type(default).__name__} (default {default!r}), got {shown}")
+    return value
+
+
 def _coerce(key, value, default):
     """Parse a --key=value string and check it against the default's type."""
     try:
         parsed = literal_eval(value)
     except (SyntaxError, ValueError):
         parsed = value  # a bare word is a string: --dataset=openwebtext
-    if default is None or parsed is None:
-        return parsed
-    if isinstance(default, bool) or isinstance(parsed, bool):
-        if isinstance(default, bool) and isinstance(parsed, bool):
-            return parsed
-        raise ConfigError(f"--{key} expects {type(default).__name__} (True/False), got {value!r}")
-    if isinstance(default, float) and isinstance(parsed, int):
-        return float(parsed)  # --learning_rate=1 means 1.0
-    if isinstance(default, (list, tuple)) and isinstance(parsed, (list, tuple)):
-        return type(default)(parsed)
-    if not isinstance(parsed, type(default)):
-        raise ConfigError(f"--{key} expects {type(default).__name__} (default {default!r}), got {value!r}")
-    return parsed
+    return _checked(f"--{key}", parsed, default, repr(value))
 
 
 def help_text(config, doc=""):
@@ -68,7 +77,8 @@ def configure(argv, config, doc=""):
                     continue
                 if key not in config:
                     raise ConfigError(f"config file {arg} sets unknown key {key!r}")
-                config[key] = value
+                if value is not config[key]:
+                    config[key] = _checked(f"{key} (set in {arg})", value, config[key], repr(value)[:80])
             applied.append(arg)
         else:
             if "=" not in arg:
@@ -87,3 +97,24 @@ def configure(argv, config, doc=""):
 def _is_plain(value):
     """Values a config file may set: data, not modules, functions or classes it imported."""
     return isinstance(value, (bool, int, float, str, list, tuple, dict, type(None)))
+
+
+def apply_to_script(scope):
+    """
+    nanoGPT's scripts (and the reference implementation's) run this file inside their own globals,
+    `exec(open('configurator.py').read())`, to apply the command line to them. This does the same
+    with this module's checks: every plain global of the script (not starting with '_') is a key;
+    bad input prints one line and exits with code 2.
+    """
+    import sys
+    config = {k: v for k, v in scope.items() if not k.startswith("_") and _is_plain(v)}
+    try:
+        configure(sys.argv[1:], config, scope.get("__doc__") or "")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    scope.update(config)
+
+
+if __name__ != "configurator":  # exec'd by a script rather than imported
+    apply_to_script(globals())

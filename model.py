@@ -9,7 +9,9 @@ gradient norms (buffered.py, fused_gns.py).
 """
 import inspect
 import math
-from dataclasses import dataclass, field
+import os
+import re
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -272,3 +274,98 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: this fork's, nanoGPT's and the reference implementation's (CerebrasResearch/nanoGNS)
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message is one line for the user."""
+
+
+# what a GPT cannot be built without; the other GPTConfig fields default when a checkpoint lacks them
+REQUIRED_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')
+
+
+def read_checkpoint(path, device='cpu'):
+    """The dict in a ckpt.pt, or CheckpointError if it is missing, damaged or not a training checkpoint."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"there is no checkpoint at {path}")
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # truncated, empty, random bytes: torch and pickle raise many kinds
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why})") from None
+    if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get('model'), dict)
+            and isinstance(checkpoint.get('model_args'), dict)):
+        raise CheckpointError(f"{path} is not a training checkpoint (no 'model' and 'model_args' in it)")
+    missing = [k for k in REQUIRED_MODEL_ARGS if k not in checkpoint['model_args']]
+    if missing:
+        raise CheckpointError(f"{path} lacks model_args {', '.join(missing)}; cannot rebuild its model")
+    return checkpoint
+
+
+def config_from_checkpoint(model_args):
+    """The GPTConfig of a checkpoint's model_args; fields it lacks (nanoGPT's and the reference's
+    have fewer) take GPTConfig's defaults, fields this GPT does not know are ignored."""
+    known = {f.name for f in fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in model_args.items() if k in known})
+
+
+def _state_dict_key(key):
+    """This fork's name for a checkpoint key, or None for a key that holds no weight."""
+    for prefix in ('_orig_mod.', 'module.'):  # left by torch.compile / a DDP wrapper
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    if key.endswith('_upegsqnorm'):  # the reference's per-example-norm running sums
+        return None
+    key = key.replace('.c_attn.qkv.', '.c_attn.')  # the reference wraps c_attn in a FusedQKVLinear
+    return re.sub(r'\.(ln_\w+)\.affine\.', r'.\1.', key)  # its separated LayerNorm keeps the gain in .affine
+
+
+def _holds_no_weight(key, value):
+    """Checkpoint entries with no counterpart here that carry nothing to lose: nanoGPT's causal
+    mask (torch < 2), the reference's fixed 1.1 Q/K/V scale and its zero 'bias' buffer in a
+    separated LayerNorm built with bias=False."""
+    if key.endswith('.attn.bias') and value.dim() == 4:
+        return True
+    if key.endswith('c_attn.scale'):
+        return value.numel() == 1 and abs(float(value) - 1.1) < 1e-6
+    return re.search(r'\.ln_\w+\.bias$', key) is not None and not value.any()
+
+
+def load_weights(model, state_dict, tokens_processed=None):
+    """
+    Load a checkpoint's weights into `model`, whether this fork, nanoGPT or the reference
+    implementation wrote it (their key names mapped, per-example-norm buffers dropped). A
+    checkpoint without `tokens_processed` (nanoGPT's) gets the given count. Returns notes (what
+    was mapped or dropped); raises CheckpointError for anything that does not fit.
+    """
+    expected = model.state_dict()
+    loaded, mapped, dropped = {}, 0, 0
+    for key, value in state_dict.items():
+        name = _state_dict_key(key)
+        if name is None or (name not in expected and _holds_no_weight(name, value)):
+            dropped += 1
+            continue
+        if name not in expected:
+            raise CheckpointError(f"the checkpoint has {key!r}, which this GPT does not "
+                                  f"(is the checkpoint from another model?)")
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{key!r} has shape {tuple(value.shape)} in the checkpoint but "
+                                  f"{tuple(expected[name].shape)} here")
+        mapped += name != key
+        loaded[name] = value
+    notes = []
+    if 'tokens_processed' not in loaded:
+        loaded['tokens_processed'] = torch.tensor(int(tokens_processed or 0), dtype=torch.int64)
+        notes.append(f"the checkpoint has no tokens_processed; counting from {int(tokens_processed or 0):,}")
+    missing = [k for k in expected if k not in loaded]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {', '.join(missing[:3])}"
+                              f"{' and %d more' % (len(missing) - 3) if len(missing) > 3 else ''}")
+    model.load_state_dict(loaded)
+    if mapped or dropped:
+        notes.append(f"checkpoint keys: {mapped} renamed from another layout (nanoGPT's or the reference's), "
+                     f"{dropped} entries without weights dropped")
+    return notes

@@ -68,3 +68,34 @@ def test_paper_config_splits_over_the_gpus_it_names():
         exec(f.read(), {}, cfg)
     assert cfg['batch_size'] * cfg['gradient_accumulation_steps'] == 120 and cfg['block_size'] == 2048
     assert all(cfg['gradient_accumulation_steps'] % gpus == 0 for gpus in (1, 2, 4, 8))
+
+
+def test_a_config_file_value_of_the_wrong_type_is_refused(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("batch_size = '64'\n")
+    with pytest.raises(ConfigError, match=r"batch_size \(set in .*c\.py\) expects int"):
+        configure([str(f)], dict(DEFAULTS))
+    f.write_text("learning_rate = 1\ncos_attn = (1, 2)\n")  # an int for a float, a tuple for a list
+    cfg = dict(DEFAULTS)
+    configure([str(f)], cfg)
+    assert cfg['learning_rate'] == 1.0 and isinstance(cfg['learning_rate'], float) and cfg['cos_attn'] == [1, 2]
+
+
+def test_a_nanogpt_style_script_that_execs_this_file_gets_its_overrides(tmp_path):
+    """nanoGPT's train.py and sample.py (and the reference's train.py) apply the command line with
+    exec(open('configurator.py').read()); the overrides must reach the script's globals."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "script.py"
+    script.write_text("batch_size = 12\nlearning_rate = 6e-4\ndataset = 'owt'\n"
+                      "exec(open('configurator.py').read())\nprint('got', batch_size, learning_rate, dataset)\n")
+    cfg_file = tmp_path / "cfg.py"
+    cfg_file.write_text("dataset = 'shakespeare'\n")
+    p = subprocess.run([sys.executable, str(script), str(cfg_file), "--batch_size=32", "--learning_rate=1"],
+                       cwd=root, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "got 32 1.0 shakespeare" in p.stdout
+    p = subprocess.run([sys.executable, str(script), "--batch_size=abc"], cwd=root, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip() == "error: --batch_size expects int (default 12), got 'abc'"
