@@ -15,11 +15,18 @@ $ torchrun --standalone --nproc_per_node=4 train.py config/train_cgpt_111M_owt.p
 DDP on CPU (2 processes):
 $ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu --backend=gloo \
       --gradient_accumulation_steps=2
+
+nanoGPT's config files work as they are: its max_iters, warmup_iters and lr_decay_iters are
+iterations, converted to tokens with one iteration's tokens (gradient_accumulation_steps *
+batch_size * block_size); set each length in one unit only.
 """
+import math
 import os
+import pickle
+import shutil
+import signal
 import sys
 import time
-import pickle
 from contextlib import nullcontext
 
 import numpy as np
@@ -66,18 +73,23 @@ lnclass = 'nn'  # nn, shim (separated LayerNorm) or fused (fused kernel)
 # approximation), and the micro-batch estimator (small batch = one micro-step's gradient)
 gns_hooks = 'none'  # none, sogns or exact
 microbatch_gns = False
-# AdamW optimizer; schedules are in tokens
+# AdamW optimizer. The run's length and the learning-rate schedule are in tokens or, as in
+# nanoGPT, in iterations (one unit per length); unset, they are nanoGPT's 600000 iterations of
+# training and of decay, and 2000 of warmup
 learning_rate = 6e-4
-max_tokens = 600000 * 491520  # nanoGPT's 600k iterations of ~0.5M tokens
-max_iters = 0  # if > 0, also stop after this many iterations
+max_tokens = None
+max_iters = None  # iterations; the run also stops here when both limits are in force
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0  # clip gradients at this norm, or disable if == 0.0
 decay_lr = True
-warmup_tokens = 2000 * 491520
-lr_decay_tokens = 600000 * 491520  # linear decay to min_lr by here
+warmup_tokens = None  # linear warmup from 0 to learning_rate
+warmup_iters = None
+lr_decay_tokens = None  # then linear decay to min_lr by here
+lr_decay_iters = None
 min_lr = 6e-5
+max_nonfinite_steps = 5  # stop after this many steps in a row with a non-finite gradient (float32/bfloat16)
 # batch-size schedule: accumulation steps piecewise linear in tokens, out_dir/grad_accum_schedule.txt
 bs_schedule = False
 bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 1 at 0 tokens to gradient_accumulation_steps at max_tokens
@@ -91,7 +103,7 @@ compile = True
 seed = 1337
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
-               if not k.startswith('_') and isinstance(v, (int, float, bool, str, list))]
+               if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 config = {k: globals()[k] for k in config_keys}
 
 
@@ -107,22 +119,71 @@ except ConfigError as e:
     die(str(e))
 globals().update(config)
 
-LAYER_CHOICES = {
+# every value is checked here, before anything runs: bad input is one line and exit code 2
+CHOICES = {
     'linearclass': ('nn', 'gns', 'shim'),
     'embeddingclass': ('nn', 'gns', 'shim'),
     'lnclass': ('nn', 'shim', 'fused'),
     'gns_hooks': ('none', 'sogns', 'exact'),
+    'dtype': ('float32', 'bfloat16', 'float16'),
 }
-for key, choices in LAYER_CHOICES.items():
+for key, choices in CHOICES.items():
     if config[key] not in choices:
         die(f"--{key}={config[key]!r} is not one of {', '.join(choices)}")
-if dtype not in ('float32', 'bfloat16', 'float16'):
-    die(f"--dtype={dtype!r} is not one of float32, bfloat16, float16")
 if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
     die(f"--init_from={init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
-device_type = 'cuda' if 'cuda' in device else ('mps' if 'mps' in device else 'cpu')
+
+
+def number(key, low, high=math.inf, whole=False, low_ok=True):
+    """Check config[key] is a (whole) number in [low, high) ((low, high) if not low_ok)."""
+    value = config[key]
+    kind = int if whole else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not (value >= low if low_ok else value > low) \
+            or not value < high:
+        bounds = f"{'>=' if low_ok else '>'} {low}" + (f" and < {high}" if high < math.inf else "")
+        die(f"--{key}={value!r} must be a {'whole ' if whole else ''}number {bounds}")
+
+
+for key in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
+            'eval_interval', 'log_interval', 'eval_iters', 'max_nonfinite_steps'):
+    number(key, 1, whole=True)
+if n_embd % n_head:
+    die(f"--n_embd={n_embd} must be a multiple of --n_head={n_head}")
+number('dropout', 0, 1)
+number('learning_rate', 0, low_ok=False)
+for key in ('min_lr', 'weight_decay', 'grad_clip'):
+    number(key, 0)
+for key in ('beta1', 'beta2'):
+    number(key, 0, 1)
+for key in ('cos_attn', 'spectral_c_attn', 'fp32_attention_layers'):
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in config[key]):
+        die(f"--{key}={config[key]!r} must list block indices 0..{n_layer - 1}")
+for key in ('max_tokens', 'warmup_tokens', 'lr_decay_tokens', 'max_iters', 'warmup_iters', 'lr_decay_iters'):
+    if config[key] is not None:
+        number(key, 1 if key.startswith('max') else 0, whole=key.endswith('iters'))
+if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
+    die(f"--out_dir={out_dir!r} must name a directory")
+try:
+    device_type = torch.device(device).type
+except (RuntimeError, ValueError):
+    die(f"--device={device!r} is not a device: cpu, cuda, cuda:N or mps")
 if device_type == 'cuda' and not torch.cuda.is_available():
     die(f"--device={device} but CUDA is not available here; use --device=cpu (and --backend=gloo with torchrun)")
+if device_type == 'cuda' and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
+    die(f"--device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+if device_type == 'mps' and not torch.backends.mps.is_available():
+    die(f"--device={device} but MPS is not available here; use --device=cpu")
+if device_type not in ('cpu', 'cuda', 'mps'):
+    die(f"--device={device!r}: train.py runs on cpu, cuda or mps")
+
+# lengths given in iterations (nanoGPT) become tokens of the configured step
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+for key, default_iters in (('max', 600000), ('warmup', 2000), ('lr_decay', 600000)):
+    tokens, iters = config[f'{key}_tokens'], config[f'{key}_iters']
+    if tokens is not None and iters is not None:
+        die(f"--{key}_tokens and --{key}_iters set the same length twice; set one of them")
+    config[f'{key}_tokens'] = tokens if tokens is not None else (iters if iters is not None else default_iters) * tokens_per_iter
+max_tokens, warmup_tokens, lr_decay_tokens = config['max_tokens'], config['warmup_tokens'], config['lr_decay_tokens']
 
 
 def layer_classes():
@@ -163,8 +224,40 @@ else:
 tokens_per_micro_step = ddp_world_size * batch_size * block_size
 print(f"tokens per iteration will be: {gradient_accumulation_steps * tokens_per_micro_step:,}")
 
-if master_process:
-    os.makedirs(out_dir, exist_ok=True)
+
+
+def lock_out_dir():
+    """
+    Hold out_dir/train.lock while the run lives, so that a second train.py on the same out_dir
+    (a relaunch while this one still runs, a typo in a sweep) stops at once instead of writing
+    over our log and checkpoints. flock is released by the kernel when a process dies, however
+    it dies, so a lock left by a killed run is simply taken over; the file names the holder.
+    """
+    import fcntl
+    import socket
+    f = open(os.path.join(out_dir, 'train.lock'), 'a+')
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        die(f"--out_dir={out_dir} is in use by another train.py ({f.read().strip() or 'process unknown'}); "
+            f"wait for it to end, or use another --out_dir")
+    f.seek(0)
+    previous = f.read().strip()
+    if previous:
+        print(f"note: taking over {out_dir}/train.lock from {previous}, which is no longer running")
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f  # held open: closing it releases the lock
+
+
+if master_process and not eval_only:  # eval_only writes nothing into out_dir
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        out_dir_lock = lock_out_dir()
+    except OSError as e:
+        die(f"cannot write in --out_dir={out_dir} ({e.strerror or e})")
 torch.manual_seed(seed + seed_offset)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -207,7 +300,7 @@ if os.path.exists(meta_path):
         meta_vocab_size = pickle.load(f)['vocab_size']
     print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
 
-from model import GPT, GPTConfig  # noqa: E402  (after the config: model prints nothing at import)
+from model import GPT, GPTConfig, CheckpointError, load_weights, read_checkpoint  # noqa: E402
 from layer_config import set_contextual_config  # noqa: E402
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
@@ -221,21 +314,27 @@ with set_contextual_config(**layer_classes()):
         model = GPT(GPTConfig(**model_args))
     elif init_from == 'resume':
         ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        if not os.path.exists(ckpt_path):
-            die(f"--init_from=resume but there is no checkpoint at {ckpt_path}")
         print(f"Resuming training from {out_dir}")
-        checkpoint = torch.load(ckpt_path, map_location=device, weights_only=False)
-        # the architecture must match the checkpoint; the rest may be changed on the command line
+        try:
+            checkpoint = read_checkpoint(ckpt_path, device)
+        except CheckpointError as e:
+            die(f"--init_from=resume: {e}")
+        # the architecture is the checkpoint's (nanoGPT's and the reference's lack the newer
+        # fields, which keep the command line's values); the rest may change on the command line
         for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size',
                   'cos_attn', 'spectral_c_attn', 'fp32_attention_layers'):
-            model_args[k] = checkpoint['model_args'][k]
+            model_args[k] = checkpoint['model_args'].get(k, model_args[k])
         model = GPT(GPTConfig(**model_args))
-        state_dict = checkpoint['model']
-        prefix = '_orig_mod.'  # left by torch.compile in older checkpoints
-        state_dict = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
-        model.load_state_dict(state_dict)
-        iter_num = checkpoint['iter_num']
-        best_val_loss = checkpoint['best_val_loss']
+        try:
+            iter_num = int(checkpoint.get('iter_num', 0))
+            best_val_loss = float(checkpoint.get('best_val_loss', 1e9))
+            # nanoGPT's checkpoints count no tokens: its iterations of the step it was configured with
+            then = {**config, **checkpoint.get('config', {})}
+            counted = iter_num * int(then['gradient_accumulation_steps'] * then['batch_size'] * then['block_size'])
+            for note in load_weights(model, checkpoint['model'], tokens_processed=counted):
+                print(f"note: {note}")
+        except (CheckpointError, TypeError, ValueError) as e:
+            die(f"--init_from=resume: {ckpt_path}: {e}")
     else:
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         try:
@@ -267,7 +366,10 @@ microbatch = MicrobatchGNS(model) if microbatch_gns else None
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
-    optimizer.load_state_dict(checkpoint['optimizer'])
+    try:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+    except (KeyError, ValueError, RuntimeError) as e:
+        die(f"--init_from=resume: the optimizer state in {ckpt_path} does not fit this model ({str(e)[:120]})")
     if 'scaler' in checkpoint:
         scaler.load_state_dict(checkpoint['scaler'])
 raw_model = model  # the module whose state is checkpointed, whatever wraps it below
@@ -340,7 +442,12 @@ def estimate_loss():
 
 
 def save_checkpoint():
-    """Write ckpt.pt atomically: a crash mid-write leaves the previous checkpoint intact."""
+    """Write ckpt.pt atomically (a crash mid-write leaves the previous one intact), never from
+    non-finite weights; a full disk stops the run with one line and no partial file left."""
+    global last_checkpoint
+    if not torch.stack([torch.isfinite(p).all() for p in params]).all():
+        print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
+        return
     ckpt = {
         'model': raw_model.state_dict(),
         'optimizer': optimizer.state_dict(),
@@ -349,14 +456,26 @@ def save_checkpoint():
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
         'config': config,
+        'live_gns': live_gns.state_dict(),
     }
     if ddp_gns is not None:
         ckpt['ddp_gns'] = ddp_gns.state_dict()
-    ckpt['live_gns'] = live_gns.state_dict()
     path = os.path.join(out_dir, 'ckpt.pt')
     print(f"saving checkpoint to {out_dir}")
-    torch.save(ckpt, path + '.tmp')
-    os.replace(path + '.tmp', path)
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)
+    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+        if os.path.exists(path + '.tmp'):
+            os.remove(path + '.tmp')
+        free = shutil.disk_usage(out_dir).free
+        why = f"the disk is full ({free:,} bytes free)" if free < (1 << 26) or getattr(e, 'errno', None) == 28 \
+            else str(e).strip().splitlines()[0][:160]
+        stop(f"cannot write {path}: {why}; ckpt.pt keeps {last_checkpoint}", code=1)
+    last_checkpoint = f"iter {iter_num}"
 
 
 def evaluate_and_checkpoint():
@@ -368,28 +487,59 @@ def evaluate_and_checkpoint():
         best_val_loss = min(best_val_loss, losses['val'])
         if local_iter_num > 0:  # nothing new to save before this process has taken a step
             save_checkpoint()
-    return losses
 
 
-def finished():
-    return tokens_processed >= max_tokens or (max_iters > 0 and iter_num >= max_iters)
+def finished(tokens, iters):
+    return tokens >= max_tokens or (max_iters is not None and iters >= max_iters)
 
 
-# out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for
+def stop(message, code):
+    """End the run early with one line: the log is complete up to the last finished step."""
+    if master_process:
+        print(message, file=sys.stderr)
+        logger.close()
+    sys.exit(code)
+
+
+# SIGINT (Ctrl-C) and SIGTERM (a cluster's preemption) end the run after the step under way, with
+# a checkpoint where the run saves them anyway; a second signal stops at once
+stop_signal = 0
+
+
+def on_signal(signum, frame):
+    global stop_signal
+    if stop_signal:
+        print(f"\n{signal.Signals(signum).name} again: stopping now; ckpt.pt keeps {last_checkpoint}", file=sys.stderr)
+        os._exit(128 + signum)
+    stop_signal = signum
+    if master_process:
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop now)", file=sys.stderr)
+
+
+signal.signal(signal.SIGINT, on_signal)
+signal.signal(signal.SIGTERM, on_signal)
+
+# out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for;
+# eval_only writes neither (it must not replace a training run's log or config)
 logger = None
 if master_process:
-    logger = LogWrapper(config=config, out_dir=out_dir,
-                        resume_step=iter_num if init_from == 'resume' else None,
-                        wandb_log=wandb_log, wandb_project=wandb_project, wandb_run_name=wandb_run_name)
+    try:
+        logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir,
+                            resume_step=iter_num if init_from == 'resume' else None,
+                            wandb_log=wandb_log, wandb_project=wandb_project, wandb_run_name=wandb_run_name)
+    except (ValueError, OSError) as e:
+        die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 
 params = [p for p in raw_model.parameters() if p.requires_grad]
+last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (none was written)"
 # a host copy of the model's tokens_processed buffer: reading the device buffer would sync
 tokens_processed = int(raw_model.tokens_processed)
 X, Y = get_batch('train')
 t0 = time.time()
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
 running_mfu = -1.0
-while not finished():
+nonfinite_steps = 0  # steps in a row whose gradient was not finite (float32/bfloat16: skipped)
+while eval_only or not finished(tokens_processed, iter_num):
     if schedule is not None:
         gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
@@ -397,13 +547,15 @@ while not finished():
                warmup_tokens, lr_decay_tokens, decay_lr)
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
+    last_step = finished(tokens_processed + tokens_this_step, iter_num + 1)
 
-    if iter_num % eval_interval == 0 and master_process:
+    # the last step's evaluation comes after it (below): readers of log.csv find GNS on every row
+    if master_process and (eval_only or (iter_num % eval_interval == 0 and not last_step)):
         evaluate_and_checkpoint()
-        if eval_only:
-            logger.log({'iter_num': iter_num, 'tokens_processed': tokens_processed})
-            logger.step()
-            break
+    if eval_only:
+        if master_process:
+            logger.step()  # to wandb only
+        break
 
     # forward/backward with gradient accumulation; the per-example-norm layers add into their
     # buffers on every micro-step
@@ -440,7 +592,12 @@ while not finished():
         approx_logs.update(microbatch.measurements(batch_size, loss_scale=scaler.get_scale()))
     # the norm is computed (and logged) whether or not it clips
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0.0 else float('inf'))
-    scaler.step(optimizer)
+    grad_normf = grad_norm.item()  # the same on every rank: DDP has averaged the gradients
+    if scaler.is_enabled() or math.isfinite(grad_normf):
+        scaler.step(optimizer)  # GradScaler skips a float16 step that overflowed by itself
+        nonfinite_steps = 0
+    else:  # float32/bfloat16: a step from non-finite gradients would ruin the weights: skip it
+        nonfinite_steps += 1
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     zero_sqgradnorm_buffers(raw_model)
@@ -459,7 +616,6 @@ while not finished():
         if local_iter_num >= 5:  # the first iterations are slow (allocation, compilation)
             mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps * ddp_world_size, dt)
             running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-        grad_normf = grad_norm.item()
         logger.log({'iter_num': iter_num, 'tokens_processed': tokens_processed, 'dt': dt,
                     'tokens_per_sec': tokens_this_step / dt, 'mfu': running_mfu, 'lr': lr,
                     'grad_norm': grad_normf, 'gradient_accumulation_steps': gradient_accumulation_steps,
@@ -474,19 +630,34 @@ while not finished():
                 gns_msg += f", ddp gns {ddp_gns.get_gns():.4g}"
             print(f"iter {iter_num + 1}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
                   f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}{gns_msg}")
-        logger.step()
     iter_num += 1
     local_iter_num += 1
-
-# final evaluation on the last iteration
-if master_process:
-    if not eval_only:
-        evaluate_and_checkpoint()
-        logger.log({'iter_num': iter_num, 'tokens_processed': tokens_processed})
+    if master_process:
+        if last_step:  # the final evaluation (and checkpoint), on the last step's row
+            evaluate_and_checkpoint()
         logger.step()
+    if nonfinite_steps >= max_nonfinite_steps:
+        stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
+             f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
+    if ddp:  # every rank must stop after the same step
+        flag = torch.tensor([stop_signal], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        stop_signal = int(flag.item())
+    if stop_signal and not last_step:
+        if master_process and always_save_checkpoint:
+            save_checkpoint()
+        resume = "the same command with --init_from=resume" if ddp or init_from == 'resume' else \
+            "python " + " ".join(sys.argv) + " --init_from=resume"
+        stop(f"stopped by {signal.Signals(stop_signal).name} after iter {iter_num} ({tokens_processed:,} tokens); "
+             f"ckpt.pt holds {last_checkpoint}; to go on: {resume}", code=128 + stop_signal)
+
+if master_process:
     logger.close()
     if gns_tracker is not None and gns_tracker.skipped_steps:
-        print(f"GNS: {gns_tracker.skipped_steps} step(s) with inf/nan gradients (fp16 overflow) were not measured")
-
+        why = ("float16 overflow: GradScaler skipped them" if scaler.is_enabled()
+               else "non-finite gradients: the optimizer skipped them")
+        print(f"GNS: {gns_tracker.skipped_steps} step(s) were not measured ({why})")
+    if not eval_only:
+        out_dir_lock.truncate(0)  # a clean end: the next run finds no holder to take over from
 if ddp:
     destroy_process_group()

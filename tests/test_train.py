@@ -12,6 +12,10 @@ import torch
 from conftest import REPO, TINY, run_train
 
 
+def load_log_rows(out_dir):
+    return len(pd.read_csv(os.path.join(out_dir, "log.csv")))
+
+
 def val_losses(stdout):
     return [(int(s), float(v)) for s, v in re.findall(r"step (\d+): train loss [\d.]+, val loss ([\d.]+)", stdout)]
 
@@ -20,7 +24,7 @@ def test_short_run_lowers_val_loss_and_checkpoints(tiny_dataset, tmp_path):
     out = tmp_path / "out"
     p = run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=60",
                   "--eval_interval=30", "--learning_rate=3e-3", "--warmup_tokens=640",
-                  "--max_tokens=1000000", "--lr_decay_tokens=3840", "--min_lr=3e-4")
+                  "--lr_decay_tokens=3840", "--min_lr=3e-4")
     losses = val_losses(p.stdout)
     assert [s for s, _ in losses] == [0, 30, 60]  # evals at 0, 30 and the final one
     assert losses[-1][1] < losses[0][1] - 0.5
@@ -32,9 +36,10 @@ def test_short_run_lowers_val_loss_and_checkpoints(tiny_dataset, tmp_path):
 def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     out = tmp_path / "out"
     common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=5",
-              "--gradient_accumulation_steps=2", "--max_tokens=1000000",
+              "--gradient_accumulation_steps=2",
               "--linearclass=gns", "--embeddingclass=gns", "--lnclass=fused"]
     run_train(*common, "--max_iters=5")
+    assert load_log_rows(out) == 5  # the final evaluation is on step 4's row
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     assert ckpt['iter_num'] == 5 and ckpt['model']['tokens_processed'].item() == 5 * 2 * 4 * 16
     p = run_train(*common, "--max_iters=8", "--init_from=resume")
@@ -44,11 +49,14 @@ def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     assert toks == [i * 2 * 4 * 16 for i in (6, 7, 8)]
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     assert ckpt['iter_num'] == 8 and ckpt['model']['tokens_processed'].item() == 8 * 2 * 4 * 16
-    # log.csv holds both runs, once each: steps 0-7 of training and the final evaluation's row
+    # log.csv holds both runs, once each: steps 0-7, each with its GNS; the final evaluations of
+    # both runs sit on their last steps' rows (4 and 7) and the one at 5 on step 5's
     from csv_tools import load_log
     df = load_log(out)[0]
-    assert df.step.tolist() == list(range(9)) and (df.iter_num == df.step).all()
-    assert df.tokens_processed.tolist() == [i * 2 * 4 * 16 for i in range(1, 9)] + [8 * 2 * 4 * 16]
+    assert df.step.tolist() == list(range(8)) and (df.iter_num == df.step).all()
+    assert df.tokens_processed.tolist() == [i * 2 * 4 * 16 for i in range(1, 9)]
+    assert df["train/gns/transformer.ln_f.weight/batch_size"].tolist() == [8] * 8
+    assert df["val/loss"].notna().tolist() == [True, False, False, False, True, True, False, True]
     # the status line's GNS, carried across the resume, is gns-analysis.py's total over both runs
     printed = float(re.findall(r", gns ([\d.e+-]+)$", p.stdout, re.M)[-1])
     subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), str(out), "--no-plots"],
@@ -94,7 +102,7 @@ def test_ddp_on_cpu_with_gloo(tiny_dataset, tmp_path):
     out = tmp_path / "out"
     p = run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=4",
                   "--eval_interval=2", "--gradient_accumulation_steps=2", "--backend=gloo",
-                  "--max_tokens=1000000", torchrun_procs=2)
+                  torchrun_procs=2)
     # two ranks of one micro-step each: 2 * 4 * 16 tokens per iteration
     toks = [int(t.replace(',', '')) for t in re.findall(r"tokens ([\d,]+),", p.stdout)]
     assert toks == [128, 256, 384, 512]
@@ -139,9 +147,9 @@ def test_every_gns_option_trains_and_logs_its_columns(tiny_dataset, tmp_path, op
     out = tmp_path / "out"
     flags = [f"--{k}={v}" for k, v in opts.items()]
     run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=4", "--eval_interval=2",
-              "--gradient_accumulation_steps=2", "--max_tokens=1000000", *flags)
+              "--gradient_accumulation_steps=2", *flags)
     df = read_log(out)
-    assert list(df["iter_num"]) == [0, 1, 2, 3, 4]  # four steps and the final evaluation
+    assert list(df["iter_num"]) == [0, 1, 2, 3]  # four steps, the final evaluation on the last one's row
     cols = set(df.columns)
     measured = {c.split("/")[2] for c in cols if c.startswith("train/gns/")}
     if opts["lnclass"] != "nn":
@@ -157,7 +165,7 @@ def test_every_gns_option_trains_and_logs_its_columns(tiny_dataset, tmp_path, op
     if opts.get("microbatch_gns"):
         assert any(c.startswith("train/microbatch_gns/") and c.endswith("/small_batch_size") for c in cols)
     gns_cols = [c for c in cols if c.startswith("train/") and c.count("/") >= 3]  # train/<estimator>/<param>/<what>
-    steps = df[df["iter_num"] < 4]
+    steps = df  # every row is a training step with its GNS: readers that check each row's batch size rely on it
     assert steps[gns_cols].notna().all().all() and (steps[gns_cols].abs() < float("inf")).all().all()
     assert (steps["train/gns/transformer.h.0.ln_1.weight/batch_size" if opts["lnclass"] != "nn"
                   else "train/gns/transformer.wpe.weight/batch_size"] == 8).all()  # 2 micro-steps x 4
@@ -166,7 +174,7 @@ def test_every_gns_option_trains_and_logs_its_columns(tiny_dataset, tmp_path, op
 def test_no_clipping_still_logs_grad_norm(tiny_dataset, tmp_path):
     out = tmp_path / "out"
     run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=3", "--eval_interval=100",
-              "--grad_clip=0.0", "--lnclass=shim", "--max_tokens=1000000")
+              "--grad_clip=0.0", "--lnclass=shim")
     df = read_log(out)
     steps = df[df["iter_num"] < 3]
     assert len(steps) == 3 and (steps["grad_norm"] > 0).all()
@@ -177,7 +185,7 @@ def test_ddp_per_example_gns_equals_one_process_on_the_same_global_batch(tiny_da
     """Each rank's buffers hold norms of its own slice of the global batch; after the all-reduce
     and the B_rank^2/B rescaling, 2 ranks x 2 examples log what 1 process x 4 examples logs."""
     common = [*TINY, f"--dataset={tiny_dataset}", "--max_iters=3", "--eval_interval=100",
-              "--max_tokens=1000000", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim",
+              "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim",
               "--backend=gloo"]
     # gradient_accumulation_steps is global (nanoGPT): 2 micro-steps per process in both runs
     run_train(*common, f"--out_dir={tmp_path / 'one'}", "--batch_size=4", "--gradient_accumulation_steps=2")
