@@ -7,6 +7,14 @@ batch sizes follow the same schedule.
 """
 import math
 import os
+import stat
+
+# A schedule is a few lines. A bigger file is a mistake (a log or a dataset copied over it):
+# refused unread, so it can neither stall a step nor fill the log.
+MAX_SCHEDULE_BYTES = 64 * 1024
+# The per-example-norm layers count examples in float32 buffers (buffered.py), exact up to 2**24:
+# past that the GNS tracker finds the count wrong and fails the step, after all its micro-steps.
+MAX_STEP_EXAMPLES = 2 ** 24
 
 
 def lr_at(tokens, learning_rate, min_lr, warmup_tokens, lr_decay_tokens, decay_lr=True):
@@ -23,10 +31,27 @@ def lr_at(tokens, learning_rate, min_lr, warmup_tokens, lr_decay_tokens, decay_l
     return learning_rate + frac * (min_lr - learning_rate)
 
 
-def parse_schedule(text):
+def max_accumulation_steps(max_tokens, batch_size, block_size, world_size=1):
+    """The most (global) accumulation steps a schedule may ask for: as many as one step needs to
+    reach max_tokens, ceil(max_tokens / tokens of one micro-step on all ranks) on each rank, since
+    a larger step only overshoots the whole run (and its count is fixed when it starts: `0, 1e12`
+    would never log again), and at most MAX_STEP_EXAMPLES examples a step. A multiple of
+    world_size, because steps_at divides the count across ranks, rounding up."""
+    per_rank = math.ceil(max_tokens / (world_size * batch_size * block_size))
+    per_rank = min(per_rank, MAX_STEP_EXAMPLES // (world_size * batch_size))
+    return world_size * max(per_rank, 1)
+
+
+def quote(line, limit=80):
+    """A bad line for a one-line message: at most `limit` characters of it, control characters
+    escaped, so that no file can make a long or multi-line warning."""
+    return repr(line[:limit]) + ('...' if len(line) > limit else '')
+
+
+def parse_schedule(text, max_steps=None):
     """'tokens, accumulation_steps' pairs, one per line ('#' comments and blank lines allowed,
     '_' separators in numbers: '1_000_000, 4'). Returns a sorted list of (tokens, steps).
-    Raises ValueError saying which line is wrong."""
+    Raises ValueError saying which line is wrong, steps over max_steps (if given) included."""
     points = []
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.split('#', 1)[0].strip()
@@ -38,17 +63,32 @@ def parse_schedule(text):
                 raise ValueError
             tokens, steps = float(parts[0]), float(parts[1])
         except ValueError:
-            raise ValueError(f"line {lineno}: expected 'tokens, accumulation_steps', got {line!r}")
+            raise ValueError(f"line {lineno}: expected 'tokens, accumulation_steps', got {quote(line)}")
         if tokens < 0 or steps <= 0 or not math.isfinite(tokens) or not math.isfinite(steps):
-            raise ValueError(f"line {lineno}: tokens must be >= 0 and steps > 0, got {line!r}")
+            raise ValueError(f"line {lineno}: tokens must be >= 0 and steps > 0, got {quote(line)}")
+        if max_steps is not None and steps > max_steps:
+            raise ValueError(f"line {lineno}: {steps:g} accumulation steps is over the bound of {max_steps:_} "
+                             f"(see schedules.max_accumulation_steps), got {quote(line)}")
         points.append((tokens, steps))
     if not points:
         raise ValueError("no 'tokens, accumulation_steps' lines")
     return sorted(points)
 
 
+def _number(x):
+    # whole numbers exactly and with '_' separators; parse_schedule reads back the same value
+    return f"{int(x):_}" if float(x).is_integer() else repr(float(x))
+
+
 def format_schedule(points):
-    return "".join(f"{int(t):_}, {s:g}\n" for t, s in points)
+    return "".join(f"{_number(t)}, {_number(s)}\n" for t, s in points)
+
+
+def describe_schedule(points):
+    """One short line for the log, however many points: the first two and the last of a long one."""
+    shown = points if len(points) <= 4 else [*points[:2], None, points[-1]]
+    text = "; ".join("..." if p is None else f"{_number(p[0])}: {_number(p[1])}" for p in shown)
+    return f"{text} ({len(points)} point{'s' if len(points) > 1 else ''})"
 
 
 def steps_at(points, tokens, world_size=1):
@@ -67,50 +107,97 @@ def steps_at(points, tokens, world_size=1):
     return max(1, math.ceil(math.ceil(steps - 1e-9) / world_size))
 
 
-class GradAccumSchedule:
-    """The schedule file in out_dir, re-read whenever it changes on disk. An edit that does
-    not parse keeps the last good schedule and warns once per bad edit; it never stops the run."""
+def _check_regular(st, max_bytes):
+    if not stat.S_ISREG(st.st_mode):
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a device",
+                stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(st.st_mode), "a special file")
+        raise ValueError(f"not a regular file: {kind}")
+    if st.st_size > max_bytes:  # the size is left out of the message: a growing file warns once
+        raise ValueError(f"larger than the {max_bytes:_} bytes a schedule may have")
 
-    def __init__(self, path, default_points=None, log=print):
+
+def read_schedule_file(path, max_bytes=MAX_SCHEDULE_BYTES):
+    """The text of a regular file of at most max_bytes; never blocks and never reads more than
+    max_bytes + 1. A FIFO (whose open() waits for a writer), a directory or a device is refused
+    from its stat; the open is non-blocking and the opened descriptor is checked again, in case
+    the path was replaced in between. Raises OSError or ValueError (one line)."""
+    _check_regular(os.stat(path), max_bytes)
+    flags = os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_NOCTTY', 0) | getattr(os, 'O_CLOEXEC', 0)
+    fd = os.open(path, flags)
+    try:
+        _check_regular(os.fstat(fd), max_bytes)
+        data = b''
+        while len(data) <= max_bytes:  # the size stat gave may be stale (or 0, as in /proc)
+            chunk = os.read(fd, max_bytes + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than the {max_bytes:_} bytes a schedule may have")
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+
+
+class GradAccumSchedule:
+    """The schedule file in out_dir, re-read at the start of every step (it is small, and an
+    edit must be seen even where it leaves the size and mtime as they were). An edit that does
+    not parse or asks for more than max_steps (global accumulation steps; see
+    max_accumulation_steps) keeps the last good schedule and warns once per bad edit; a file
+    that cannot be read (gone, not a regular file, too big) does too. It never stops the run."""
+
+    def __init__(self, path, default_points=None, *, max_steps, log=print):
         self.path = path
+        self.max_steps = max_steps
         self.log = log
-        self.points = None
-        self._seen = None  # (mtime_ns, size) of the file version last read
+        self._unreadable = None  # the warning about a file that could not be read, given once
         if not os.path.exists(path):
             if default_points is None:
                 raise FileNotFoundError(f"batch-size schedule {path} not found")
+            text = (f"# tokens, gradient_accumulation_steps (global, at most {max_steps:_}): "
+                    "piecewise linear, edit me mid-run\n" + format_schedule(default_points))
+            try:  # what the run writes must be what it accepts
+                parse_schedule(text, max_steps)
+            except ValueError as e:
+                raise ValueError(f"batch-size schedule for {path}: {e}") from None
             tmp = path + '.tmp'
-            with open(tmp, 'w') as f:
-                f.write("# tokens, gradient_accumulation_steps (global): piecewise linear, edit me mid-run\n")
-                f.write(format_schedule(default_points))
+            with open(tmp, 'w', encoding='utf-8') as f:
+                f.write(text)
             os.replace(tmp, path)
-        self.reload()
-        if self.points is None:
-            raise ValueError(f"batch-size schedule {path} does not parse")
+        try:  # a run does not start on a file it would refuse
+            self._text = read_schedule_file(path)
+            self.points = parse_schedule(self._text, max_steps)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"batch-size schedule {path}: {e}") from None
 
     def reload(self):
         try:
-            st = os.stat(self.path)
-        except OSError as e:
-            if self._seen != 'missing':
-                self.log(f"warning: cannot read {self.path} ({e}); keeping the last good schedule")
-                self._seen = 'missing'
-            return self.points
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp == self._seen:
-            return self.points
-        self._seen = stamp
-        try:
-            with open(self.path) as f:
-                points = parse_schedule(f.read())
+            text = read_schedule_file(self.path)
         except (OSError, ValueError) as e:
+            problem = f"warning: cannot read {self.path} ({e}); keeping the last good schedule"
+            if problem != self._unreadable:
+                self.log(problem)
+                self._unreadable = problem
+            self._text = None
+            return self.points
+        self._unreadable = None
+        if text == self._text:
+            return self.points
+        self._text = text
+        try:
+            points = parse_schedule(text, self.max_steps)
+        except ValueError as e:
             self.log(f"warning: {self.path}: {e}; keeping the last good schedule")
             return self.points
-        if self.points is not None and points != self.points:
-            self.log(f"batch-size schedule reloaded from {self.path}: {points}")
+        if points != self.points:
+            self.log(f"batch-size schedule reloaded from {self.path}: {describe_schedule(points)}")
         self.points = points
         return points
 
     def steps_at(self, tokens, world_size=1):
+        """Accumulation steps per rank for the step starting now (call it at every step start)."""
         self.reload()
         return steps_at(self.points, tokens, world_size)

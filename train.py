@@ -383,7 +383,7 @@ if ddp:
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None,
                 broadcast_buffers=False)
 
-from schedules import GradAccumSchedule, lr_at  # noqa: E402
+from schedules import GradAccumSchedule, lr_at, max_accumulation_steps  # noqa: E402
 from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers  # noqa: E402
 from gnstracking import AccumulateMeasurements, MeasurementTracker  # noqa: E402
 from tracker import LogWrapper  # noqa: E402
@@ -411,15 +411,17 @@ if ddp and ddp_world_size > 1:
 
 schedule = None
 if bs_schedule:
-    points = bs_schedule_points or [(0, 1), (max_tokens, gradient_accumulation_steps * ddp_world_size)]
+    # a step never takes more micro-steps than reach max_tokens: a larger count in the file is refused
+    max_steps = max_accumulation_steps(max_tokens, batch_size, block_size, ddp_world_size)
+    points = bs_schedule_points or [(0, 1), (max_tokens, min(gradient_accumulation_steps * ddp_world_size, max_steps))]
     try:
         # every rank reads the file; only the master writes the default one
         schedule_path = os.path.join(out_dir, 'grad_accum_schedule.txt')
         if master_process:
-            GradAccumSchedule(schedule_path, points)
+            GradAccumSchedule(schedule_path, points, max_steps=max_steps)
         if ddp:
             torch.distributed.barrier()
-        schedule = GradAccumSchedule(schedule_path, log=print if master_process else (lambda *a: None))
+        schedule = GradAccumSchedule(schedule_path, max_steps=max_steps, log=print if master_process else (lambda *a: None))
     except (ValueError, FileNotFoundError) as e:
         die(str(e))
 

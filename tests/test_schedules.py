@@ -1,10 +1,37 @@
 """schedules.py: the learning rate in tokens and the editable batch-size schedule."""
+import contextlib
 import os
+import signal
+import stat
 import time
 
 import pytest
 
-from schedules import GradAccumSchedule, lr_at, parse_schedule, steps_at
+import schedules
+from schedules import (MAX_SCHEDULE_BYTES, GradAccumSchedule, format_schedule, lr_at, max_accumulation_steps,
+                       parse_schedule, read_schedule_file, steps_at)
+
+
+@contextlib.contextmanager
+def fails_after(seconds):
+    """A call that blocks (open() of a FIFO waits for a writer) fails the test instead of hanging it:
+    the alarm's exception interrupts the blocked system call."""
+    def expire(signum, frame):
+        raise TimeoutError(f"blocked for more than {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def warnings_in(messages):
+    found = [m for m in messages if m.startswith("warning")]
+    for m in found:
+        assert "\n" not in m and len(m) < 400, m  # one line of bounded length, whatever the file
+    return found
 
 
 def test_lr_warms_up_linearly_then_decays_linearly_to_min_lr():
@@ -44,7 +71,7 @@ def test_steps_interpolate_round_up_and_divide_across_ranks():
 def test_file_is_written_reread_on_edit_and_bad_edit_keeps_last_good(tmp_path):
     path = str(tmp_path / "grad_accum_schedule.txt")
     warnings = []
-    sched = GradAccumSchedule(path, [(0, 1), (1000, 9)], log=warnings.append)
+    sched = GradAccumSchedule(path, [(0, 1), (1000, 9)], max_steps=100, log=warnings.append)
     assert os.path.exists(path) and "1_000, 9" in open(path).read()
     assert sched.steps_at(500) == 5
     time.sleep(0.01)
@@ -60,10 +87,10 @@ def test_file_is_written_reread_on_edit_and_bad_edit_keeps_last_good(tmp_path):
     # a run started on a broken file refuses it; an existing good file is kept (a resumed
     # run keeps the user's edits, not the defaults)
     with pytest.raises(ValueError):
-        GradAccumSchedule(path, [(0, 7)], log=warnings.append)
+        GradAccumSchedule(path, [(0, 7)], max_steps=100, log=warnings.append)
     with open(path, "w") as f:
         f.write("0, 3\n")
-    assert GradAccumSchedule(path, [(0, 7)], log=warnings.append).points == [(0.0, 3.0)]
+    assert GradAccumSchedule(path, [(0, 7)], max_steps=100, log=warnings.append).points == [(0.0, 3.0)]
 
 
 def test_lr_at_the_boundaries():
@@ -83,7 +110,7 @@ def test_an_edit_is_seen_by_its_size_or_its_time(tmp_path):
         f.write("0, 2\n")
     T = 1_700_000_000_000_000_000
     os.utime(path, ns=(T, T))
-    sched = GradAccumSchedule(path, log=lambda m: None)
+    sched = GradAccumSchedule(path, max_steps=100, log=lambda m: None)
     with open(path, "w") as f:
         f.write("0, 3\n")  # same size, later mtime
     os.utime(path, ns=(T + 10**9, T + 10**9))
@@ -97,7 +124,7 @@ def test_an_edit_is_seen_by_its_size_or_its_time(tmp_path):
 def test_schedule_file_gone_or_unreadable_keeps_the_last_good_and_warns_once(tmp_path):
     path = str(tmp_path / "s.txt")
     messages = []
-    sched = GradAccumSchedule(path, [(0, 2)], log=messages.append)
+    sched = GradAccumSchedule(path, [(0, 2)], max_steps=100, log=messages.append)
     os.remove(path)
     assert sched.steps_at(0) == sched.steps_at(10) == 2
     assert len([m for m in messages if "cannot read" in m]) == 1
@@ -109,3 +136,181 @@ def test_schedule_file_gone_or_unreadable_keeps_the_last_good_and_warns_once(tmp
     del messages[:]
     assert sched.steps_at(0) == sched.steps_at(10) == 5
     assert len([m for m in messages if m.startswith("warning")]) == 1
+
+
+def test_max_accumulation_steps_reach_max_tokens_in_one_step_and_no_further():
+    # 4 x 16 = 64 tokens a micro-step: 16 reach 1000 tokens, 15 do not
+    assert max_accumulation_steps(1000, 4, 16) == 16
+    # two ranks: 128 tokens a micro-step on both; 9 each reach 1100, so 18 global (17 rounds up to 9 too)
+    assert max_accumulation_steps(1100, 4, 16, world_size=2) == 18
+    assert steps_at([(0, 18)], 0, world_size=2) * 128 >= 1100 > (steps_at([(0, 18)], 0, world_size=2) - 1) * 128
+    assert max_accumulation_steps(0, 4, 16) == 1  # always at least one
+    # float32 example counters: no more than 2**24 examples a step, however large max_tokens
+    assert max_accumulation_steps(10**15, 4, 16) == 2**24 // 4
+    assert max_accumulation_steps(10**15, 3, 16, world_size=2) == 2 * (2**24 // 6)
+
+
+def test_parse_schedule_refuses_steps_over_the_bound_naming_line_and_bound():
+    assert parse_schedule("0, 1\n1000, 16\n", max_steps=16) == [(0.0, 1.0), (1000.0, 16.0)]
+    with pytest.raises(ValueError, match=r"line 2: 17 accumulation steps is over the bound of 16"):
+        parse_schedule("0, 1\n1000, 17\n", max_steps=16)
+
+
+def test_live_edit_past_the_bound_keeps_the_last_good_schedule(tmp_path):
+    # `0, 1e12` used to start 10**12 micro-steps, fixed for the step: the run never logged again
+    path = str(tmp_path / "s.txt")
+    messages = []
+    sched = GradAccumSchedule(path, [(0, 1), (1000, 16)], max_steps=16, log=messages.append)
+    assert "at most 16" in open(path).read()  # the bound is in the file the user edits
+    with open(path, "w") as f:
+        f.write("0, 1e12\n")
+    assert sched.steps_at(0) == 1 and sched.steps_at(1000) == 16
+    bad = warnings_in(messages)
+    assert len(bad) == 1 and "line 1" in bad[0] and "bound of 16" in bad[0] and "1e+12" in bad[0]
+
+
+def test_starting_schedule_over_the_bound_is_refused_and_not_written(tmp_path):
+    path = str(tmp_path / "s.txt")
+    with pytest.raises(ValueError, match="over the bound of 16"):
+        GradAccumSchedule(path, [(0, 1), (1000, 17)], max_steps=16)
+    assert not os.path.exists(path)
+    # an existing file (a resumed run with a smaller max_tokens) is checked too
+    with open(path, "w") as f:
+        f.write("0, 17\n")
+    with pytest.raises(ValueError, match="over the bound of 16"):
+        GradAccumSchedule(path, [(0, 1)], max_steps=16)
+
+
+def test_format_schedule_reads_back_exactly():
+    points = [(0.0, 1.0), (1000.5, 2.5), (10.0**12 + 1, 1234567.0)]  # {:g} wrote 1234567 as 1.23457e+06
+    assert parse_schedule(format_schedule(points)) == points
+    assert format_schedule([(15360, 4)]) == "15_360, 4\n"
+
+
+def test_a_fifo_is_refused_without_blocking(tmp_path, monkeypatch):
+    path = str(tmp_path / "s.txt")
+    messages = []
+    sched = GradAccumSchedule(path, [(0, 3)], max_steps=100, log=messages.append)
+    os.remove(path)
+    os.mkfifo(path)
+    real_open, opened = os.open, []
+    monkeypatch.setattr(schedules.os, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
+    with fails_after(5):
+        assert sched.steps_at(0) == sched.steps_at(10) == 3
+        with pytest.raises(ValueError, match="not a regular file"):
+            GradAccumSchedule(path, [(0, 3)], max_steps=100)  # a run does not start on one either
+    bad = warnings_in(messages)
+    assert len(bad) == 1 and "not a regular file: a FIFO" in bad[0]
+    assert path not in opened  # refused from its stat, never opened
+    os.remove(path)
+    os.mkdir(path)  # another kind of not-a-file is another warning
+    assert sched.steps_at(0) == 3
+    assert len(warnings_in(messages)) == 2 and "not a regular file: a directory" in messages[-1]
+
+
+def test_a_fifo_put_in_place_after_the_stat_is_refused_from_the_open_descriptor(tmp_path, monkeypatch):
+    fifo, regular = str(tmp_path / "fifo"), str(tmp_path / "regular")
+    os.mkfifo(fifo)
+    with open(regular, "w") as f:
+        f.write("0, 1\n")
+    real_stat = os.stat
+    # the path was a regular file when stat looked, a FIFO when it was opened
+    monkeypatch.setattr(schedules.os, "stat", lambda p, *a, **k: real_stat(regular if p == fifo else p, *a, **k))
+    with fails_after(5), pytest.raises(ValueError, match="not a regular file"):
+        read_schedule_file(fifo)
+
+
+def test_directory_and_device_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_schedule_file(str(tmp_path))
+    link = str(tmp_path / "zero")
+    os.symlink("/dev/zero", link)  # endless if read
+    with fails_after(5), pytest.raises(ValueError, match="not a regular file"):
+        read_schedule_file(link)
+    with pytest.raises(ValueError, match="not a regular file"):
+        GradAccumSchedule(str(tmp_path), max_steps=100)
+
+
+def test_a_big_file_is_refused_unread_with_a_short_warning(tmp_path, monkeypatch):
+    path = str(tmp_path / "s.txt")
+    messages = []
+    sched = GradAccumSchedule(path, [(0, 3)], max_steps=100, log=messages.append)
+    with open(path, "w") as f:
+        f.write("0, 1\n" + "x" * 4_000_000 + "\n")  # a line of 4 MB: the warning used to quote it whole
+    real_read, read = os.read, []
+    monkeypatch.setattr(schedules.os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
+    assert sched.steps_at(0) == sched.steps_at(10) == 3
+    assert read == []  # refused from its size
+    with open(path, "a") as f:
+        f.write("still growing\n")
+    assert sched.steps_at(0) == 3
+    bad = warnings_in(messages)
+    assert len(bad) == 1 and f"larger than the {MAX_SCHEDULE_BYTES:_} bytes" in bad[0]  # once, while it grows
+
+
+def test_a_bad_line_is_quoted_short_in_a_file_under_the_size_cap(tmp_path):
+    path = str(tmp_path / "s.txt")
+    messages = []
+    sched = GradAccumSchedule(path, [(0, 3)], max_steps=100, log=messages.append)
+    with open(path, "w") as f:
+        f.write("0, 1\n" + "x" * 60_000 + "\n")
+    assert sched.steps_at(0) == 3
+    bad = warnings_in(messages)
+    assert len(bad) == 1 and "line 2" in bad[0] and "x" * 80 + "'..." in bad[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_reading_stops_past_the_cap_whatever_stat_said(monkeypatch):
+    # /proc files are regular with st_size 0: the read itself must stop at the cap
+    assert stat.S_ISREG(os.stat("/proc/self/maps").st_mode) and os.stat("/proc/self/maps").st_size == 0
+    real_read, read = os.read, []
+    monkeypatch.setattr(schedules.os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
+    with pytest.raises(ValueError, match="larger than the 100 bytes"):
+        read_schedule_file("/proc/self/maps", max_bytes=100)
+    assert sum(read) <= 101
+
+
+def test_a_file_that_is_not_utf8_is_refused_in_one_line(tmp_path):
+    path = str(tmp_path / "s.txt")
+    with open(path, "wb") as f:
+        f.write(b"0, 1\n\xff\xfe\n")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        read_schedule_file(path)
+
+
+def test_an_edit_made_during_a_step_is_seen_at_the_next_step_even_with_size_and_mtime_unchanged(tmp_path):
+    path = str(tmp_path / "s.txt")
+    sched = GradAccumSchedule(path, [(0, 2)], max_steps=100, log=lambda m: None)
+    st = os.stat(path)
+    assert sched.steps_at(0) == 2  # a step starts
+    with open(path, "r+") as f:  # edited while it runs: same length, and the mtime put back
+        text = f.read()
+        f.seek(0)
+        f.write(text.replace("0, 2", "0, 5"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    assert sched.steps_at(0) == 5  # the next step
+
+
+def test_reload_message_is_one_short_line_for_a_long_schedule(tmp_path):
+    path = str(tmp_path / "s.txt")
+    messages = []
+    sched = GradAccumSchedule(path, [(0, 2)], max_steps=100, log=messages.append)
+    with open(path, "w") as f:
+        f.write(format_schedule([(t, 1 + t % 7) for t in range(5000)]))
+    assert sched.steps_at(4999) == 1 + 4999 % 7
+    assert len(messages) == 1 and len(messages[0]) < 200 and "5000 points" in messages[0]
+    with open(path, "w") as f:
+        f.write("0, 4\n")
+    assert sched.steps_at(0) == 4 and messages[-1].endswith(": 0: 4 (1 point)")
+
+
+def test_a_bad_edit_warns_once_and_another_bad_edit_warns_again(tmp_path):
+    path = str(tmp_path / "s.txt")
+    messages = []
+    sched = GradAccumSchedule(path, [(0, 2)], max_steps=100, log=messages.append)
+    for text in ["0, x\n", "0, y\n"]:
+        with open(path, "w") as f:
+            f.write(text)
+        assert sched.steps_at(0) == sched.steps_at(0) == 2
+    assert len(warnings_in(messages)) == 2
