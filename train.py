@@ -92,7 +92,7 @@ min_lr = 6e-5
 max_nonfinite_steps = 5  # stop after this many steps in a row with a non-finite gradient (float32/bfloat16)
 # batch-size schedule: accumulation steps piecewise linear in tokens, out_dir/grad_accum_schedule.txt
 bs_schedule = False
-bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 1 at 0 tokens to gradient_accumulation_steps at max_tokens
+bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 2 at 0 tokens (as the reference) to gradient_accumulation_steps at max_tokens
 # system
 backend = 'nccl'  # 'nccl' for GPUs, 'gloo' for CPU
 device = 'cuda'  # 'cpu', 'cuda', 'cuda:1', 'mps'
@@ -413,7 +413,8 @@ schedule = None
 if bs_schedule:
     # a step never takes more micro-steps than reach max_tokens: a larger count in the file is refused
     max_steps = max_accumulation_steps(max_tokens, batch_size, block_size, ddp_world_size)
-    points = bs_schedule_points or [(0, 1), (max_tokens, min(gradient_accumulation_steps * ddp_world_size, max_steps))]
+    end = min(tokens_per_iter // (batch_size * block_size), max_steps)  # the configured (global) accumulation
+    points = bs_schedule_points or [(0, min(2, end)), (max_tokens, end)]
     try:
         # every rank reads the file; only the master writes the default one
         schedule_path = os.path.join(out_dir, 'grad_accum_schedule.txt')
@@ -544,6 +545,10 @@ nonfinite_steps = 0  # steps in a row whose gradient was not finite (float32/bfl
 while eval_only or not finished(tokens_processed, iter_num):
     if schedule is not None:
         gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
+        if ddp:  # ranks may read the file either side of an edit: rank 0's count rules
+            count = torch.tensor([gradient_accumulation_steps], device=device)
+            torch.distributed.broadcast(count, 0)
+            gradient_accumulation_steps = int(count.item())
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
     lr = lr_at(tokens_processed + tokens_this_step, learning_rate, min_lr,
                warmup_tokens, lr_decay_tokens, decay_lr)

@@ -202,3 +202,246 @@ def test_ddp_per_example_gns_equals_one_process_on_the_same_global_batch(tiny_da
     assert (two.loc[steps, "ddp/small_batch_size"] == 4).all() and (two.loc[steps, "ddp/big_batch_size"] == 8).all()
     assert two.loc[steps, "ddp/gns"].notna().all()
     assert "ddp gns" in p.stdout
+
+
+# -- drop-in for nanoGPT's and the reference implementation's users -------------------------------
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+TINY_MODEL = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--batch_size=4",
+              "--gradient_accumulation_steps=1", "--eval_iters=2", "--log_interval=1", "--dropout=0.0",
+              "--device=cpu", "--dtype=float32", "--compile=False", "--device_name='M1_eflops'"]
+
+
+@pytest.mark.parametrize("config_file", ["nanogpt_train_shakespeare_char.py", "nanogpt_train_gpt2.py"])
+def test_nanogpt_config_files_run_with_their_iteration_lengths(tiny_dataset, tmp_path, config_file):
+    """nanoGPT's own configs set max_iters, lr_decay_iters and warmup_iters: iterations, converted
+    here with one iteration's tokens (they stopped with "unknown key 'lr_decay_iters'")."""
+    out = tmp_path / "out"
+    p = run_train(os.path.join(FIXTURES, config_file), *TINY_MODEL, f"--dataset={tiny_dataset}",
+                  f"--out_dir={out}", "--max_iters=3", "--eval_interval=2")
+    iters = [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)]
+    assert iters == [1, 2, 3]  # max_iters counts iterations, as in nanoGPT
+    lrs = [float(x) for x in re.findall(r"lr ([\d.e+-]+),", p.stdout)]
+    warmup = 100 if "shakespeare" in config_file else 2000  # warmup_iters there, nanoGPT's default here
+    learning_rate = 1e-3 if "shakespeare" in config_file else 6e-4
+    # linear warmup over warmup_iters iterations' tokens (64 per iteration), at the end of each step
+    assert lrs == pytest.approx([learning_rate * i / warmup for i in (1, 2, 3)], rel=1e-3)
+    assert [s for s, _ in val_losses(p.stdout)] == [0, 3]  # the one due at 2 is the last step's: after it
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max_iters=3", "--max_tokens=1000"], "--max_tokens and --max_iters set the same length twice"),
+    (["--max_iters=3", "--warmup_iters=1", "--warmup_tokens=64"], "--warmup_tokens and --warmup_iters"),
+    (["--max_iters=3", "--lr_decay_iters=1", "--lr_decay_tokens=64"], "--lr_decay_tokens and --lr_decay_iters"),
+])
+def test_a_length_in_both_units_is_one_clear_error(tiny_dataset, tmp_path, args, words):
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}", *args, check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [f"error: {p.stderr.strip()[7:]}"]
+    assert words in p.stderr
+
+
+def foreign_checkpoint(ckpt, kind):
+    """Our checkpoint dict rewritten the way nanoGPT or the reference implementation writes it."""
+    sd = ckpt["model"]
+    if kind == "nanogpt":
+        # no tokens_processed, torch.compile's prefix, nanoGPT's model_args and config, the loss a tensor
+        model = {"_orig_mod." + k: v for k, v in sd.items() if k != "tokens_processed"}
+        args = {k: ckpt["model_args"][k] for k in ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout")}
+        config = {k: ckpt["config"][k] for k in ("gradient_accumulation_steps", "batch_size", "block_size", "dataset")}
+        return dict(model=model, optimizer=ckpt["optimizer"], model_args=args, iter_num=ckpt["iter_num"],
+                    best_val_loss=torch.tensor(ckpt["best_val_loss"]), config=config)
+    # the reference: c_attn inside a FusedQKVLinear, the separated LayerNorm's gain in .affine (and a
+    # zero bias buffer when bias=False), [sum, count] buffers, no fp32_attention_layers, no scaler
+    model = {}
+    for k, v in sd.items():
+        k = k.replace(".attn.c_attn.", ".attn.c_attn.qkv.")
+        k = re.sub(r"\.(ln_\w+)\.", r".\1.affine.", k)
+        model[k] = v
+        if k != "tokens_processed":
+            model[k + "_upegsqnorm"] = torch.tensor([3.0, 4.0])
+    for ln in {k.rsplit(".", 1)[0] for k in model if ".affine.weight" in k and not k.endswith("_upegsqnorm")}:
+        model.setdefault(ln + ".bias", torch.zeros_like(model[ln + ".weight"]))
+    args = {k: v for k, v in ckpt["model_args"].items() if k != "fp32_attention_layers"}
+    config = {k: v for k, v in ckpt["config"].items() if k != "seed"}
+    return dict(model=model, optimizer=ckpt["optimizer"], model_args=args, iter_num=ckpt["iter_num"],
+                best_val_loss=ckpt["best_val_loss"], config=config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["nanogpt", "reference"])
+def test_resume_from_a_nanogpt_or_reference_checkpoint(tiny_dataset, tmp_path, kind):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    common = [*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3"]
+    run_train(*common, f"--out_dir={ours}", "--max_iters=3", "--lnclass=shim")
+    ckpt = torch.load(ours / "ckpt.pt", weights_only=False)
+    theirs.mkdir()
+    torch.save(foreign_checkpoint(ckpt, kind), theirs / "ckpt.pt")
+    # the same weights evaluate the same
+    evals = [val_losses(run_train(*common, f"--out_dir={d}", "--init_from=resume", "--eval_only=True").stdout)
+             for d in (ours, theirs)]
+    assert evals[0] == evals[1] and evals[0][0][0] == 3
+    # and training goes on from there, counting tokens on (nanoGPT's: its 3 iterations of 64 tokens)
+    p = run_train(*common, f"--out_dir={theirs}", "--init_from=resume", "--max_iters=5", "--lnclass=shim")
+    toks = [int(t.replace(',', '')) for t in re.findall(r"tokens ([\d,]+),", p.stdout)]
+    assert toks == [4 * 64, 5 * 64]
+    assert torch.load(theirs / "ckpt.pt", weights_only=False)["model"]["tokens_processed"].item() == 5 * 64
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "not a checkpoint", "wrong model"])
+def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, tmp_path, damage):
+    out = tmp_path / "out"
+    common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}"]
+    run_train(*common, "--max_iters=1")
+    path = out / "ckpt.pt"
+    good = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(good[:len(good) // 2])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "random bytes":
+        path.write_bytes(os.urandom(5000))
+    elif damage == "not a checkpoint":
+        torch.save({"weights": torch.zeros(3)}, path)
+    else:
+        ckpt = torch.load(path, weights_only=False)
+        ckpt["model"]["transformer.wpe.weight"] = torch.zeros(99, 32)
+        torch.save(ckpt, path)
+    p = run_train(*common, "--init_from=resume", "--max_iters=2", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "ckpt.pt" in err[0], p.stderr
+
+
+def test_eval_only_writes_nothing_into_out_dir(tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}"]
+    run_train(*common, "--max_iters=2")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    p = run_train(*common, "--init_from=resume", "--eval_only=True", "--learning_rate=1.0")
+    assert val_losses(p.stdout)[0][0] == 2
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # config.json and log.csv untouched
+
+
+# -- faults a long run meets ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["--batch_size=0"], "--batch_size=0 must be a whole number >= 1"),
+    (["--batch_size=-4"], "--batch_size=-4 must be"),
+    (["--gradient_accumulation_steps=0"], "--gradient_accumulation_steps=0 must be"),
+    (["--gradient_accumulation_steps=-3"], "--gradient_accumulation_steps=-3 must be"),
+    (["--eval_interval=0"], "--eval_interval=0 must be"),
+    (["--log_interval=0"], "--log_interval=0 must be"),
+    (["--eval_iters=-1"], "--eval_iters=-1 must be"),
+    (["--eval_iters=0"], "--eval_iters=0 must be"),
+    (["--n_head=3", "--n_embd=64"], "--n_embd=64 must be a multiple of --n_head=3"),
+    (["--n_embd=0"], "--n_embd=0 must be"),
+    (["--block_size=-1"], "--block_size=-1 must be"),
+    (["--block_size=0"], "--block_size=0 must be"),
+    (["--dropout=1.5"], "--dropout=1.5 must be a number >= 0 and < 1"),
+    (["--learning_rate=-1"], "--learning_rate=-1.0 must be a number > 0"),
+    (["--beta2=1.0"], "--beta2=1.0 must be"),
+    (["--max_iters=0"], "--max_iters=0 must be a whole number >= 1"),
+    (["--max_tokens=-5"], "--max_tokens=-5 must be"),
+    (["--warmup_iters=2.5"], "--warmup_iters=2.5 must be a whole number"),
+    (["--cos_attn=[7]"], "--cos_attn=[7] must list block indices 0..1"),
+    (["--device=mps"], "--device=mps but MPS is not available"),
+    (["--device=cpu:abc"], "--device='cpu:abc' is not a device"),
+    (["--out_dir="], "--out_dir='' must name a directory"),
+    (["--out_dir=/dev/null"], "--out_dir='/dev/null' must name a directory"),
+    (["--max_nonfinite_steps=0"], "--max_nonfinite_steps=0 must be"),
+])
+def test_every_bad_value_is_one_line_and_exit_2(tiny_dataset, tmp_path, args, words):
+    flags = [f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}", *TINY, *args]
+    p = run_train(*flags, check=False)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and words in err[0], p.stderr
+
+
+def wait_for(predicate, proc, timeout=60):
+    import time
+    end = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < end, "timed out"
+        time.sleep(0.1)
+
+
+def start_train(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def logged_rows(out):
+    path = out / "log.csv"
+    return len(path.read_text().splitlines()) - 1 if path.exists() else 0
+
+
+@pytest.mark.slow
+def test_a_second_run_on_a_live_out_dir_stops_and_a_dead_runs_lock_is_taken_over(tiny_dataset, tmp_path):
+    import signal
+    out = tmp_path / "out"
+    common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=1000"]
+    first = start_train(*common, "--max_iters=100000")
+    try:
+        wait_for(lambda: logged_rows(out) >= 1, first)
+        p = run_train(*common, "--max_iters=3", check=False)
+        assert p.returncode == 2
+        err = p.stderr.strip().splitlines()
+        assert len(err) == 1 and f"is in use by another train.py (pid {first.pid} on" in err[0], p.stderr
+        assert first.poll() is None  # the first one goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.communicate()
+    rows = logged_rows(out)
+    p = run_train(*common, "--max_iters=2")  # the killed run's lock is taken over
+    assert f"taking over {out}/train.lock from pid {first.pid}" in p.stdout
+    assert rows >= 1 and logged_rows(out) == 2  # a new run (not a resume) starts a new log
+    p = run_train(*common, "--max_iters=1")  # a clean end leaves no holder behind
+    assert "taking over" not in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(tiny_dataset, tmp_path, signame):
+    import shlex
+    import signal
+    out = tmp_path / "out"
+    common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=1000"]
+    proc = start_train(*common, "--max_iters=100000")
+    wait_for(lambda: logged_rows(out) >= 3, proc)
+    proc.send_signal(getattr(signal, signame))
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + getattr(signal, signame)
+    lines = [line for line in stderr.strip().splitlines() if line]
+    assert len(lines) == 2 and lines[0] == f"{signame}: stopping after this step (send it again to stop now)", stderr
+    done = int(re.search(r"after iter (\d+) ", lines[1]).group(1))
+    assert f"ckpt.pt holds iter {done}" in lines[1] and "--init_from=resume" in lines[1]
+    # the log holds every finished step once, the checkpoint the last one
+    df = pd.read_csv(out / "log.csv")
+    assert df.step.tolist() == list(range(done)) and (out / "log.csv").read_text().endswith("\n")
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == done
+    # the printed command goes on from there
+    command = shlex.split(lines[1].split("to go on: ", 1)[1])
+    assert command[0] == "python" and command[-1] == "--init_from=resume"
+    p = run_train(*command[2:-1], "--init_from=resume", f"--max_iters={done + 2}")
+    assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [done + 1, done + 2]
+
+
+@pytest.mark.slow
+def test_a_diverging_float32_run_stops_and_keeps_its_last_good_checkpoint(tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=1", "--lnclass=shim"]
+    run_train(*common, "--max_iters=2")
+    # learning_rate 1e3: the weights blow up, the gradients go to inf; checkpoints every step
+    p = run_train(*common, "--init_from=resume", "--max_iters=1000", "--learning_rate=1e3", "--warmup_iters=0",
+                  "--max_nonfinite_steps=3", check=False)
+    assert p.returncode == 1
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "the last 3 steps had a non-finite loss or gradient and were skipped" in err[0], p.stderr
+    assert "try a lower --learning_rate" in err[0] and "fp16" not in p.stdout + p.stderr
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+    stopped = int(re.search(r"stopping at iter (\d+)", err[0]).group(1))
+    assert stopped < 20 and ckpt["iter_num"] <= stopped
