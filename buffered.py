@@ -11,6 +11,8 @@ examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in 
     --embeddingclass=shim  PEGradNormShimEmbedding        torch's own backward, norms beside it
     --lnclass=shim         PEGradNormSeparatedLayerNorm   normalisation, then an affine part
                                                           that measures dgamma_b and dbeta_b
+                           LayerNorm                      unmeasured: nn.LayerNorm that also takes
+                                                          nanoGPT's LayerNorm(ndim, bias)
 
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
 over within an example), a 2-D [N, K] input is N examples of one row each.
@@ -642,18 +644,62 @@ def _float32_unless_double(*tensors):
     return tuple(t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
 
 
-class PEGradNormSeparatedLayerNorm(_Float32Buffers, nn.LayerNorm):
+# torch's nn.LayerNorm parameters in order, with their defaults
+LAYERNORM_DEFAULTS = dict(normalized_shape=None, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None)
+
+
+def layernorm_arguments(name, args, kwargs):
+    """
+    The arguments of a LayerNorm call as a dict of nn.LayerNorm's parameters, from either torch's
+    order (normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None)
+    or nanoGPT's and the reference implementation's LayerNorm(ndim, bias): a bool second positional
+    argument is bias (torch would take it for eps = 1.0 or 0.0).
+    """
+    order = list(LAYERNORM_DEFAULTS)
+    if len(args) >= 2 and isinstance(args[1], bool):
+        order = ["normalized_shape", "bias"]
+    if len(args) > len(order):
+        raise TypeError(f"{name} takes at most {len(order)} positional arguments ({', '.join(order)}), "
+                        f"got {len(args)}: {args!r}")
+    given = dict(zip(order, args))
+    for key, value in kwargs.items():
+        if key not in LAYERNORM_DEFAULTS:
+            raise TypeError(f"{name} got an unexpected keyword argument {key!r}; "
+                            f"it takes {', '.join(LAYERNORM_DEFAULTS)}")
+        if key in given:
+            raise TypeError(f"{name} got {key} twice: {given[key]!r} by position and {value!r} by keyword")
+        given[key] = value
+    if "normalized_shape" not in given:
+        raise TypeError(f"{name} needs normalized_shape (the feature size ndim)")
+    if isinstance(given.get("eps"), bool):
+        raise TypeError(f"{name} got eps={given['eps']!r}: eps is a float; for bias write bias={given['eps']!r}")
+    return {**LAYERNORM_DEFAULTS, **given}
+
+
+class LayerNorm(nn.LayerNorm):
+    """
+    nn.LayerNorm that also takes nanoGPT's and the reference implementation's LayerNorm(ndim, bias)
+    (a plain LayerNorm with an optional bias, eps 1e-5), as well as torch's own arguments.
+    The measured LayerNorms (below, and fused_gns.py's) build on it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(**layernorm_arguments(type(self).__name__, args, kwargs))
+
+
+class PEGradNormSeparatedLayerNorm(_Float32Buffers, LayerNorm):
     """
     nn.LayerNorm whose affine part y = gamma * xhat + beta is measured separately from the
     normalisation xhat: backward adds the per-example squared norms of dgamma_b = sum_t dy * xhat
     and dbeta_b = sum_t dy (the cheap ones: Gray et al. 2024 find these alone predict the whole
     model's gradient noise scale). Forward and input gradient are torch's own (bit-identical);
     xhat is recomputed in backward rather than saved, so memory is as nn.LayerNorm's.
-    Same parameters and state_dict keys as nn.LayerNorm, bias=False included.
+    Same parameters and state_dict keys as nn.LayerNorm, bias=False included. Takes torch's
+    arguments or the reference's (ndim, bias), as LayerNorm above.
     """
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         register_sqgradnorm_buffers(self)
 
     def forward(self, x):

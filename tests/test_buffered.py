@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.func import functional_call, grad, vmap
 
@@ -391,6 +392,73 @@ def test_layernorm_without_affine_is_plain():
     x = torch.randn(2, 3, 4)
     assert torch.equal(layer(x), nn.LayerNorm(4, elementwise_affine=False)(x))
     assert find_sqgradnorm_buffers(layer) == []
+
+
+# torch's order, nanoGPT's and the reference's (ndim, bias), and keywords: (args, kwargs, eps, bias)
+LAYERNORM_CALLS = [
+    ((8,), {}, 1e-5, True),
+    ((8, True), {}, 1e-5, True),
+    ((8, False), {}, 1e-5, False),
+    ((8,), dict(bias=False), 1e-5, False),
+    ((8, 1e-3), {}, 1e-3, True),
+    ((8, 0), {}, 0.0, True),  # an int second argument is torch's eps, as nn.LayerNorm(8, 0) takes it
+    ((8, 1e-3, True, False), {}, 1e-3, False),
+    ((8,), dict(eps=1e-3, bias=False), 1e-3, False),
+    ((8, False), dict(eps=1e-3), 1e-3, False),
+    ((), dict(normalized_shape=8, bias=False), 1e-5, False),
+]
+BAD_LAYERNORM_CALLS = [
+    ((8, True), dict(bias=False)),  # bias twice
+    ((8, 1e-3), dict(eps=1e-4)),  # eps twice
+    ((8, True, 1e-5), {}),  # (ndim, bias) takes nothing more by position
+    ((8, 1e-5, True, True, None, None, 1), {}),  # more than torch's six
+    ((8,), dict(eps=True)),  # a bool eps is a misplaced bias
+    ((8,), dict(ndim=8)),
+    ((), dict(bias=True)),
+]
+
+
+@pytest.mark.parametrize("cls", [buffered.LayerNorm, PEGradNormSeparatedLayerNorm])
+@pytest.mark.parametrize("args,kwargs,eps,bias", LAYERNORM_CALLS)
+def test_layernorm_takes_torchs_and_the_references_arguments(cls, args, kwargs, eps, bias):
+    layer = cls(*args, **kwargs)
+    assert layer.eps == eps and layer.normalized_shape == (8,) and isinstance(layer, nn.LayerNorm)
+    params = dict(layer.named_parameters())
+    assert list(params) == (["weight", "bias"] if bias else ["weight"])
+    assert torch.equal(params["weight"], torch.ones(8))
+    if bias:
+        assert torch.equal(params["bias"], torch.zeros(8))
+    assert ("bias_sqgradnorm" in layer._buffers) == (bias and cls is PEGradNormSeparatedLayerNorm)
+
+
+@pytest.mark.parametrize("cls", [buffered.LayerNorm, PEGradNormSeparatedLayerNorm])
+def test_layernorm_takes_torchs_other_arguments(cls):
+    layer = cls((2, 4), 1e-6, elementwise_affine=True, bias=False, dtype=torch.float64)
+    assert layer.normalized_shape == (2, 4) and layer.weight.dtype == torch.float64 and layer.bias is None
+    plain = cls(4, elementwise_affine=False)
+    assert plain.weight is None and plain.bias is None
+
+
+@pytest.mark.parametrize("cls", [buffered.LayerNorm, PEGradNormSeparatedLayerNorm])
+@pytest.mark.parametrize("args,kwargs", BAD_LAYERNORM_CALLS)
+def test_layernorm_contradictory_or_unknown_arguments_are_one_line_errors(cls, args, kwargs):
+    with pytest.raises(TypeError, match=cls.__name__) as error:
+        cls(*args, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_plain_layernorm_is_nanogpts(bias):
+    """buffered.LayerNorm(ndim, bias): nanoGPT's unmeasured LayerNorm, the same output and keys."""
+    torch.manual_seed(19)
+    layer = buffered.LayerNorm(6, bias)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = torch.randn(2, 3, 6)
+    assert torch.equal(layer(x), F.layer_norm(x, (6,), layer.weight, layer.bias, 1e-5))
+    assert list(layer.state_dict()) == (["weight", "bias"] if bias else ["weight"])
+    assert dict(layer.named_buffers()) == {}
 
 
 # --------------------------------------------------------------------------------------------
