@@ -11,6 +11,8 @@ examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in 
     --embeddingclass=shim  PEGradNormShimEmbedding        torch's own backward, norms beside it
     --lnclass=shim         PEGradNormSeparatedLayerNorm   normalisation, then an affine part
                                                           that measures dgamma_b and dbeta_b
+                           LayerNorm                      unmeasured: nn.LayerNorm that also takes
+                                                          nanoGPT's LayerNorm(ndim, bias)
 
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
 over within an example), a 2-D [N, K] input is N examples of one row each.
@@ -22,8 +24,10 @@ Buffer convention (shared with fused_gns.py and read by gnstracking.py):
 Non-persistent buffers stay out of state_dict, so checkpoints load into plain nanoGPT and back.
 Buffers accumulate (add_) in backward, so gradient-accumulation micro-steps sum; only
 parameters that require grad are measured. The buffers stay float32 through model.half() and
-model.to(torch.bfloat16). Under a float16 GradScaler the loss is scaled by s, so the buffers
-hold s^2 times the true sums: the tracker divides by s^2, the layers never see s.
+model.to(torch.bfloat16). A layer's weight_pegsqnorm() / bias_pegsqnorm() give the reference
+implementation's number, sum * count = (1/B) sum_b ||g_b||^2. Under a float16 GradScaler the
+loss is scaled by s, so the buffers hold s^2 times the true sums: the tracker divides by s^2,
+the layers never see s.
 
 Every layer must be applied once per forward (a layer used twice would need the cross terms
 between its uses); the one exception handled here is the tied token embedding / output head,
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from normgnorm.torch_path import per_example_affine_grads
+from reference_names import refuse_module_names, refused
 
 
 def register_sqgradnorm_buffers(module):
@@ -263,8 +268,11 @@ def _autocast_dtype(x):
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
-class _Float32Buffers:
-    """Mixin: moves keep the per-example-norm buffers' values, casts keep them float32."""
+class MeasuredLayer:
+    """
+    Mixin of every per-example-norm layer (here and in fused_gns.py): moves keep the buffers'
+    values and casts keep them float32; the reference implementation's accessors read them.
+    """
 
     def _apply(self, fn, recurse=True):
         ours = {n: b for n, b in self._buffers.items()
@@ -276,6 +284,50 @@ class _Float32Buffers:
             moved = fn(b)
             self._buffers[n] = moved if moved.dtype == torch.float32 else b.to(moved.device)
         return self
+
+    # The reference implementation's accessors and buffer names. Its layers keep a [sum, count]
+    # pair per parameter and give the product; here the sum and the count are two buffers.
+
+    def weight_pegsqnorm(self):
+        """weight_sqgradnorm * example_count = B sum_b ||g_b / B||^2 = (1/B) sum_b ||g_b||^2 (float32
+        0-dim), as the reference's accessor; an error where the weight is not measured."""
+        return self._pegsqnorm("weight")
+
+    def bias_pegsqnorm(self):
+        """bias_sqgradnorm * example_count, as weight_pegsqnorm(); an error where there is no bias."""
+        return self._pegsqnorm("bias")
+
+    def _pegsqnorm(self, name):
+        where = f"{type(self).__name__}.{name}_pegsqnorm()"
+        p = self._parameters.get(name)
+        if p is None and is_parametrized(self, name):
+            raise RuntimeError(f"{where}: the {name} is parametrized (a computed tensor), so it is not measured")
+        if p is None:
+            raise RuntimeError(f"{where}: this layer has no {name}, so there is nothing to measure")
+        if not p.requires_grad:
+            raise RuntimeError(f"{where}: the {name} does not require grad, so it is not measured")
+        buf = self._buffers.get(f"{name}_sqgradnorm")
+        if buf is None and getattr(self, "_tie", None) is not None:
+            raise RuntimeError(f"{where}: this head's weight is tied to a token embedding, which measures the "
+                               "shared weight exactly: use the embedding's weight_pegsqnorm()")
+        if buf is None:
+            raise RuntimeError(f"{where}: this {name} is tied to a layer that does not measure per-example "
+                               "norms, so it is not measured")
+        return buf * self.example_count
+
+    weight_upegsqnorm = refused("PEGradNorm*.weight_upegsqnorm", "use weight_sqgradnorm (the running sum) and "
+                                "example_count (both float32 0-dim), or weight_pegsqnorm() for their product")
+    bias_upegsqnorm = refused("PEGradNorm*.bias_upegsqnorm", "use bias_sqgradnorm (the running sum) and "
+                              "example_count (both float32 0-dim), or bias_pegsqnorm() for their product")
+    marked_buffers = refused("PEGradNorm*.marked_buffers", "use buffered.find_sqgradnorm_buffers(model): "
+                             "(name, parameter, sum buffer, count buffer) per measured parameter")
+    named_buffers_with_marker = refused("PEGradNorm*.named_buffers_with_marker",
+                                        "use buffered.find_sqgradnorm_buffers(model): "
+                                        "(name, parameter, sum buffer, count buffer) per measured parameter")
+    register_marked_buffer = refused("PEGradNorm*.register_marked_buffer",
+                                     "use buffered.register_sqgradnorm_buffers(module)")
+    register_upegsqnorm_buffer = refused("PEGradNorm*.register_upegsqnorm_buffer",
+                                         "use buffered.register_sqgradnorm_buffers(module)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,7 +418,7 @@ class _LinearNormTap(torch.autograd.Function):
         return dy, None, None, None, None, None, None, q, h_sq, None, None
 
 
-class _MeasuredLinear(_Float32Buffers, nn.Linear):
+class _MeasuredLinear(MeasuredLayer, nn.Linear):
     """What the two Linear classes share: buffers, the tie link, autocast handling."""
     per_example_mode = None  # None: pick ghost or materialise per call from shapes; or force one
     max_chunk_numel = 1 << 24  # bound on the float32 elements of per-example temporaries
@@ -530,7 +582,7 @@ def _link_tensors(ids, like):
     return zero.expand(B, ids.numel() // B, like.shape[-1]), zero.clone()
 
 
-class _MeasuredEmbedding(_Float32Buffers, nn.Embedding):
+class _MeasuredEmbedding(MeasuredLayer, nn.Embedding):
     """What the two Embedding classes share."""
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, max_norm=None, norm_type=2.0,
@@ -642,18 +694,62 @@ def _float32_unless_double(*tensors):
     return tuple(t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors)
 
 
-class PEGradNormSeparatedLayerNorm(_Float32Buffers, nn.LayerNorm):
+# torch's nn.LayerNorm parameters in order, with their defaults
+LAYERNORM_DEFAULTS = dict(normalized_shape=None, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None)
+
+
+def layernorm_arguments(name, args, kwargs):
+    """
+    The arguments of a LayerNorm call as a dict of nn.LayerNorm's parameters, from either torch's
+    order (normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None)
+    or nanoGPT's and the reference implementation's LayerNorm(ndim, bias): a bool second positional
+    argument is bias (torch would take it for eps = 1.0 or 0.0).
+    """
+    order = list(LAYERNORM_DEFAULTS)
+    if len(args) >= 2 and isinstance(args[1], bool):
+        order = ["normalized_shape", "bias"]
+    if len(args) > len(order):
+        raise TypeError(f"{name} takes at most {len(order)} positional arguments ({', '.join(order)}), "
+                        f"got {len(args)}: {args!r}")
+    given = dict(zip(order, args))
+    for key, value in kwargs.items():
+        if key not in LAYERNORM_DEFAULTS:
+            raise TypeError(f"{name} got an unexpected keyword argument {key!r}; "
+                            f"it takes {', '.join(LAYERNORM_DEFAULTS)}")
+        if key in given:
+            raise TypeError(f"{name} got {key} twice: {given[key]!r} by position and {value!r} by keyword")
+        given[key] = value
+    if "normalized_shape" not in given:
+        raise TypeError(f"{name} needs normalized_shape (the feature size ndim)")
+    if isinstance(given.get("eps"), bool):
+        raise TypeError(f"{name} got eps={given['eps']!r}: eps is a float; for bias write bias={given['eps']!r}")
+    return {**LAYERNORM_DEFAULTS, **given}
+
+
+class LayerNorm(nn.LayerNorm):
+    """
+    nn.LayerNorm that also takes nanoGPT's and the reference implementation's LayerNorm(ndim, bias)
+    (a plain LayerNorm with an optional bias, eps 1e-5), as well as torch's own arguments.
+    The measured LayerNorms (below, and fused_gns.py's) build on it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(**layernorm_arguments(type(self).__name__, args, kwargs))
+
+
+class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
     """
     nn.LayerNorm whose affine part y = gamma * xhat + beta is measured separately from the
     normalisation xhat: backward adds the per-example squared norms of dgamma_b = sum_t dy * xhat
     and dbeta_b = sum_t dy (the cheap ones: Gray et al. 2024 find these alone predict the whole
     model's gradient noise scale). Forward and input gradient are torch's own (bit-identical);
     xhat is recomputed in backward rather than saved, so memory is as nn.LayerNorm's.
-    Same parameters and state_dict keys as nn.LayerNorm, bias=False included.
+    Same parameters and state_dict keys as nn.LayerNorm, bias=False included. Takes torch's
+    arguments or the reference's (ndim, bias), as LayerNorm above.
     """
 
-    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None):
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         register_sqgradnorm_buffers(self)
 
     def forward(self, x):
@@ -665,3 +761,53 @@ class PEGradNormSeparatedLayerNorm(_Float32Buffers, nn.LayerNorm):
                                   self.weight_sqgradnorm if w_trains else None,
                                   self.bias_sqgradnorm if b_trains else None,
                                   self.example_count, self.normalized_shape, self.eps)
+
+    # The reference implementation's names: its separated LayerNorm held the gain and bias in a
+    # submodule .affine (after a .layernorm without them); here they are the layer's own.
+    affine = property(lambda self: self, doc="The layer itself: its weight and bias are the affine part's.")
+    layernorm = refused("PEGradNormSeparatedLayerNorm.layernorm", "the layer normalises and applies its "
+                        "weight and bias in one call; for the normalisation alone use "
+                        "F.layer_norm(x, ln.normalized_shape, None, None, ln.eps)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference implementation's names (CerebrasResearch/nanoGNS, exact/buffered.py). Kept with
+# the same meaning: the five layer classes with its constructor arguments, LayerNorm(ndim, bias),
+# zero_sqgradnorm_buffers(model), and on the layers weight_pegsqnorm() / bias_pegsqnorm() and the
+# separated LayerNorm's .affine (all above). The rest fails at once, saying what to use instead.
+
+_SHIM_LINEAR = "use PEGradNormShimLinear, whose backward adds the norms to weight_sqgradnorm / bias_sqgradnorm"
+_FUSED_LINEAR = "use PEGradNormLinear, whose backward computes the weight gradient and the norms together"
+_SHIM_EMBEDDING = "use PEGradNormShimEmbedding, whose backward adds the norms to weight_sqgradnorm"
+_FUSED_EMBEDDING = "use PEGradNormEmbedding, whose backward builds the weight gradient and the norms together"
+_SEPARATED = ("use PEGradNormSeparatedLayerNorm(ndim, bias): its own weight and bias are the affine part "
+              "(.affine is the layer itself), measured into weight_sqgradnorm / bias_sqgradnorm")
+_SELF_TEST = "use pytest tests/test_buffered.py, this fork's tests of the same layers"
+
+__getattr__ = refuse_module_names(__name__, {
+    "exists": "write `x is not None`",
+    "safe_sum": "use x.sum(dim, keepdim, dtype=torch.float32).to(x.dtype)",
+    "safe_sqnorm": "use x.float().square().sum(dim, keepdim).to(x.dtype)",
+    "stack_with_ones": "use torch.stack([x, torch.ones_like(x)], dim); this fork keeps the running sum and "
+                       "the example count in two buffers, {name}_sqgradnorm and example_count",
+    "ModuleWithBuffers": "use buffered.MeasuredLayer, the measured layers' shared base; "
+                         "register_sqgradnorm_buffers(module) gives a module the buffers, "
+                         "find_sqgradnorm_buffers(model) finds them",
+    "pe_linear_grad_norm": _SHIM_LINEAR,
+    "PEGLinearGradNormNoop": _SHIM_LINEAR,
+    "wgrad_plus_pe_grad_norm_highmem": _FUSED_LINEAR + " (per_example_mode='materialise' forms W_b)",
+    "at_index": "write `x[i] if i < len(x) else False`",
+    "PEGradNormLinearFunction": _FUSED_LINEAR,
+    "embedding_dense_backward": "use torch.ops.aten.embedding_dense_backward for the summed gradient; for "
+                                "per-example norms " + _FUSED_EMBEDDING,
+    "embedding_pe_grad_norm": _SHIM_EMBEDDING,
+    "PEGEmbeddingGradNormNoop": _SHIM_EMBEDDING,
+    "embedding_peg_plus_grads": _FUSED_EMBEDDING,
+    "PEGEmbeddingGradNorm": _FUSED_EMBEDDING,
+    "ElementWiseAffine": _SEPARATED,
+    "PEGradNormEANoop": _SEPARATED,
+    "PEGradNormShimElementWiseAffine": _SEPARATED,
+    "ShimLinearTest": _SELF_TEST,
+    "ShimEmbeddingTest": _SELF_TEST,
+    "LNShimTest": _SELF_TEST,
+})

@@ -1,48 +1,53 @@
 """
-PEGradNormFusedLayerNorm: a drop-in for nn.LayerNorm(ndim, bias=...) (same parameters, same
-state_dict keys, eps 1e-5) whose backward also accumulates the per-example squared gradient
-norms of its gain and bias into float32 buffers, with the fused kernel of normgnorm/
-(Triton or CUDA on GPU, pure PyTorch elsewhere). Buffers follow buffered.py's convention:
-`weight_sqgradnorm`, `bias_sqgradnorm` (only with bias) and `example_count`.
+PEGradNormFusedLayerNorm: a drop-in for nn.LayerNorm (same parameters, same state_dict keys,
+eps 1e-5) whose backward also accumulates the per-example squared gradient norms of its gain
+and bias into float32 buffers, with the fused kernel of normgnorm/ (Triton or CUDA on GPU,
+pure PyTorch elsewhere). Buffers follow buffered.py's convention: `weight_sqgradnorm`,
+`bias_sqgradnorm` (only with bias) and `example_count`.
 
     from fused_gns import PEGradNormFusedLayerNorm
     with set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm):
         model = GPT(config)
 """
-import torch
-import torch.nn as nn
+import torch.nn.functional as F
 
 import normgnorm
-from buffered import register_sqgradnorm_buffers
+from buffered import LayerNorm, MeasuredLayer, register_sqgradnorm_buffers
+from reference_names import refuse_module_names
 
 
-class PEGradNormFusedLayerNorm(nn.Module):
+class PEGradNormFusedLayerNorm(MeasuredLayer, LayerNorm):
+    """
+    Takes torch's nn.LayerNorm arguments or the reference's (ndim, bias) (see buffered.LayerNorm),
+    and `backend` (None: NORMGNORM_BACKEND, else Triton on CUDA, PyTorch elsewhere). The kernel
+    normalises over the last dimension only; elementwise_affine=False leaves nothing to measure
+    and runs torch's layer_norm.
+    """
 
-    def __init__(self, ndim, bias=True, eps=1e-5, backend=None):
-        super().__init__()
-        self.normalized_shape = (ndim,)
-        self.eps = eps
-        self.backend = backend  # None: NORMGNORM_BACKEND, else Triton on CUDA, PyTorch elsewhere
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+    def __init__(self, *args, backend=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"PEGradNormFusedLayerNorm normalises over the last dimension only, not "
+                             f"{self.normalized_shape}; use buffered.PEGradNormSeparatedLayerNorm")
+        self.backend = backend
         register_sqgradnorm_buffers(self)
 
     def forward(self, x):
+        if self.weight is None:
+            return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
         return normgnorm.layer_norm(x, self.weight, self.bias,
-                                    self.weight_sqgradnorm, getattr(self, "bias_sqgradnorm", None),
+                                    self.weight_sqgradnorm, self._buffers.get("bias_sqgradnorm"),
                                     self.example_count, self.eps, self.backend)
 
-    def _apply(self, fn, recurse=True):
-        # .half() / .to(bfloat16) must not touch the running sums: keep them float32, moving
-        # the original float32 values (not a rounded copy) to wherever fn sent the buffer.
-        sums = {name: buf for name, buf in self._buffers.items()
-                if buf is not None and (name == "example_count" or name.endswith("_sqgradnorm"))}
-        super()._apply(fn, recurse)
-        for name, before in sums.items():
-            after = self._buffers[name]
-            if after.dtype != torch.float32:
-                self._buffers[name] = before.to(device=after.device, dtype=torch.float32)
-        return self
 
-    def extra_repr(self):
-        return f"{self.normalized_shape}, eps={self.eps}, bias={self.bias is not None}"
+# ---------------------------------------------------------------------------------------------
+# The reference implementation's names (CerebrasResearch/nanoGNS, exact/fused_gns.py). Kept:
+# PEGradNormFusedLayerNorm(ndim, bias) and LayerNorm (buffered.LayerNorm, which it imported from
+# buffered.py). The rest fails at once, saying what to use instead.
+
+__getattr__ = refuse_module_names(__name__, {
+    "ModuleWithBuffers": "use buffered.MeasuredLayer, the measured layers' shared base; "
+                         "register_sqgradnorm_buffers(module) gives a module the buffers, "
+                         "find_sqgradnorm_buffers(model) finds them",
+    "LNShimTest": "use pytest tests/test_fused_gns.py, this fork's tests of the same layer",
+})

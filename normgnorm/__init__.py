@@ -28,6 +28,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from reference_names import refuse_module_names
+
 from . import torch_path
 
 BACKENDS = ("triton", "cuda", "torch")
@@ -155,6 +157,19 @@ _layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 torch.library.register_autocast("normgnorm::layer_norm_fwd", "cuda", torch.float32)
 
 
+def _buffer_layout(name, buffer, pair_allowed=True):
+    """True for the reference's [sum, count] pair, False for this fork's 0-dim running sum or None;
+    anything else is an error (it would be broadcast-added into silently)."""
+    if buffer is None:
+        return False
+    if buffer.dtype == torch.float32 and buffer.shape == ():
+        return False
+    if pair_allowed and buffer.dtype == torch.float32 and buffer.shape == (2,):
+        return True
+    layouts = "a float32 0-dim tensor" + (" or the reference's float32 [sum, count] pair" if pair_allowed else "")
+    raise ValueError(f"{name} must be {layouts}, not {buffer.dtype} of shape {tuple(buffer.shape)}")
+
+
 class PEGLayerNorm(torch.autograd.Function):
     """
     LayerNorm forward and backward as one autograd Function; the backward also adds
@@ -164,10 +179,13 @@ class PEGLayerNorm(torch.autograd.Function):
                                normalized_shape, eps[, example_count[, backend]])
 
     The first seven arguments are the reference implementation's, so code written for it runs
-    unchanged. In eager mode this calls the chosen implementation directly (the registered op's
-    Python dispatch costs about as much as a small LayerNorm itself); under torch.compile it
-    calls the registered ops, which the compiler keeps whole. Under CUDA autocast it runs in
-    float32 with a float32 output, as torch's layer_norm does.
+    unchanged: its buffers, 2-element [sum, count] pairs (torch.zeros(2)), get [Σ_b ||dγ_b||², B]
+    and [Σ_b ||dβ_b||², B] added, as the reference adds them; this fork's are 0-dim sums. Either
+    may be None (not measured), and only parameters that receive a gradient are measured.
+    In eager mode this calls the chosen implementation directly (the registered op's Python
+    dispatch costs about as much as a small LayerNorm itself); under torch.compile it calls the
+    registered ops, which the compiler keeps whole. Under CUDA autocast it runs in float32 with
+    a float32 output, as torch's layer_norm does.
     """
 
     @staticmethod
@@ -179,12 +197,15 @@ class PEGLayerNorm(torch.autograd.Function):
         if shape != (D,) or weight.shape != (D,):
             raise ValueError(f"PEGLayerNorm normalizes over the last dimension only: normalized_shape "
                              f"{shape} and weight {tuple(weight.shape)} must both be ({D},) for input {tuple(x.shape)}")
-        if example_count is None:  # the reference's call counts nowhere
-            example_count = x.new_zeros((), dtype=torch.float32)
+        ctx.pairs = (_buffer_layout("PEGLayerNorm's weight_sqgradnorm", weight_sqgradnorm),
+                     _buffer_layout("PEGLayerNorm's bias_sqgradnorm", bias_sqgradnorm))
+        _buffer_layout("PEGLayerNorm's example_count", example_count, pair_allowed=False)
         backend = backend or ""
         if torch.compiler.is_compiling():
-            y, mean, rstd = _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count,
-                                            eps, backend)
+            # the op's buffer inputs serve its own autograd (layer_norm below); this Function
+            # keeps the buffers itself, so the op gets a placeholder
+            unused = x.new_zeros((), dtype=torch.float32)
+            y, mean, rstd = _layer_norm_fwd(x, weight, bias, unused, None, unused, eps, backend)
         else:
             y, mean, rstd = _forward(x, weight, bias, eps, backend)
         ctx.save_for_backward(x, weight, mean, rstd)
@@ -199,11 +220,19 @@ class PEGLayerNorm(torch.autograd.Function):
         x, weight, mean, rstd = ctx.saved_tensors
         # only parameters that receive a gradient are measured
         need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        # the implementations add to 0-dim sums: a pair, or a missing buffer, gets a fresh one
+        sums = [buf if buf is not None and not pair else x.new_zeros((), dtype=torch.float32)
+                for buf, pair in zip(ctx.bufs[:2], ctx.pairs)]
+        count = ctx.bufs[2] if ctx.bufs[2] is not None else x.new_zeros((), dtype=torch.float32)
         if torch.compiler.is_compiling():
-            dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+            dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *sums, count, ctx.backend)
             dw, db = (dw if need_dw else None), (db if need_db else None)
         else:
-            dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+            dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *sums, count, ctx.backend)
+        num_examples = _examples_and_rows(x)[0]
+        for pair, buf, sq, needed in zip(ctx.pairs, ctx.bufs[:2], sums, (need_dw, need_db)):
+            if pair and needed:
+                buf.add_(torch.stack([sq, torch.full_like(sq, num_examples)]))
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -215,8 +244,28 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     squared norms of dγ, dβ into the float32 0-dim buffers weight_sqgradnorm, bias_sqgradnorm
     (None when there is no bias) and the number of examples into example_count.
     """
+    for name, buffer in (("weight_sqgradnorm", weight_sqgradnorm), ("bias_sqgradnorm", bias_sqgradnorm),
+                         ("example_count", example_count)):
+        _buffer_layout(f"normgnorm.layer_norm's {name}", buffer, pair_allowed=False)
     if torch.compiler.is_compiling():  # the op with its registered autograd: what the compiler traces
         return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
                                backend or "")[0]
     return PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, x.shape[-1:], eps,
                               example_count, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference implementation's names (CerebrasResearch/nanoGNS, exact/normgnorm/__init__.py).
+# Kept: PEGLayerNorm, with its seven arguments and its [sum, count] buffers. The rest fails at
+# once, saying what to use instead.
+
+__getattr__ = refuse_module_names(__name__, {
+    "layernorm_fwd": "use normgnorm.PEGLayerNorm.apply(x, weight, bias, ...) or normgnorm.layer_norm(x, weight, "
+                     "bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps) (forward and backward)",
+    "layernorm_bwd": "use normgnorm.PEGLayerNorm.apply (its backward adds the norms) or, for the per-example "
+                     "dγ_b, dβ_b themselves, normgnorm.torch_path.per_example_affine_grads",
+    "normgnorm_cuda": "use normgnorm.PEGLayerNorm.apply(..., backend='cuda') or NORMGNORM_BACKEND=cuda: the "
+                      "CUDA extension (normgnorm.cuda_ext) is built on first use",
+    "current_dir": "use os.path.dirname(normgnorm.__file__)",
+    "exists": "write `x is not None`",
+})

@@ -6,15 +6,18 @@ L = (1/N) sum_b l_b over N examples (split into micro-steps) must hold sum_b ||g
 import os
 import sys
 import warnings
+from copy import deepcopy
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import buffered  # noqa: E402
+from reference_names import ReferenceNameError  # noqa: E402
 from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
                       PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers,
                       tie_weights, zero_sqgradnorm_buffers)
@@ -393,6 +396,73 @@ def test_layernorm_without_affine_is_plain():
     assert find_sqgradnorm_buffers(layer) == []
 
 
+# torch's order, nanoGPT's and the reference's (ndim, bias), and keywords: (args, kwargs, eps, bias)
+LAYERNORM_CALLS = [
+    ((8,), {}, 1e-5, True),
+    ((8, True), {}, 1e-5, True),
+    ((8, False), {}, 1e-5, False),
+    ((8,), dict(bias=False), 1e-5, False),
+    ((8, 1e-3), {}, 1e-3, True),
+    ((8, 0), {}, 0.0, True),  # an int second argument is torch's eps, as nn.LayerNorm(8, 0) takes it
+    ((8, 1e-3, True, False), {}, 1e-3, False),
+    ((8,), dict(eps=1e-3, bias=False), 1e-3, False),
+    ((8, False), dict(eps=1e-3), 1e-3, False),
+    ((), dict(normalized_shape=8, bias=False), 1e-5, False),
+]
+BAD_LAYERNORM_CALLS = [
+    ((8, True), dict(bias=False)),  # bias twice
+    ((8, 1e-3), dict(eps=1e-4)),  # eps twice
+    ((8, True, 1e-5), {}),  # (ndim, bias) takes nothing more by position
+    ((8, 1e-5, True, True, None, None, 1), {}),  # more than torch's six
+    ((8,), dict(eps=True)),  # a bool eps is a misplaced bias
+    ((8,), dict(ndim=8)),
+    ((), dict(bias=True)),
+]
+
+
+@pytest.mark.parametrize("cls", [buffered.LayerNorm, PEGradNormSeparatedLayerNorm])
+@pytest.mark.parametrize("args,kwargs,eps,bias", LAYERNORM_CALLS)
+def test_layernorm_takes_torchs_and_the_references_arguments(cls, args, kwargs, eps, bias):
+    layer = cls(*args, **kwargs)
+    assert layer.eps == eps and layer.normalized_shape == (8,) and isinstance(layer, nn.LayerNorm)
+    params = dict(layer.named_parameters())
+    assert list(params) == (["weight", "bias"] if bias else ["weight"])
+    assert torch.equal(params["weight"], torch.ones(8))
+    if bias:
+        assert torch.equal(params["bias"], torch.zeros(8))
+    assert ("bias_sqgradnorm" in layer._buffers) == (bias and cls is PEGradNormSeparatedLayerNorm)
+
+
+@pytest.mark.parametrize("cls", [buffered.LayerNorm, PEGradNormSeparatedLayerNorm])
+def test_layernorm_takes_torchs_other_arguments(cls):
+    layer = cls((2, 4), 1e-6, elementwise_affine=True, bias=False, dtype=torch.float64)
+    assert layer.normalized_shape == (2, 4) and layer.weight.dtype == torch.float64 and layer.bias is None
+    plain = cls(4, elementwise_affine=False)
+    assert plain.weight is None and plain.bias is None
+
+
+@pytest.mark.parametrize("cls", [buffered.LayerNorm, PEGradNormSeparatedLayerNorm])
+@pytest.mark.parametrize("args,kwargs", BAD_LAYERNORM_CALLS)
+def test_layernorm_contradictory_or_unknown_arguments_are_one_line_errors(cls, args, kwargs):
+    with pytest.raises(TypeError, match=cls.__name__) as error:
+        cls(*args, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_plain_layernorm_is_nanogpts(bias):
+    """buffered.LayerNorm(ndim, bias): nanoGPT's unmeasured LayerNorm, the same output and keys."""
+    torch.manual_seed(19)
+    layer = buffered.LayerNorm(6, bias)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = torch.randn(2, 3, 6)
+    assert torch.equal(layer(x), F.layer_norm(x, (6,), layer.weight, layer.bias, 1e-5))
+    assert list(layer.state_dict()) == (["weight", "bias"] if bias else ["weight"])
+    assert dict(layer.named_buffers()) == {}
+
+
 # --------------------------------------------------------------------------------------------
 # Drop-in properties
 
@@ -659,3 +729,213 @@ def test_property_tied(Embedding, Head, B, T, V, D, steps, mode):
     expected = brute_force(plain, batches)
     run(model, batches)
     torch.testing.assert_close(measured(model)["wte.weight"], expected["wte.weight"].item(), rtol=1e-5, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# The reference implementation's names
+
+def pegsqnorms(layer):
+    """{parameter name: layer.{name}_pegsqnorm()} for the parameters it has."""
+    return {n: getattr(layer, f"{n}_pegsqnorm")() for n, _ in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("cls,args", ALL)
+@pytest.mark.parametrize("bias", [True, False])
+def test_pegsqnorm_accessors_match_brute_force(cls, args, bias):
+    # two micro-steps of a mean loss over N = 6 examples: sum * count = N sum_b ||g_b / N||^2
+    # = (1/N) sum_b ||g_b||^2, the reference's weight_pegsqnorm()
+    torch.manual_seed(20)
+    kwargs = {} if PLAIN[cls] is nn.Embedding else dict(bias=bias)
+    layer, plain = twins(cls, *args, **kwargs)
+    if PLAIN[cls] is nn.Embedding:
+        batches = id_batches(2, (3, 4), args[0], args[1])
+    else:
+        batches = float_batches(2, (3, 4, args[0]), args[-1])
+    expected = brute_force(plain, batches)
+    run(layer, batches)
+    got = pegsqnorms(layer)
+    assert set(got) == set(expected)
+    for n, value in got.items():
+        assert value.dtype == torch.float32 and value.dim() == 0
+        torch.testing.assert_close(value.double(), 6 * expected[n], rtol=1e-5, atol=0)
+    if cls is PEGradNormSeparatedLayerNorm:  # the reference kept them on a submodule .affine
+        assert layer.affine is layer and layer.affine.weight is layer.weight
+        assert pegsqnorms(layer.affine) == got
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_reference_self_test_as_written_for_it(bias):
+    """The reference's own check of its shim Linear, as its users write it: positional bias, new
+    Parameters assigned, a summed loss, and weight_pegsqnorm() against B times the sum of the
+    squared gradients of single-example backward passes."""
+    torch.manual_seed(25)
+    linear = nn.Linear(3, 4, bias=bias)
+    shim = PEGradNormShimLinear(3, 4, bias)
+    with torch.no_grad():
+        shim.weight = nn.Parameter(linear.weight.clone())
+        if bias:
+            shim.bias = nn.Parameter(linear.bias.clone())
+    x = torch.randn(2, 2, 3)
+    g = torch.randn(2, 2, 4)
+    shim(x).backward(g)
+    want = dict(weight=0.0, bias=0.0)
+    for i in range(2):
+        linear.zero_grad()
+        linear(x[[i]]).backward(g[[i]])
+        for n, p in linear.named_parameters():
+            want[n] += 2 * p.grad.square().sum()
+    torch.testing.assert_close(shim.weight_pegsqnorm(), want["weight"], rtol=1e-5, atol=0)
+    if bias:
+        torch.testing.assert_close(shim.bias_pegsqnorm(), want["bias"], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("Embedding", EMBEDDINGS)
+@pytest.mark.parametrize("Head", LINEARS)
+def test_pegsqnorm_of_a_tied_weight_is_the_embeddings(Embedding, Head):
+    torch.manual_seed(21)
+    model, plain = TiedLM(Embedding, Head), TiedLM(nn.Embedding, nn.Linear)
+    plain.load_state_dict(model.state_dict())
+    batches = [(torch.randint(0, 11, (3, 5)), torch.randn(3, 5, 11)) for _ in range(2)]
+    expected = brute_force(plain, batches)
+    run(model, batches)
+    torch.testing.assert_close(model.wte.weight_pegsqnorm().double(), 6 * expected["wte.weight"], rtol=1e-5, atol=0)
+    with pytest.raises(RuntimeError, match="use the embedding's weight_pegsqnorm"):
+        model.head.weight_pegsqnorm()
+
+
+@pytest.mark.parametrize("make,call,reason", [
+    (lambda: PEGradNormLinear(4, 3, bias=False), "bias_pegsqnorm", "has no bias"),
+    (lambda: PEGradNormShimLinear(4, 3, False), "bias_pegsqnorm", "has no bias"),
+    (lambda: PEGradNormShimEmbedding(5, 3), "bias_pegsqnorm", "has no bias"),
+    (lambda: PEGradNormSeparatedLayerNorm(4, False), "bias_pegsqnorm", "has no bias"),
+    (lambda: PEGradNormSeparatedLayerNorm(4, elementwise_affine=False), "weight_pegsqnorm", "has no weight"),
+    (lambda: PEGradNormLinear(4, 3).requires_grad_(False), "weight_pegsqnorm", "does not require grad"),
+    (lambda: PEGradNormEmbedding(5, 3).requires_grad_(False), "weight_pegsqnorm", "does not require grad"),
+    (lambda: torch.nn.utils.parametrizations.spectral_norm(PEGradNormShimLinear(4, 3)), "weight_pegsqnorm",
+     "parametrized"),
+    (lambda: TiedLM(PEGradNormEmbedding, nn.Linear).wte, "weight_pegsqnorm", "does not measure"),
+    (lambda: TiedLM(nn.Embedding, PEGradNormLinear).head, "weight_pegsqnorm", "does not measure"),
+])
+def test_pegsqnorm_of_an_unmeasured_parameter_is_an_error(make, call, reason):
+    # the reference has no accessor for a missing bias, and its bias-less shim Linear measured
+    # one anyway: no number here is better than a wrong one
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a one-sided tie warns
+        layer = make()
+    x = torch.randint(0, 5, (2, 3)) if isinstance(layer, nn.Embedding) else torch.randn(2, 3, 4)
+    y = layer(x)
+    if y.requires_grad:
+        y.square().sum().backward()
+    with pytest.raises(RuntimeError, match=reason) as error:
+        getattr(layer, call)()
+    assert "\n" not in str(error.value)
+
+
+REFUSED_MODULE_NAMES = [
+    "exists", "safe_sum", "safe_sqnorm", "stack_with_ones", "ModuleWithBuffers", "pe_linear_grad_norm",
+    "PEGLinearGradNormNoop", "wgrad_plus_pe_grad_norm_highmem", "at_index", "PEGradNormLinearFunction",
+    "embedding_dense_backward", "embedding_pe_grad_norm", "PEGEmbeddingGradNormNoop", "embedding_peg_plus_grads",
+    "PEGEmbeddingGradNorm", "ElementWiseAffine", "PEGradNormEANoop", "PEGradNormShimElementWiseAffine",
+    "ShimLinearTest", "ShimEmbeddingTest", "LNShimTest"]
+REFUSED_LAYER_NAMES = ["weight_upegsqnorm", "bias_upegsqnorm", "marked_buffers", "named_buffers_with_marker",
+                       "register_marked_buffer", "register_upegsqnorm_buffer"]
+
+
+@pytest.mark.parametrize("name", REFUSED_MODULE_NAMES)
+def test_reference_module_names_not_kept_say_what_to_use(name):
+    with pytest.raises(ReferenceNameError, match=rf"buffered\.{name} is the reference .*: (use|write) ") as error:
+        exec(f"from buffered import {name}", {})
+    assert "\n" not in str(error.value)
+    with pytest.raises(ReferenceNameError):
+        getattr(buffered, name)
+    assert getattr(buffered, "no_such_name", None) is None  # other names: the usual AttributeError
+
+
+def test_reference_names_kept():
+    from buffered import LayerNorm, zero_sqgradnorm_buffers as zero  # noqa: F401
+    assert zero is zero_sqgradnorm_buffers
+
+
+@pytest.mark.parametrize("cls,args", ALL)
+@pytest.mark.parametrize("name", REFUSED_LAYER_NAMES)
+def test_reference_layer_attributes_not_kept_say_what_to_use(cls, args, name):
+    layer = cls(*args)
+    with pytest.raises(ReferenceNameError, match=rf"{name} is the reference .*: use "):
+        getattr(layer, name)
+
+
+def test_separated_layernorm_has_no_layernorm_submodule():
+    layer = PEGradNormSeparatedLayerNorm(4, True)
+    with pytest.raises(ReferenceNameError, match="F.layer_norm"):
+        layer.layernorm
+    assert [n for n, _ in layer.named_modules()] == [""] and list(layer.state_dict()) == ["weight", "bias"]
+
+
+class AllLayers(nn.Module):
+    """One of each measured layer, tied head included, in a small language model."""
+
+    def __init__(self, V=11, D=6):
+        super().__init__()
+        self.wte = PEGradNormEmbedding(V, D)
+        self.wpe = PEGradNormShimEmbedding(5, D)
+        self.ln = PEGradNormSeparatedLayerNorm(D, True)
+        self.fc = PEGradNormShimLinear(D, D)
+        self.head = PEGradNormLinear(D, V, bias=False)
+        tie_weights(self.wte, self.head)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1]).expand(ids.shape)
+        return self.head(torch.tanh(self.fc(self.ln(self.wte(ids) + self.wpe(pos)))))
+
+
+def all_layers_step(model, ids, r):
+    (torch.sin(model(ids)) * r).sum().div(ids.shape[0]).backward()
+    return {n: buf.clone() for n, buf in model.named_buffers()}
+
+
+def test_refused_names_leave_copies_casts_and_state_dicts_alone():
+    torch.manual_seed(22)
+    model = AllLayers()
+    ids, r = torch.randint(0, 11, (3, 5)), torch.randn(3, 5, 11)
+    copy = deepcopy(model)
+    assert list(copy.state_dict()) == list(model.state_dict())
+    torch.testing.assert_close(all_layers_step(copy, ids, r), all_layers_step(model, ids, r))
+    for name in ("wte", "wpe", "ln", "fc"):  # the copy's tie link too: wte's includes the cross term
+        torch.testing.assert_close(pegsqnorms(getattr(copy, name)), pegsqnorms(getattr(model, name)))
+    copy.half()
+    assert all(b.dtype == torch.float32 for b in copy.buffers())
+    torch.testing.assert_close(copy.fc.weight_pegsqnorm(), model.fc.weight_pegsqnorm())
+
+
+def test_refused_names_leave_ddp_alone(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.manual_seed(23)
+    model, twin = AllLayers(), AllLayers()
+    twin.load_state_dict(model.state_dict())
+    ids, r = torch.randint(0, 11, (3, 5)), torch.randn(3, 5, 11)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        got = all_layers_step(ddp, ids, r)
+        state = ddp.state_dict()
+    finally:
+        dist.destroy_process_group()
+    assert list(state) == [f"module.{k}" for k in twin.state_dict()]
+    want = all_layers_step(twin, ids, r)
+    torch.testing.assert_close({k.removeprefix("module."): v for k, v in got.items()}, want)
+
+
+@pytest.mark.slow
+def test_refused_names_leave_torch_compile_alone():
+    torch._dynamo.reset()
+    torch.manual_seed(24)
+    model, twin = AllLayers(), AllLayers()
+    twin.load_state_dict(model.state_dict())
+    ids, r = torch.randint(0, 11, (3, 5)), torch.randn(3, 5, 11)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    got = all_layers_step(compiled, ids, r)
+    want = all_layers_step(twin, ids, r)
+    torch.testing.assert_close({k.removeprefix("_orig_mod."): v for k, v in got.items()}, want)
+    assert all(v.item() > 0 for k, v in want.items() if k.endswith("example_count"))
+    torch._dynamo.reset()

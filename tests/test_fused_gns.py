@@ -8,10 +8,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import buffered
+import fused_gns
 from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers
 from fused_gns import PEGradNormFusedLayerNorm
 from layer_config import set_contextual_config
 from model import GPT, GPTConfig
+from reference_names import ReferenceNameError
+from test_buffered import BAD_LAYERNORM_CALLS, LAYERNORM_CALLS, REFUSED_LAYER_NAMES
 
 
 def randomised(module, seed=0):
@@ -33,6 +37,36 @@ def test_drop_in_for_nn_layernorm(bias):
     torch.testing.assert_close(ours(x), theirs(x))
     theirs.load_state_dict(randomised(ours, seed=1).state_dict())
     torch.testing.assert_close(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("args,kwargs,eps,bias", LAYERNORM_CALLS)
+def test_takes_torchs_and_the_references_arguments(args, kwargs, eps, bias):
+    # the reference's PEGradNormFusedLayerNorm(ndim, bias) and torch's nn.LayerNorm(ndim, eps, ...)
+    m = PEGradNormFusedLayerNorm(*args, **kwargs, backend="torch")
+    assert m.eps == eps and m.normalized_shape == (8,) and m.backend == "torch"
+    assert isinstance(m, buffered.LayerNorm) and isinstance(m, nn.LayerNorm)
+    params = dict(m.named_parameters())
+    assert list(params) == (["weight", "bias"] if bias else ["weight"])
+    assert torch.equal(params["weight"], torch.ones(8)) and (not bias or torch.equal(params["bias"], torch.zeros(8)))
+    assert ("bias_sqgradnorm" in m._buffers) == bias
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(m(x), F.layer_norm(x, (8,), m.weight, m.bias, eps))
+
+
+@pytest.mark.parametrize("args,kwargs", BAD_LAYERNORM_CALLS)
+def test_contradictory_or_unknown_arguments_are_one_line_errors(args, kwargs):
+    with pytest.raises(TypeError, match="PEGradNormFusedLayerNorm") as error:
+        PEGradNormFusedLayerNorm(*args, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_what_the_kernel_cannot_do():
+    with pytest.raises(ValueError, match="last dimension only"):
+        PEGradNormFusedLayerNorm((3, 8))
+    plain = PEGradNormFusedLayerNorm(8, elementwise_affine=False)  # nothing to measure: torch's layer_norm
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    assert torch.equal(plain(x), F.layer_norm(x, (8,), eps=1e-5)) and plain.weight is None
+    assert find_sqgradnorm_buffers(plain) == []
 
 
 def test_buffer_convention():
@@ -98,6 +132,32 @@ def test_gradient_accumulation_matches_brute_force():
     assert m.example_count.item() == 6
     torch.testing.assert_close(m.weight_sqgradnorm.double(), want_w, rtol=1e-5, atol=0)
     torch.testing.assert_close(m.bias_sqgradnorm.double(), want_b, rtol=1e-5, atol=0)
+    # the reference's accessors: sum * count = B sum_b ||g_b / B||^2
+    torch.testing.assert_close(m.weight_pegsqnorm().double(), 6 * want_w, rtol=1e-5, atol=0)
+    torch.testing.assert_close(m.bias_pegsqnorm().double(), 6 * want_b, rtol=1e-5, atol=0)
+
+
+def test_pegsqnorm_without_bias_or_frozen_is_an_error():
+    m = PEGradNormFusedLayerNorm(8, False)
+    (m(torch.randn(2, 3, 8)) * torch.randn(2, 3, 8)).sum().backward()
+    assert m.weight_pegsqnorm() > 0
+    with pytest.raises(RuntimeError, match="has no bias"):
+        m.bias_pegsqnorm()
+    m.weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        m.weight_pegsqnorm()
+
+
+def test_reference_names():
+    from fused_gns import LayerNorm
+    assert LayerNorm is buffered.LayerNorm  # the reference imported it from buffered.py
+    for name in ("ModuleWithBuffers", "LNShimTest"):
+        with pytest.raises(ReferenceNameError, match=rf"fused_gns\.{name} is the reference .*: use "):
+            getattr(fused_gns, name)
+    m = PEGradNormFusedLayerNorm(8, True)
+    for name in REFUSED_LAYER_NAMES:
+        with pytest.raises(ReferenceNameError, match=rf"{name} is the reference .*: use "):
+            getattr(m, name)
 
 
 def test_frozen_parameter_is_not_measured():

@@ -172,19 +172,21 @@ def test_peglayernorm_normalizes_the_last_dimension_only(normalized_shape, weigh
             call()
 
 
-def check_peglayernorm_compiled(shape, backend):
+def check_peglayernorm_compiled(shape, backend, pairs=False):
     """PEGLayerNorm.apply called directly, eager and under torch.compile (one graph: fullgraph):
-    the same input and parameter gradients, buffers and example count."""
+    the same input and parameter gradients, buffers and example count. pairs: the reference's
+    [sum, count] buffers, and no example_count."""
     torch._dynamo.reset()
     x, dy, weight, b = make_inputs(shape, torch.float32, True, seed=7)
     results = []
     for compiled in (False, True):
         w, bb = weight.clone().requires_grad_(), b.clone().requires_grad_()
-        bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
+        bufs = (torch.zeros(2), torch.zeros(2)) if pairs else (torch.zeros(()), torch.zeros(()), torch.zeros(()))
         xi = x.clone().requires_grad_()
 
         def step(xi):
-            y = normgnorm.PEGLayerNorm.apply(xi, w, bb, bufs[0], bufs[1], shape[-1:], EPS, bufs[2], backend)
+            y = normgnorm.PEGLayerNorm.apply(xi, w, bb, bufs[0], bufs[1], shape[-1:], EPS,
+                                             None if pairs else bufs[2], backend)
             return (y * dy).sum()
         if compiled:
             step = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -192,12 +194,89 @@ def check_peglayernorm_compiled(shape, backend):
         results.append((xi.grad, w.grad, bb.grad) + bufs)
     for eager_value, compiled_value in zip(*results):
         torch.testing.assert_close(compiled_value, eager_value)
-    assert results[1][-1].item() == shape[0]
+    if pairs:
+        assert results[1][-1][0].item() > 0 and results[1][-1][1].item() == shape[0]
+    else:
+        assert results[1][-1].item() == shape[0]
     torch._dynamo.reset()
 
 
-def test_peglayernorm_compiles_without_graph_breaks():
-    check_peglayernorm_compiled((3, 5, 40), "torch")
+@pytest.mark.parametrize("pairs", [False, True])
+def test_peglayernorm_compiles_without_graph_breaks(pairs):
+    check_peglayernorm_compiled((3, 5, 40), "torch", pairs)
+
+
+@pytest.mark.parametrize("example_count", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_peglayernorm_with_the_references_sum_count_pairs(bias, example_count):
+    """The reference's buffers, torch.zeros(2) each: after each backward [Σ_b ||dγ_b||², B] is added
+    to the weight's and [Σ_b ||dβ_b||², B] to the bias's, as the reference adds them; two micro-steps.
+    Without a bias its pair is left alone. An example_count given as well counts too."""
+    shapes = SHAPES["3d"]
+    weight0, b0 = make_inputs(shapes[0], torch.float32, bias, seed=0)[2:]
+    w = weight0.clone().requires_grad_()
+    bb = b0.clone().requires_grad_() if bias else None
+    w_pair, b_pair, count = torch.zeros(2), torch.zeros(2), torch.zeros(())
+    want_w = want_b = 0
+    for call, shape in enumerate(shapes):
+        x, dy, _, _ = make_inputs(shape, torch.float32, bias, seed=call + 1)
+        x.requires_grad_()
+        extra = (count,) if example_count else ()
+        normgnorm.PEGLayerNorm.apply(x, w, bb, w_pair, b_pair, (40,), EPS, *extra).backward(dy)
+        ref = oracle(x, w, bb, dy)
+        torch.testing.assert_close(x.grad.double(), ref["dx"], **TOL[torch.float32])
+        want_w, want_b = want_w + ref["sq_w"], want_b + (ref["sq_b"] if bias else 0)
+    B = sum(shape[0] for shape in shapes)
+    torch.testing.assert_close(w_pair[0].double(), want_w, **BUFFER_TOL)
+    assert w_pair[1].item() == B and w_pair.dtype == torch.float32
+    if bias:
+        torch.testing.assert_close(b_pair[0].double(), want_b, **BUFFER_TOL)
+        assert b_pair[1].item() == B
+    else:
+        assert b_pair.tolist() == [0.0, 0.0]
+    assert count.item() == (B if example_count else 0)
+
+
+def test_peglayernorm_without_buffers_still_trains():
+    # the reference lets either buffer be None: not measured, the gradients as ever
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, True, seed=8)
+    w, bb, x = weight.clone().requires_grad_(), b.clone().requires_grad_(), x.requires_grad_()
+    normgnorm.PEGLayerNorm.apply(x, w, bb, None, None, (40,), EPS).backward(dy)
+    ref = oracle(x, weight, b, dy)
+    torch.testing.assert_close(w.grad.double(), ref["dw"], **TOL[torch.float32])
+    torch.testing.assert_close(bb.grad.double(), ref["db"], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(3), torch.zeros(1), torch.zeros(2, 2), torch.zeros(2, dtype=torch.float64),
+                                 torch.zeros((), dtype=torch.float16), torch.zeros(2, dtype=torch.int64)],
+                         ids=["3", "1", "2x2", "float64 pair", "float16", "int64 pair"])
+@pytest.mark.parametrize("which", ["weight", "bias", "count"])
+def test_peglayernorm_other_buffer_layouts_are_one_line_errors(bad, which):
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w, bb = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    bufs = dict(weight=torch.zeros(2), bias=torch.zeros(2), count=None)
+    bufs[which] = bad
+    with pytest.raises(ValueError, match=f"{which if which != 'count' else 'example_count'}.* not ") as error:
+        normgnorm.PEGLayerNorm.apply(x, w, bb, bufs["weight"], bufs["bias"], (8,), EPS, bufs["count"])
+    assert "\n" not in str(error.value)
+
+
+def test_layer_norm_takes_zero_dim_buffers_only():
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    with pytest.raises(ValueError, match="weight_sqgradnorm must be a float32 0-dim tensor, not"):
+        normgnorm.layer_norm(x, w, None, torch.zeros(2), None, torch.zeros(()))
+
+
+@pytest.mark.parametrize("name,hint", [("layernorm_fwd", "PEGLayerNorm"), ("layernorm_bwd", "per_example_affine_grads"),
+                                       ("normgnorm_cuda", "backend='cuda'"), ("current_dir", "normgnorm.__file__"),
+                                       ("exists", "is not None")])
+def test_reference_names_not_kept_say_what_to_use(name, hint):
+    from reference_names import ReferenceNameError
+    with pytest.raises(ReferenceNameError, match=rf"normgnorm\.{name} is the reference .*: (use|write) .*{hint}"):
+        exec(f"from normgnorm import {name}", {})
+    assert getattr(normgnorm, "no_such_name", None) is None
+    from normgnorm import plan  # noqa: F401  (submodules still import)
 
 
 def test_oracle_per_example_norms_by_loop():
