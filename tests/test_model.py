@@ -1,5 +1,6 @@
 """model.py: shapes, loss at initialisation, weight tying, the layer config, options."""
 import math
+import re
 
 import pytest
 import torch
@@ -110,3 +111,32 @@ def test_configure_optimizers_decays_only_matrices():
     decay, nodecay = opt.param_groups
     assert all(p.dim() >= 2 for p in decay['params']) and decay['weight_decay'] == 0.1
     assert all(p.dim() < 2 for p in nodecay['params']) and nodecay['weight_decay'] == 0.0
+
+
+def test_load_weights_maps_the_references_and_nanogpts_keys_and_refuses_what_does_not_fit():
+    from model import CheckpointError, load_weights
+    torch.manual_seed(0)
+    source = GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1]))
+    sd = source.state_dict()
+    reference = {}
+    for k, v in sd.items():
+        k = k.replace(".attn.c_attn.weight", ".attn.c_attn.qkv.weight").replace(".ln_1.", ".ln_1.affine.")
+        reference[k] = v
+    reference["transformer.h.0.ln_1.affine.bias"] = torch.zeros(32)  # its bias=False separated LayerNorm
+    reference["transformer.h.0.ln_1.affine.weight_upegsqnorm"] = torch.tensor([2.0, 8.0])
+    reference["transformer.h.1.attn.c_attn.scale"] = torch.tensor(1.1)  # its spectral Q/K/V scale
+    reference["transformer.h.0.attn.bias"] = torch.ones(1, 1, 16, 16)  # nanoGPT's causal mask (torch < 2)
+    target = GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1]))
+    notes = load_weights(target, {"_orig_mod." + k: v for k, v in reference.items()})
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in sd.items())
+    assert any("renamed" in n for n in notes)
+    # nanoGPT's checkpoints count no tokens: the caller's count is used, and said so
+    notes = load_weights(target, {k: v for k, v in sd.items() if k != "tokens_processed"}, tokens_processed=640)
+    assert target.tokens_processed.item() == 640 and any("no tokens_processed" in n for n in notes)
+    # a non-zero bias has no place in a bias=False model, a weight of another shape or a key of another model neither
+    for bad, words in [({**sd, "transformer.h.0.ln_1.bias": torch.ones(32)}, "transformer.h.0.ln_1.bias"),
+                       ({**sd, "transformer.wpe.weight": torch.zeros(8, 32)}, "has shape (8, 32)"),
+                       ({k: v for k, v in sd.items() if k != "lm_head.weight"}, "lacks lm_head.weight"),
+                       ({**sd, "transformer.h.0.mlp.gate.weight": torch.zeros(3)}, "mlp.gate.weight")]:
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            load_weights(GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1])), bad)
