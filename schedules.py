@@ -17,10 +17,14 @@ MAX_SCHEDULE_BYTES = 64 * 1024
 MAX_STEP_EXAMPLES = 2 ** 24
 
 
-def lr_at(tokens, learning_rate, min_lr, warmup_tokens, lr_decay_tokens, decay_lr=True):
-    """Linear warmup from 0 to learning_rate over warmup_tokens, then linear decay to min_lr at
-    lr_decay_tokens, then min_lr. `tokens` counts the tokens of the step being taken, so the
-    first step gets a small positive rate rather than zero."""
+LR_DECAY_SHAPES = ('linear', 'cosine')
+
+
+def lr_at(tokens, learning_rate, min_lr, warmup_tokens, lr_decay_tokens, decay_lr=True, shape='linear'):
+    """Linear warmup from 0 to learning_rate over warmup_tokens, then decay to min_lr at
+    lr_decay_tokens, then min_lr. The decay is linear (the Cerebras-GPT recipe the paper trains
+    with) or, shape='cosine', half a cosine (nanoGPT's). `tokens` counts the tokens of the step
+    being taken, so the first step gets a small positive rate rather than zero."""
     if not decay_lr:
         return learning_rate
     if tokens < warmup_tokens:
@@ -28,6 +32,8 @@ def lr_at(tokens, learning_rate, min_lr, warmup_tokens, lr_decay_tokens, decay_l
     if tokens >= lr_decay_tokens:
         return min_lr
     frac = (tokens - warmup_tokens) / max(lr_decay_tokens - warmup_tokens, 1)
+    if shape == 'cosine':
+        frac = 0.5 * (1.0 - math.cos(math.pi * frac))
     return learning_rate + frac * (min_lr - learning_rate)
 
 

@@ -89,6 +89,7 @@ warmup_iters = None
 lr_decay_tokens = None  # then linear decay to min_lr by here
 lr_decay_iters = None
 min_lr = 6e-5
+lr_decay_shape = 'linear'  # or 'cosine', nanoGPT's
 max_nonfinite_steps = 5  # stop after this many steps in a row with a non-finite gradient (float32/bfloat16)
 # batch-size schedule: accumulation steps piecewise linear in tokens, out_dir/grad_accum_schedule.txt
 bs_schedule = False
@@ -126,6 +127,7 @@ CHOICES = {
     'lnclass': ('nn', 'shim', 'fused'),
     'gns_hooks': ('none', 'sogns', 'exact'),
     'dtype': ('float32', 'bfloat16', 'float16'),
+    'lr_decay_shape': ('linear', 'cosine'),
 }
 for key, choices in CHOICES.items():
     if config[key] not in choices:
@@ -551,7 +553,7 @@ while eval_only or not finished(tokens_processed, iter_num):
             gradient_accumulation_steps = int(count.item())
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
     lr = lr_at(tokens_processed + tokens_this_step, learning_rate, min_lr,
-               warmup_tokens, lr_decay_tokens, decay_lr)
+               warmup_tokens, lr_decay_tokens, decay_lr, lr_decay_shape)
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
     last_step = finished(tokens_processed + tokens_this_step, iter_num + 1)

@@ -1,5 +1,6 @@
 """schedules.py: the learning rate in tokens and the editable batch-size schedule."""
 import contextlib
+import math
 import os
 import signal
 import stat
@@ -91,6 +92,15 @@ def test_file_is_written_reread_on_edit_and_bad_edit_keeps_last_good(tmp_path):
     with open(path, "w") as f:
         f.write("0, 3\n")
     assert GradAccumSchedule(path, [(0, 7)], max_steps=100, log=warnings.append).points == [(0.0, 3.0)]
+
+
+def test_lr_cosine_decay_is_nanogpts():
+    kw = dict(learning_rate=1.0, min_lr=0.1, warmup_tokens=100, lr_decay_tokens=1100, shape='cosine')
+    assert lr_at(100, **kw) == pytest.approx(1.0) and lr_at(1100, **kw) == pytest.approx(0.1)
+    assert lr_at(600, **kw) == pytest.approx(0.55)  # halfway: the same as the linear decay
+    ratio = 0.25  # a quarter of the way: nanoGPT's min_lr + 0.5 (1 + cos(pi ratio)) (lr - min_lr)
+    assert lr_at(100 + 1000 * ratio, **kw) == pytest.approx(0.1 + 0.5 * (1 + math.cos(math.pi * ratio)) * 0.9)
+    assert lr_at(50, **kw) == pytest.approx(0.5)  # the warmup is the same
 
 
 def test_lr_at_the_boundaries():

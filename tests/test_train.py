@@ -1,5 +1,6 @@
 """train.py end to end on CPU, as a user runs it: training lowers the loss, resume continues
 exactly, the LR follows the token schedule, bad input fails cleanly, DDP on gloo runs."""
+import math
 import os
 import re
 import subprocess
@@ -68,15 +69,19 @@ def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     assert printed == pytest.approx(expected, rel=1e-3)  # printed to 4 significant digits
 
 
-def test_lr_follows_the_token_schedule(tiny_dataset, tmp_path):
-    # 64 tokens per step: warmup over 256 tokens (4 steps), linear decay to min_lr at 640 (10 steps)
+@pytest.mark.parametrize("shape", ["linear", "cosine"])
+def test_lr_follows_the_token_schedule(tiny_dataset, tmp_path, shape):
+    # 64 tokens per step: warmup over 256 tokens (4 steps), decay to min_lr at 640 (10 steps)
     p = run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--max_tokens=768",
                   "--eval_interval=1000", "--learning_rate=1e-3", "--min_lr=1e-4",
-                  "--warmup_tokens=256", "--lr_decay_tokens=640")
+                  "--warmup_tokens=256", "--lr_decay_tokens=640", f"--lr_decay_shape={shape}")
     lrs = [float(x) for x in re.findall(r"lr ([\d.e+-]+),", p.stdout)]
     assert len(lrs) == 12  # stops on max_tokens: 768 / 64
+
+    def decay(frac):  # linear, or nanoGPT's half cosine
+        return frac if shape == "linear" else 0.5 * (1 - math.cos(math.pi * frac))
     expected = [1e-3 * min(1, 64 * i / 256) if 64 * i <= 256 else
-                max(1e-4, 1e-3 + (64 * i - 256) / (640 - 256) * (1e-4 - 1e-3)) for i in range(1, 13)]
+                1e-3 + decay(min(1, (64 * i - 256) / (640 - 256))) * (1e-4 - 1e-3) for i in range(1, 13)]
     assert lrs == pytest.approx(expected, rel=1e-3)
 
 
