@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -450,3 +451,40 @@ def test_a_diverging_float32_run_stops_and_keeps_its_last_good_checkpoint(tiny_d
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
     stopped = int(re.search(r"stopping at iter (\d+)", err[0]).group(1))
     assert stopped < 20 and ckpt["iter_num"] <= stopped
+
+
+def read_like_the_reference(out_dir):
+    """log.csv read as the reference implementation's gns-analysis.py and notebook read it
+    (pandas, every row checked for one batch size across the GNS columns, layer groups by name,
+    val/loss indexed by tokens_processed); returns the groups' total squared norms per row."""
+    df = pd.read_csv(os.path.join(out_dir, "log.csv"))
+    gns = [c for c in df.columns if c.startswith("train/gns/")]
+    batch_sizes = [c for c in gns if c.endswith("/batch_size")]
+    assert (df[batch_sizes].nunique(axis=1) == 1).all(), "a row without one batch size"
+    groups = {"LayerNorm": ("ln_1", "ln_2", "ln_f"), "Embedding": ("wpe",), "Linear": ("c_attn", "c_proj", "c_fc")}
+    totals = {}
+    for group, words in groups.items():
+        norms = [c for c in gns if c.endswith("/norm") and any(w in c for w in words)]
+        assert norms, f"no {group} columns"
+        totals[group] = df[norms].pow(2).sum(axis=1)
+        assert np.isfinite(totals[group]).all() and (totals[group] > 0).all()
+    loss = df.set_index("tokens_processed")["val/loss"].dropna()
+    assert loss.index.is_unique and len(loss) >= 2
+    return totals
+
+
+@pytest.mark.slow
+def test_the_references_readers_take_a_finished_a_resumed_and_a_killed_run(tiny_dataset, tmp_path):
+    import signal
+    out = tmp_path / "out"
+    common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=3",
+              "--gradient_accumulation_steps=2", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim"]
+    run_train(*common, "--max_iters=4")
+    assert len(read_like_the_reference(out)["LayerNorm"]) == 4
+    run_train(*common, "--max_iters=7", "--init_from=resume")
+    assert len(read_like_the_reference(out)["LayerNorm"]) == 7
+    proc = start_train(*common, "--max_iters=100000", "--init_from=resume")
+    wait_for(lambda: logged_rows(out) >= 10, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert len(read_like_the_reference(out)["LayerNorm"]) >= 10
