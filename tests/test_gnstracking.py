@@ -1,11 +1,18 @@
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 import torch
 
 import buffered
+import ddpgns
 import gnstracking
+from conftest import REPO
 from csv_tools import load_log
 from gns_fixtures import ToyGPT, brute_force_norms, fill_buffers, measure, per_example_grads, train_step
 from gnstracking import AccumulateMeasurements, Measurement, MeasurementTracker
@@ -461,3 +468,107 @@ def test_reference_tracker_attributes_not_kept_are_refused(name, hint):
 def test_reference_module_helpers_are_refused(name, hint):
     with pytest.raises(ReferenceNameError, match=rf"gnstracking\.{name} is the reference implementation's.*{hint}"):
         getattr(gnstracking, name)
+
+
+REFERENCE_STYLE_SCRIPT = textwrap.dedent('''
+    # the calls the reference implementation's train.py makes, in its order, on a GPT of our layers
+    import json, math, sys
+    import torch
+    sys.path.insert(0, {root!r})
+    import layer_config as lc
+    from buffered import (PEGradNormLinear, PEGradNormEmbedding, PEGradNormSeparatedLayerNorm,
+                          zero_sqgradnorm_buffers)
+    import gnstracking
+    import ddpgns
+    from tracker import LogWrapper
+
+    with lc.set_contextual_config(Linear=PEGradNormLinear, Embedding=PEGradNormEmbedding,
+                                  LayerNorm=PEGradNormSeparatedLayerNorm):
+        from model import GPTConfig, GPT
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulate_gns = gnstracking.AccumulateMeasurements(prefix="train/gns/")
+    gns_tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_gns, scaler=scaler)
+    ddp_gns_stats = ddpgns.GradientNoiseScale()
+    rows, raw = [], []
+    def log(msg):
+        rows.append(dict(msg))
+    tracker = LogWrapper(log, config=dict(batch_size=4), out_dir={out!r})
+    ga_steps, batch_size, log_interval = 2, 4, 2
+    g = torch.Generator().manual_seed(1)
+    for iter_num in range(4):
+        for micro_step in range(ga_steps):
+            X = torch.randint(0, 32, (batch_size, 8), generator=g)
+            logits, loss = model(X, X)
+            loss = loss / ga_steps
+            scaler.scale(loss).backward()
+        gns_tracker.step(batch_size=ga_steps * batch_size * 1)
+        zero_sqgradnorm_buffers(model)
+        scaler.unscale_(optimizer)
+        grad_norm = math.sqrt(sum(p.grad.norm().item() ** 2 for p in model.parameters()))
+        # stand-ins for the DDP hook's numbers: two "ranks" of one process
+        sq_norm_small_batch, sq_norm_large_batch = 2 * grad_norm ** 2, grad_norm ** 2
+        big_batch_size, small_batch_size = X.shape[0] * 2 * ga_steps, X.shape[0] * ga_steps
+        ddp_gns_stats.update(sq_norm_small_batch, sq_norm_large_batch, small_batch_size, big_batch_size)
+        raw.append((sq_norm_small_batch, sq_norm_large_batch))
+        ddp_gns_measurement = gnstracking.Measurement(sq_norm_large_batch ** 0.5, sq_norm_small_batch ** 0.5,
+                                                      big_batch_size, small_batch_size)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if iter_num % log_interval == 0:
+            lossf = loss.item() * ga_steps
+            tracker.log({{"dt": 0.5, "lr": 0.1, "grad_norm": grad_norm, "train/lossf": lossf}})
+            tracker.print(f"{{iter_num=}}: " + "{{train_lossf=:.4f}}, dt={{dt:.3f}}s")
+            tracker.log(ddp_gns_measurement.msg(prefix="ddp/"))
+            tracker.log(ddp_gns_stats.get_msg(prefix="ddp/"))
+        tracker.log({{
+            **accumulate_gns.get_msg(),
+        }})
+        if tracker.log_dict:
+            tracker.log({{"iter_num": iter_num, "tokens_processed": (iter_num + 1) * ga_steps * batch_size * 8}})
+        tracker.step()
+    tracker.close()
+    names = [n for n, _ in model.named_parameters()]
+    json.dump(dict(rows=rows, raw=raw, names=names), open({out!r} + "/script.json", "w"))
+''')
+
+
+@pytest.mark.slow
+def test_a_script_written_for_the_reference_runs_unchanged(tmp_path):
+    out = tmp_path / "out"
+    script = REFERENCE_STYLE_SCRIPT.format(root=REPO, out=str(out))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    printed = [line for line in p.stdout.splitlines() if line.startswith("iter_num=")]
+    assert [line.split(": ")[0] for line in printed] == ["iter_num=0", "iter_num=2"]
+    assert all("train/lossf=" in line and line.endswith("dt=0.500s") for line in printed)
+    df, _ = load_log(out)
+    assert df["step"].tolist() == df["iter_num"].tolist() == [0, 1, 2, 3]
+    ran = json.load(open(out / "script.json"))
+    # every parameter of the GPT (the tied wte/lm_head once), measured on every row, one batch size
+    names = ran["names"]
+    assert {c[len("train/gns/"):-len("/norm")] for c in df.columns if c.endswith("/norm") and
+            c.startswith("train/gns/")} == set(names)
+    for kind in ("norm", "pegn", "batch_size"):
+        assert df[[f"train/gns/{n}/{kind}" for n in names]].notna().all().all(), kind
+    assert (df[[f"train/gns/{n}/batch_size" for n in names]] == 8).all().all()
+    # the DDP columns on the logged iterations, smoothed with the reference's default beta 0.995
+    replay = ddpgns.GradientNoiseScale(beta=0.995)
+    for iter_num, (sq_small, sq_big) in enumerate(ran["raw"]):
+        replay.update(sq_small, sq_big, 8, 16)
+        row = df[df["iter_num"] == iter_num].iloc[0]
+        if iter_num % 2:
+            assert np.isnan(row["ddp/gns"])
+            continue
+        assert row["ddp/big_batch_norm"] == pytest.approx(sq_big ** 0.5, rel=1e-12)
+        assert row["ddp/small_batch_norm"] == pytest.approx(sq_small ** 0.5, rel=1e-12)
+        assert (row["ddp/big_batch_size"], row["ddp/small_batch_size"]) == (16, 8)
+        for key, value in replay.get_msg("ddp/").items():
+            assert row[key] == pytest.approx(value, rel=1e-12), key
+    # logf got the rows without a "step" key, as many as the CSV has
+    assert len(ran["rows"]) == 4 and all("step" not in r for r in ran["rows"])
+    assert [r["iter_num"] for r in ran["rows"]] == [0, 1, 2, 3]
