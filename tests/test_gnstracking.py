@@ -406,6 +406,10 @@ def test_measurements_keeps_what_the_reference_keeps():
     n = len(list(model.parameters()))
     assert len(tracker.measurements) == 2 * n and tracker.measurements[n:] == returned
     assert [m.metadata["step"] for m in tracker.measurements] == [0] * n + [1] * n
+    tracker = MeasurementTracker.from_model(model, callback=[])  # an empty list is no callback
+    train_step(model, [(x, y)])
+    assert tracker.step(batch_size=4) == tracker.measurements
+    model.zero_grad()
     # a callback that returns nothing (AccumulateMeasurements): nothing kept
     tracker = MeasurementTracker.from_model(model, callback=AccumulateMeasurements())
     train_step(model, [(x, y)])

@@ -65,6 +65,7 @@ def test_config_json_and_logf(tmp_path):
     rows = []
     config = {"batch_size": 12, "out_dir": str(tmp_path), "dtype": "float16", "betas": (0.9, 0.95)}
     log = LogWrapper(logf=rows.append, config=config, out_dir=tmp_path)
+    assert log.logf == rows.append and log.config is config and log.out_dir == tmp_path
     log.log({"iter_num": 0, "train/loss": 1.0})
     log.step()
     log.log({"iter_num": 1})
