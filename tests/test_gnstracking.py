@@ -117,6 +117,13 @@ def test_nan_buffer_and_bad_scale_are_overflows_too():
     model.transformer.ln_f._buffers["bias_sqgradnorm"].fill_(float("inf"))
     with pytest.raises(ValueError, match="counted 4 examples but batch_size=8"):
         tracker.step(batch_size=8)
+    # a GradScaler whose scale is no longer finite
+    model.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    tracker = MeasurementTracker.from_model(model, scaler=scaler)
+    train_step(model, [(x, y)], scaler=scaler)
+    scaler._scale.fill_(float("inf"))
+    assert all(m.big_batch_norm == math.inf for m in tracker.step(batch_size=4)) and tracker.skipped_steps == 1
 
 
 def test_an_overflow_row_keeps_one_batch_size_per_step_and_sums_to_inf(tmp_path):
