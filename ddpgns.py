@@ -14,14 +14,17 @@ In train.py (every rank runs all of it; see each docstring for the why):
     hook = DDPGradientStatsHook(model)            # right after model = DDP(...)
     ddp_gns = GradientNoiseScale()                # load_state_dict(ckpt['ddp_gns']) on resume
     ... micro-steps, the last one synchronises ...
-    sq_small, sq_big = hook.get_stats(loss_scale=scaler.get_scale())   # before scaler.update()
-    ddp_gns.update(sq_small, sq_big, n_small=B_rank, n_big=W * B_rank)
+    sq_small, sq_big = hook.get_sq_norms(loss_scale=scaler.get_scale())   # before scaler.update()
+    ddp_gns.update(sq_small, sq_big, B_rank, W * B_rank)
     log(ddp_gns_log(ddp_gns, sq_small, sq_big, B_rank, W * B_rank))   # master only
 """
 import math
 
 import torch
 import torch.distributed as dist
+
+from gnstracking import Measurement
+from reference_names import refused
 
 
 class DDPGradientStatsHook:
@@ -37,15 +40,15 @@ class DDPGradientStatsHook:
 
     Cost per optimizer step: two extra reads of the gradient (one norm kernel per bucket
     before the all-reduce, one after it), one all_reduce of a single float and one host sync
-    for two floats in get_stats(). Micro-steps that do not synchronise cost nothing.
+    for two floats in get_sq_norms(). Micro-steps that do not synchronise cost nothing.
 
     Under a float16 GradScaler the gradients the hook sees are s times the true ones; pass
-    loss_scale=s to get_stats(), which divides both squared norms by s^2.
+    loss_scale=s to get_sq_norms() (or get_stats()), which divides the squared norms by s^2.
     """
 
     def __init__(self, ddp_model):
         if not hasattr(ddp_model, "register_comm_hook"):
-            raise TypeError("DDPGradientStatsHook needs a DistributedDataParallel model")
+            raise ValueError("DDPGradientStatsHook needs a DistributedDataParallel model")
         self.process_group = ddp_model.process_group
         self.world_size = dist.get_world_size(self.process_group)
         # bucket index -> 0-dim tensor. One entry per bucket rather than one running tensor:
@@ -72,7 +75,7 @@ class DDPGradientStatsHook:
         return work.get_future().then(record_average)
 
     @torch.no_grad()
-    def get_stats(self, loss_scale=1.0):
+    def get_sq_norms(self, loss_scale=1.0):
         """
         (sq_small, sq_big) as Python floats: the mean over ranks of ||local gradient||^2
         (each rank's gradient over its own examples) and ||averaged gradient||^2, both summed
@@ -83,7 +86,7 @@ class DDPGradientStatsHook:
         relative to scaler.unscale_() or clipping does not matter.
         """
         if not self.local_sq or len(self.averaged_sq) != len(self.local_sq):
-            raise RuntimeError("DDPGradientStatsHook.get_stats: no synchronised backward since the last call")
+            raise RuntimeError("DDPGradientStatsHook: no synchronised backward since the last get_sq_norms()/get_stats()")
         local = sum(self.local_sq.values())  # a few adds on the device, one per bucket
         averaged = sum(self.averaged_sq.values())
         dist.all_reduce(local, group=self.process_group)  # SUM; /W below gives the mean
@@ -94,6 +97,15 @@ class DDPGradientStatsHook:
         self.averaged_sq.clear()
         return sq_small / loss_scale ** 2, sq_big / loss_scale ** 2
 
+    def get_stats(self, loss_scale=1.0):
+        """sq_small alone, as one float (the reference implementation's return value): see get_sq_norms()."""
+        return self.get_sq_norms(loss_scale)[0]
+
+    # the reference implementation's per-bucket list, not kept here
+    bucket_sq_norms_small_batch = refused("DDPGradientStatsHook.bucket_sq_norms_small_batch",
+                                          "use get_stats() for their mean over ranks, or get_sq_norms() for "
+                                          "(sq_small, sq_big)")
+
 
 class GradientNoiseScale:
     """
@@ -102,16 +114,21 @@ class GradientNoiseScale:
     moving average of each unbiased estimate, debiased for its start at zero like Adam's,
     and the GNS is the ratio of the two averages (never an average of ratios, which is biased).
 
+    ema_sq_norm, ema_var: the EMAs of the |G|^2 and tr(Sigma) estimates, biased towards their
+    start at 0; beta_cumprod: beta^updates, so the debiasing factor is 1 - beta_cumprod;
+    gradient_noise_scale: the GNS after the last update (NaN before the first).
     Both averages may dip below zero from noise early on; get_stats() reports them as they are,
-    get_gns() clamps each to eps first, so a GNS of ~0 or ~1/eps flags an average that did.
+    the GNS clamps each (biased) average to eps first, so a GNS of ~0 or ~1/eps flags an
+    average that did. (The debiasing factor cancels in the ratio.)
     """
 
-    def __init__(self, beta=0.9998, eps=1e-8):
+    def __init__(self, beta=0.995, eps=1e-8):
         self.beta = beta
         self.eps = eps
-        self.ema_gtg = 0.0  # EMA of the |G|^2 estimates, biased towards its start at 0
-        self.ema_trsigma = 0.0  # EMA of the tr(Sigma) estimates, likewise
-        self.beta_cumprod = 1.0  # beta^updates: the debiasing factor is 1 - beta_cumprod
+        self.ema_sq_norm = 0.0
+        self.ema_var = 0.0
+        self.beta_cumprod = 1.0
+        self.gradient_noise_scale = float('nan')
 
     def update(self, sq_small, sq_big, n_small, n_big):
         """
@@ -122,45 +139,53 @@ class GradientNoiseScale:
         if not 0 < n_small < n_big:
             raise ValueError(f"GradientNoiseScale needs 0 < n_small < n_big, got {n_small} and {n_big}")
         if not (math.isfinite(sq_small) and math.isfinite(sq_big)):
-            return self.get_gns()
+            return self.gradient_noise_scale
         # E|G_n|^2 = |G|^2 + tr(Sigma)/n at n = n_small and n = n_big, solved for both unknowns
-        gtg = (n_big * sq_big - n_small * sq_small) / (n_big - n_small)
-        trsigma = (sq_small - sq_big) / (1 / n_small - 1 / n_big)
-        self.ema_gtg = self.beta * self.ema_gtg + (1 - self.beta) * gtg
-        self.ema_trsigma = self.beta * self.ema_trsigma + (1 - self.beta) * trsigma
+        sq_norm = (n_big * sq_big - n_small * sq_small) / (n_big - n_small)
+        var = (sq_small - sq_big) / (1 / n_small - 1 / n_big)
+        self.ema_sq_norm = self.beta * self.ema_sq_norm + (1 - self.beta) * sq_norm
+        self.ema_var = self.beta * self.ema_var + (1 - self.beta) * var
         self.beta_cumprod *= self.beta
-        return self.get_gns()
+        self.gradient_noise_scale = self._ratio()
+        return self.gradient_noise_scale
+
+    def _ratio(self):
+        return max(self.ema_var, self.eps) / max(self.ema_sq_norm, self.eps)
 
     def get_stats(self):
         """(|G|^2, tr(Sigma)): the debiased EMAs; NaN before the first update."""
         if self.beta_cumprod == 1.0:
             return float('nan'), float('nan')
         debias = 1 - self.beta_cumprod
-        return self.ema_gtg / debias, self.ema_trsigma / debias
+        return self.ema_sq_norm / debias, self.ema_var / debias
 
     def get_gns(self):
         """EMA(tr(Sigma)) / EMA(|G|^2), each clamped to eps; NaN before the first update."""
-        gtg, trsigma = self.get_stats()
-        if math.isnan(gtg):
-            return float('nan')
-        return max(trsigma, self.eps) / max(gtg, self.eps)
+        return self.gradient_noise_scale
 
     def get_msg(self, prefix=''):
-        """A short status line, e.g. for the console."""
+        """{prefix}gtg, {prefix}trsigma (the debiased EMAs) and {prefix}gns, for a logger row."""
         gtg, trsigma = self.get_stats()
-        return f"{prefix}gns {self.get_gns():.4g}, |G|^2 {gtg:.4g}, tr(Sigma) {trsigma:.4g}"
+        return {f'{prefix}gtg': gtg, f'{prefix}trsigma': trsigma, f'{prefix}gns': self.get_gns()}
 
     def state_dict(self):
-        return dict(beta=self.beta, eps=self.eps, ema_gtg=self.ema_gtg,
-                    ema_trsigma=self.ema_trsigma, beta_cumprod=self.beta_cumprod)
+        return dict(beta=self.beta, eps=self.eps, ema_sq_norm=self.ema_sq_norm, ema_var=self.ema_var,
+                    beta_cumprod=self.beta_cumprod, gradient_noise_scale=self.gradient_noise_scale)
 
     def load_state_dict(self, state):
+        """Loads state_dict()'s dict, or that of this fork's older checkpoints (ema_gtg, ema_trsigma)."""
+        state = dict(state)
+        for old, new in (('ema_gtg', 'ema_sq_norm'), ('ema_trsigma', 'ema_var')):
+            if old in state:
+                state[new] = state.pop(old)
+        unknown = set(state) - set(self.state_dict())
+        if unknown:
+            raise ValueError(f"GradientNoiseScale.load_state_dict: unknown keys {sorted(unknown)}")
         # beta comes back too: beta_cumprod only debiases the EMAs for the beta that made them
-        self.beta = state['beta']
-        self.eps = state['eps']
-        self.ema_gtg = state['ema_gtg']
-        self.ema_trsigma = state['ema_trsigma']
-        self.beta_cumprod = state['beta_cumprod']
+        for key, value in state.items():
+            setattr(self, key, value)
+        if 'gradient_noise_scale' not in state:  # older checkpoints did not store it
+            self.gradient_noise_scale = float('nan') if self.beta_cumprod == 1.0 else self._ratio()
 
 
 def ddp_gns_log(gns, sq_small, sq_big, n_small, n_big):
@@ -169,16 +194,8 @@ def ddp_gns_log(gns, sq_small, sq_big, n_small, n_big):
     per-step norms and batch sizes (so the EMA can be re-chosen offline) and the smoothed
     |G|^2, tr(Sigma) and GNS of `gns`, a GradientNoiseScale already updated with this step.
     """
-    gtg, trsigma = gns.get_stats()
-    return {
-        'ddp/big_batch_norm': math.sqrt(sq_big),
-        'ddp/small_batch_norm': math.sqrt(sq_small),
-        'ddp/big_batch_size': n_big,
-        'ddp/small_batch_size': n_small,
-        'ddp/gtg': gtg,
-        'ddp/trsigma': trsigma,
-        'ddp/gns': gns.get_gns(),
-    }
+    raw = Measurement(math.sqrt(sq_big), math.sqrt(sq_small), n_big, n_small)
+    return {**raw.msg(prefix='ddp/'), **gns.get_msg(prefix='ddp/')}
 
 
 @torch.no_grad()

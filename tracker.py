@@ -1,5 +1,6 @@
 """
-Logging for the training loop: a CSV that survives a crash, optional wandb, and a compact print.
+Logging for the training loop: a CSV that survives a crash or a full disk, optional wandb, and a
+compact print.
 
     logger = LogWrapper(config=config, out_dir=out_dir, resume_step=iter_num if resuming else None)
     ...  # every iteration:
@@ -13,25 +14,64 @@ out_dir/log.csv: one row per step() that had something logged, first column `ste
 of step() calls before it, plus resume_step), then the keys in order of first appearance, with
 empty cells where a key was not logged that step. Nothing reaches the file before step().
 
-Crash safety: every step() flushes and fsyncs its row, so all completed steps are on disk even
-after a SIGKILL; a kill in the middle of a write leaves at most a last line without its newline,
-which csv_tools drops. When a new key appears the whole file is rewritten with the longer header
-into log.csv.tmp, fsynced, and swapped in with os.replace, so log.csv is always either the old
-or the new complete file.
+Crash safety: every row is appended with a single os.write of the whole line (a buffered writer
+may split a long row over several) and fsynced before step() returns, so all completed steps
+are on disk after a SIGKILL, and a kill mid-write can at most leave a last line without its
+newline, which readers (csv_tools) and a resume drop. When a new key appears the whole file is
+rewritten with the longer header into log.csv.tmp, fsynced and swapped in with os.replace, so
+log.csv is always either the old or the new complete file.
 
-Resume: LogWrapper(..., resume_step=k) keeps the rows of steps before k, drops the rows at or
-after k (written before the crash, they are about to be redone), and numbers the next step() k.
-Without resume_step a new run starts a new log.csv (an old one is replaced at the first step()).
+A write that fails (a full disk, ...) raises LogWriteError, one line naming the file, and
+leaves the file as it was: a failed append is cut back to the previous complete row, a failed
+rewrite removes its .tmp. log.csv, log.csv.rejected and config.json are all written this way.
+
+Resume: LogWrapper(..., resume_step=k) keeps the rows of steps before k and cuts the file in
+place before the first row of a step at or after k (written before the crash, they are about to
+be redone: no second copy of the file is needed), then numbers the next step() k. It checks what
+it keeps: a malformed row (more cells than the header, text that is not CSV, a step that is not
+an integer or not greater than the one before) is moved to log.csv.rejected, and missing steps
+(a gap, or a log that ends before k) are reported, each with a warning of one line. A file that
+is not such a log at all (no `step` first column, binary, not UTF-8) raises NotALogError.
+Rows shorter than the header are kept (logs whose header grew, as the reference implementation
+writes them; readers pad them). Without resume_step a new run starts a new log.csv (an old one
+is replaced at the first step()).
 
 out_dir/config.json holds the run's configuration (rewritten by a resumed run).
 """
 import csv
+import errno
+import io
 import json
 import os
+import re
 import string
 import warnings
 
-from csv_tools import LOG_NAME, read_rows
+from reference_names import refuse_module_names, refused
+
+LOG_NAME = "log.csv"
+REJECTED_SUFFIX = ".rejected"  # malformed rows a resume took out of log.csv, appended to log.csv.rejected
+MAX_REPORTED = 5  # problems a resume reports one line each; the rest as a count
+
+
+class LogWriteError(OSError):
+    """A write of log.csv, log.csv.rejected or config.json failed; str() is one line naming the file,
+    and the file is as it was before the write. errno and filename are the failed call's."""
+
+    def __str__(self):
+        return self.strerror
+
+
+class NotALogError(ValueError):
+    """out_dir/log.csv is not a log to resume (no `step` first column, binary, not UTF-8); it is left alone."""
+
+
+def _write_failed(path, error, what):
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = "the disk is full"
+    else:
+        reason = error.strerror or str(error)
+    return LogWriteError(error.errno, f"{path}: {what} failed, {reason}; the file is left as it was", path)
 
 
 def _fsync_dir(path):
@@ -48,15 +88,105 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _write_atomically(path, write):
-    """Write a file through path.tmp + fsync + os.replace, so readers never see half of it."""
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _write_all(fd, data):
+    # A regular file takes the whole buffer in one write unless it runs out of room; then the
+    # next write reports why (ENOSPC, EDQUOT, EFBIG).
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _replace_file(path, write, what):
+    """Write path through path.tmp + fsync + os.replace, so readers see the old file or the new one, whole."""
     tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if isinstance(e, OSError):
+            raise _write_failed(path, e, what) from None
+        raise
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _append_file(fd, size, data, path, what):
+    """Append data to fd (O_APPEND, holding `size` bytes) and fsync; on failure cut it back to `size`."""
+    try:
+        _write_all(fd, data)
+        os.fsync(fd)
+    except OSError as e:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            pass
+        raise _write_failed(path, e, what) from None
+    return size + len(data)
+
+
+def _append_to_path(path, data, what):
+    """Append data to the file at path (created if need be); returns its size before."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise _write_failed(path, e, what) from None
+    try:
+        size = os.fstat(fd).st_size
+        _append_file(fd, size, data, path, what)
+    finally:
+        os.close(fd)
+    return size
+
+
+def _csv_line(cells):
+    out = io.StringIO()
+    csv.writer(out).writerow(cells)  # csv's "\r\n" line ends, like every log so far
+    return out.getvalue().encode("utf-8")
+
+
+def _records(f, line_number=2):
+    """
+    (line number, byte offset, raw bytes, complete) of each CSV record of the binary file f from
+    its position on (after the header: line 2); a record spans lines while its quotes are
+    unbalanced. The last one is not complete when it lacks its newline (a write cut short) or
+    never closes its quotes.
+    """
+    offset = f.tell()
+    record, lines = b"", 0
+    for line in f:
+        record += line
+        lines += 1
+        if line.endswith(b"\n") and record.count(b'"') % 2 == 0:
+            yield line_number, offset, record, True
+            line_number, offset = line_number + lines, offset + len(record)
+            record, lines = b"", 0
+    if record:
+        yield line_number, offset, record, False
+
+
+def _cells(raw):
+    """The cells of one raw record, or None if it is not UTF-8 CSV text (a NUL byte is binary)."""
+    if b"\x00" in raw:
+        return None
+    try:
+        rows = list(csv.reader(io.StringIO(raw.decode("utf-8"), newline="")))
+    except (UnicodeDecodeError, csv.Error):
+        return None
+    return rows[0] if len(rows) == 1 else None
+
+
+def _steps(first, last):
+    return f"step {first} is" if first == last else f"steps {first} to {last} are"
 
 
 def _plain(value):
@@ -67,32 +197,41 @@ def _plain(value):
 
 class LogWrapper:
     """
-    logf: optional callable that also receives every row as a dict ({"step": step, **values}).
+    logf: optional callable that also receives every row as a dict of the values logged that
+        step (no "step" key), keys containing no_sync_keyword ("no_sync") left out.
     config: dict written to out_dir/config.json and given to wandb.
     out_dir: where log.csv and config.json go; None logs nowhere on disk.
     resume_step: the iteration a resumed run restarts from (see the module docstring).
     wandb_log, wandb_project, wandb_run_name: also log to wandb (imported only when asked for;
-        honours WANDB_MODE, WANDB_DIR etc.).
+        honours WANDB_MODE, WANDB_DIR etc.), with the same filter as logf.
+
+    log_dict: the values logged since the last step(); ordered_keys: every key logged so far (and
+    the columns of a resumed log), in order of first appearance; step_count: the next row's step.
     """
 
     def __init__(self, logf=None, config=None, out_dir=None, resume_step=None,
                  wandb_log=False, wandb_project="nanogns", wandb_run_name=None):
         self.logf = logf
+        self.config = config
+        self.out_dir = out_dir
+        self.no_sync_keyword = "no_sync"
         self.step_count = 0 if resume_step is None else int(resume_step)
-        self.pending = {}   # this step's values, written by step()
+        self.log_dict = {}  # this step's values, written by step()
         self.latest = {}    # the most recent value of every key ever logged, for print()
-        self.columns = []   # CSV columns after `step`, in order of first appearance
+        self.ordered_keys = []
         self._known = set()
-        self._owns_file = False  # log.csv holds this run's rows (or the kept rows of a resumed one)
         self.path = None
-        self._file = self._writer = None
+        self._owns_file = False  # log.csv holds this run's rows (or the kept rows of a resumed one)
+        self._fd = None          # log.csv opened O_APPEND once it is ours
+        self._size = 0           # bytes of complete rows in log.csv: a failed append is cut back to it
+        self._header_keys = 0    # columns after `step` in log.csv's header
         self._missing_warned = set()
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
             self.path = os.path.join(out_dir, LOG_NAME)
             if config is not None:
-                _write_atomically(os.path.join(out_dir, "config.json"),
-                                  lambda f: json.dump(dict(config), f, indent=2, default=str))
+                text = json.dumps(dict(config), indent=2, default=str).encode("utf-8")
+                _replace_file(os.path.join(out_dir, "config.json"), lambda f: f.write(text), "writing the configuration")
             if resume_step is not None and os.path.isfile(self.path):
                 self._resume(self.step_count)
         self.wandb_run = None
@@ -109,30 +248,37 @@ class LogWrapper:
             if key == "step":
                 raise ValueError("'step' is the CSV's own first column; log the iteration as e.g. 'iter_num'")
             value = _plain(value)
-            self.pending[key] = value
+            self.log_dict[key] = value
             self.latest[key] = value
+            if key not in self._known:
+                self._known.add(key)
+                self.ordered_keys.append(key)
 
     def step(self):
-        """Write this step's row (if anything was logged) to the CSV, logf and wandb; next step."""
-        step, self.step_count = self.step_count, self.step_count + 1
-        if not self.pending:
-            return
-        row, self.pending = self.pending, {}
-        if self.path is not None:
-            self._write_row(step, row)  # the file first: it is what must survive a crash
-        if self.logf is not None:
-            self.logf({"step": step, **row})
-        if self.wandb_run is not None:
-            self.wandb_run.log(row, step=step)
+        """
+        Write this step's row (if anything was logged) to the CSV, logf and wandb; next step. If
+        the CSV write raises (LogWriteError), the row stays in log_dict and the step number is
+        not used up, so step() may be called again once there is room.
+        """
+        step = self.step_count
+        if self.log_dict:
+            row = dict(self.log_dict)
+            if self.path is not None:
+                self._write_row(step, row)  # the file first: it is what must survive a crash
+            self.log_dict.clear()
+            synced = {k: v for k, v in row.items() if self.no_sync_keyword not in k}
+            if self.logf is not None:
+                self.logf(synced)
+            if self.wandb_run is not None:
+                self.wandb_run.log(synced, step=step)
+        self.step_count = step + 1
 
     def close(self):
         """Close the CSV and finish the wandb run. Values logged after the last step() are not written."""
-        if self.pending:
-            warnings.warn(f"LogWrapper.close(): {len(self.pending)} value(s) logged after the last step() were not written")
-            self.pending = {}
-        if self._file is not None:
-            self._file.close()
-            self._file = self._writer = None
+        if self.log_dict:
+            warnings.warn(f"LogWrapper.close(): {len(self.log_dict)} value(s) logged after the last step() were not written")
+            self.log_dict.clear()
+        self._close_file()
         if self.wandb_run is not None:
             self.wandb_run.finish()
             self.wandb_run = None
@@ -146,65 +292,153 @@ class LogWrapper:
     # -- the CSV --------------------------------------------------------------------------------
 
     def _write_row(self, step, row):
-        new_keys = [k for k in row if k not in self._known]
-        self.columns += new_keys
-        self._known.update(new_keys)
-        cells = [step] + [row.get(k, "") for k in self.columns]
-        if new_keys or self._file is None:
-            self._rewrite(self._rows_on_disk(), [cells])
-        else:
-            self._writer.writerow(cells)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        line = _csv_line([step] + [row.get(k, "") for k in self.ordered_keys])
+        if not self._owns_file or len(self.ordered_keys) > self._header_keys:
+            self._rewrite(line)
+            return
+        if self._fd is None:  # after close()
+            self._open_for_append()
+        self._size = _append_file(self._fd, self._size, line, self.path, f"appending the row of step {step}")
 
-    def _rows_on_disk(self):
-        """The rows this run owns in log.csv (none before its first write, the old file is not ours)."""
-        if self._file is not None:
-            self._file.close()
-            self._file = self._writer = None
-        if not self._owns_file:
-            return iter(())
-        _, rows = read_rows(self.path)
-        return rows
+    def _open_for_append(self):
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as e:
+            raise _write_failed(self.path, e, "opening it to append rows") from None
+        self._size = os.fstat(self._fd).st_size
 
-    def _rewrite(self, old_rows, new_rows):
-        """Replace log.csv by the current header, old_rows padded to it, then new_rows."""
-        width = 1 + len(self.columns)
+    def _close_file(self):
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def _rewrite(self, line):
+        """Replace log.csv by the current header, this run's rows so far padded to it, then line."""
+        width = 1 + len(self.ordered_keys)
+        self._close_file()
 
         def write(f):
-            writer = csv.writer(f)
-            writer.writerow(["step"] + self.columns)
-            for r in old_rows:
-                writer.writerow(r + [""] * (width - len(r)))
-            writer.writerows(new_rows)
+            f.write(_csv_line(["step"] + self.ordered_keys))
+            if self._owns_file:
+                with open(self.path, "rb") as old:
+                    old.readline()  # the old header
+                    for _, _, raw, complete in _records(old):
+                        if not complete:
+                            continue  # the rest of an append that failed and could not be cut back
+                        cells = _cells(raw)
+                        missing = width - len(cells) if cells is not None else 0
+                        body = raw.rstrip(b"\r\n")
+                        f.write(body + b"," * max(missing, 0) + raw[len(body):])
+            f.write(line)
 
-        _write_atomically(self.path, write)
+        _replace_file(self.path, write, "rewriting it with a new column")
         self._owns_file = True
-        self._file = open(self.path, "a", newline="")
-        self._writer = csv.writer(self._file)
+        self._header_keys = len(self.ordered_keys)
+        self._open_for_append()
 
     def _resume(self, resume_step):
-        header, rows = read_rows(self.path)
-        if header is None:
-            return  # an empty file: start afresh
-        if header[0] != "step":
-            raise ValueError(f"{self.path}: the first column is {header[0]!r}, not 'step'; not a log to resume")
-        self.columns = header[1:]
-        self._known = set(self.columns)
+        """Keep the valid rows of steps before resume_step (see the module docstring)."""
+        with open(self.path, "rb") as f:
+            header_line = f.readline()
+            if not header_line:
+                return  # an empty file: start afresh
+            header = _cells(header_line) if header_line.endswith(b"\n") else None
+            if not header or header[0] != "step":
+                found = (f"the first column is {header[0]!r}, not 'step'" if header else
+                         "the first line is not a CSV header (binary, or not UTF-8 text)")
+                raise NotALogError(f"{self.path}: {found}: not a log this program wrote; "
+                                   f"move it away or use another out_dir")
+            problems = []  # one line each
+            rejected = {}  # byte offset -> raw row, to move to log.csv.rejected
+            previous = None  # the step of the last row kept
+            cut = None  # where the kept rows end: the first row at or after resume_step, or a torn last row
+            for line_number, offset, raw, complete in _records(f):
+                where = f"{self.path} line {line_number}"
+                moved = f"moved to {LOG_NAME}{REJECTED_SUFFIX}"
+                if not complete:  # a write cut short: a row to be redone, or one lost
+                    cut = offset
+                    first = raw.split(b",", 1)[0]
+                    if not (first.isdigit() and int(first) >= resume_step):
+                        problems.append(f"{where}: a row cut short by a kill or a full disk; {moved}")
+                        rejected[offset] = raw + b"\r\n"
+                    break
+                cells = _cells(raw)
+                step = int(cells[0]) if cells and re.fullmatch(r"-?[0-9]+", cells[0]) else None
+                if cells is None:
+                    problem = "not UTF-8 CSV text"
+                elif len(cells) > len(header):
+                    problem = f"{len(cells)} cells for {len(header)} columns"
+                elif step is None:
+                    problem = f"the step {cells[0][:20]!r} is not an integer" if cells else "an empty line"
+                elif step >= resume_step:
+                    cut = offset
+                    break
+                elif previous is not None and step <= previous:
+                    problem = f"step {step} after step {previous}"
+                else:
+                    if previous is not None and step > previous + 1:
+                        problems.append(f"{where}: {_steps(previous + 1, step - 1)} missing")
+                    previous = step
+                    continue
+                problems.append(f"{where}: {problem}; {moved}")
+                rejected[offset] = raw
+            if cut is None:
+                cut = f.tell()
+        if previous is not None and previous < resume_step - 1:
+            problems.append(f"{self.path}: {_steps(previous + 1, resume_step - 1)} missing "
+                            f"(the log ends before step {resume_step}, where the run resumes)")
+        for problem in problems[:MAX_REPORTED]:
+            warnings.warn(problem, stacklevel=3)
+        if len(problems) > MAX_REPORTED:
+            warnings.warn(f"{self.path}: {len(problems) - MAX_REPORTED} more problems like these", stacklevel=3)
+        self._keep(header_line, cut, rejected, resume_step)
+        self.ordered_keys = header[1:]
+        self._known = set(self.ordered_keys)
+        self._header_keys = len(self.ordered_keys)
 
-        def kept():
-            for r in rows:
+    def _keep(self, header_line, cut, rejected, resume_step):
+        """Cut log.csv at byte `cut`, moving the rows in `rejected` to log.csv.rejected; leaves it open for appends."""
+        rejected_path = self.path + REJECTED_SUFFIX
+        if rejected:
+            rejected_size = _append_to_path(rejected_path, b"".join(rejected.values()),
+                                            f"saving the malformed rows of {self.path}")
+        try:
+            if all(offset >= cut for offset in rejected):
+                # the usual case: nothing to take out before the cut, so no second copy of the file
+                self._open_for_append()
+                if self._size > cut:
+                    try:
+                        os.ftruncate(self._fd, cut)
+                        os.fsync(self._fd)
+                    except OSError as e:
+                        self._close_file()
+                        raise _write_failed(self.path, e, f"cutting it before step {resume_step} to resume") from None
+                    self._size = cut
+            else:
+                def write(out):
+                    out.write(header_line)
+                    with open(self.path, "rb") as f:
+                        f.readline()
+                        for _, offset, raw, _ in _records(f):
+                            if offset >= cut:
+                                break
+                            if offset not in rejected:
+                                out.write(raw)
+
+                _replace_file(self.path, write, "taking its malformed rows out")
+                self._open_for_append()
+        except LogWriteError:
+            if rejected:  # log.csv still has them: do not save them twice
                 try:
-                    step = int(r[0])
-                except (ValueError, IndexError):
-                    raise ValueError(f"{self.path}: a row's step is {r[:1]!r}, not an integer; cannot resume") from None
-                if step < resume_step:
-                    yield r
-        self._rewrite(kept(), [])
+                    os.truncate(rejected_path, rejected_size)
+                except OSError:
+                    pass
+            raise
+        self._owns_file = True
 
     # -- printing -------------------------------------------------------------------------------
 
-    def print(self, fmt, prefix=""):
+    def print(self, fmt, prefix=None):
         """
         Print (and return) fmt filled from the most recent logged values. "{name}" and
         "{name:spec}" give the value, "{name=}" and "{name=:spec}" give "key=value", like an
@@ -217,7 +451,8 @@ class LogWrapper:
         print(text)
         return text
 
-    def format(self, fmt, prefix=""):
+    def format(self, fmt, prefix=None):
+        prefix = prefix or ""
         out = []
         for literal, field, spec, conversion in string.Formatter().parse(fmt):
             out.append(literal)
@@ -246,3 +481,39 @@ class LogWrapper:
         if len(matches) > 1:
             raise ValueError(f"LogWrapper.print: {name!r} matches several logged keys {matches}; write the key exactly")
         return matches[0] if matches else None
+
+    # The reference implementation's CSV machinery (a header file and a data file, joined into
+    # log.csv at exit), not kept: here step() writes log.csv itself, complete after every step.
+    _ONE_FILE = "log.csv is written directly by step(); its path is .path"
+    setup_csv_writer = refused("LogWrapper.setup_csv_writer", "nothing to set up: the first step() writes log.csv")
+    write_config = refused("LogWrapper.write_config", "pass config= to LogWrapper(config=..., out_dir=...), "
+                                                      "which writes out_dir/config.json")
+    update_header = refused("LogWrapper.update_header", "step() rewrites log.csv's header when a new key appears")
+    finalize_csv = refused("LogWrapper.finalize_csv", "nothing to finalize: log.csv is complete after every "
+                                                      "step(); call close() at the end")
+    csv_writer = refused("LogWrapper.csv_writer", _ONE_FILE)
+    csv_data_file = refused("LogWrapper.csv_data_file", _ONE_FILE)
+    csv_header_file = refused("LogWrapper.csv_header_file", _ONE_FILE)
+    csv_data_path = refused("LogWrapper.csv_data_path", _ONE_FILE)
+    csv_header_path = refused("LogWrapper.csv_header_path", _ONE_FILE)
+    header_updated = refused("LogWrapper.header_updated", "step() rewrites the header as soon as a new key "
+                                                          "appears; .ordered_keys are the columns after 'step'")
+    is_finalized = refused("LogWrapper.is_finalized", "log.csv is complete after every step()")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference implementation's names (exact/tracker.py)
+
+def transform_format_string(s):
+    """
+    '{x=}' -> 'x={x}' and '{x=:.2f}' -> 'x={x:.2f}': f-string '=' fields made fit for str.format.
+    (LogWrapper.print understands them itself, and '_' for '/' in names.)
+    """
+    def expand(match):
+        name, spec = match.group(1), match.group(2) or ""
+        return name + "={" + name + spec + "}"
+    return re.sub(r"\{(\w+)=(:[^{}]*)?\}", expand, s)
+
+
+__getattr__ = refuse_module_names(__name__, {"exists": "write `x is not None`"})
+

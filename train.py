@@ -583,7 +583,7 @@ while eval_only or not finished(tokens_processed, iter_num):
     examples_this_step = gradient_accumulation_steps * batch_size * ddp_world_size
     if ddp_gns is not None:  # every rank: one collective
         n_small = gradient_accumulation_steps * batch_size
-        sq_small, sq_big = ddp_gns_hook.get_stats(loss_scale=scaler.get_scale())
+        sq_small, sq_big = ddp_gns_hook.get_sq_norms(loss_scale=scaler.get_scale())
         ddp_gns.update(sq_small, sq_big, n_small, examples_this_step)
     if gns_tracker is not None:
         if ddp:  # per-example sums over the global batch, not one rank's

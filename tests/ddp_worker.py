@@ -53,7 +53,12 @@ def hook_vs_brute_force(rank, world, dtype):
             if micro_step == 0:
                 buckets_after_no_sync = len(hook.local_sq)  # the hook must not have fired yet
         n_buckets = len(hook.local_sq)
-        sq_small, sq_big = hook.get_stats(loss_scale=scale)
+        recorded = dict(hook.local_sq), dict(hook.averaged_sq)
+        sq_small, sq_big = hook.get_sq_norms(loss_scale=scale)
+        # the same step again through get_stats(), the reference's one-float form
+        hook.local_sq.update(recorded[0])
+        hook.averaged_sq.update(recorded[1])
+        stats = hook.get_stats(loss_scale=scale)
         try:  # a second call in the same step has nothing new to report
             hook.get_stats()
             second_call_raises = False
@@ -70,7 +75,7 @@ def hook_vs_brute_force(rank, world, dtype):
         steps.append(dict(
             n_buckets=n_buckets, buckets_after_no_sync=buckets_after_no_sync,
             second_call_raises=second_call_raises,
-            sq_small=sq_small, sq_big=sq_big,
+            sq_small=sq_small, sq_big=sq_big, stats=stats, stats_type=type(stats).__name__,
             local_sq=sq_norm(local_grads) / scale ** 2,
             averaged_sq=sq_norm(averaged) / scale ** 2,
             hooked_grad_sq=sq_norm(hooked_grads) / scale ** 2,
@@ -133,7 +138,7 @@ def known_noise_scale(rank, world, steps=400, batch=8, dim=4, noise=1.0):
         y = x @ w_star.T + noise * torch.randn(batch, 1, generator=g, dtype=torch.float64)
         loss = 0.5 * (model(x) - y).pow(2).mean()
         loss.backward()
-        sq_small, sq_big = hook.get_stats()
+        sq_small, sq_big = hook.get_sq_norms()
         gns.update(sq_small, sq_big, batch, world * batch)
         raw.append((sq_small, sq_big))
         model.zero_grad(set_to_none=True)

@@ -11,6 +11,7 @@ import torch
 
 from conftest import REPO
 from ddpgns import DDPGradientStatsHook, GradientNoiseScale, ddp_gns_log
+from reference_names import ReferenceNameError
 
 WORLD = 2
 
@@ -70,7 +71,9 @@ def test_negative_emas_are_reported_raw_but_clamped_in_the_gns():
     gns.update(1.0, 2.0, 1, 2)
     gtg, trsigma = gns.get_stats()
     assert trsigma < 0 < gtg
-    assert gns.get_gns() == pytest.approx(1e-3 / gtg)
+    # as in the reference: the clamp applies to the EMAs before debiasing (0.1 * the debiased here)
+    assert gns.ema_sq_norm == pytest.approx(0.1 * gtg) and gns.ema_var == pytest.approx(0.1 * trsigma)
+    assert gns.get_gns() == gns.gradient_noise_scale == pytest.approx(1e-3 / (0.1 * gtg))
 
 
 def test_state_dict_round_trip_through_a_checkpoint_continues_identically(tmp_path):
@@ -89,8 +92,11 @@ def test_state_dict_round_trip_through_a_checkpoint_continues_identically(tmp_pa
 def test_msg_and_log_dict():
     gns = GradientNoiseScale()
     gns.update(*sq_norms_for(2.0, 30.0, 4, 32), 4, 32)
-    msg = gns.get_msg('ddp ')
-    assert msg.startswith('ddp gns 15') and '|G|^2 2' in msg and 'tr(Sigma) 30' in msg
+    msg = gns.get_msg('ddp/')
+    assert msg == {'ddp/gtg': pytest.approx(2.0), 'ddp/trsigma': pytest.approx(30.0), 'ddp/gns': pytest.approx(15.0)}
+    assert list(msg) == ['ddp/gtg', 'ddp/trsigma', 'ddp/gns'] and list(gns.get_msg()) == ['gtg', 'trsigma', 'gns']
+    # before any update: NaN where the reference would divide by zero
+    assert all(math.isnan(v) for v in GradientNoiseScale().get_msg().values())
     sq_small, sq_big = sq_norms_for(2.0, 30.0, 4, 32)
     log = ddp_gns_log(gns, sq_small, sq_big, 4, 32)
     assert list(log) == ['ddp/big_batch_norm', 'ddp/small_batch_norm', 'ddp/big_batch_size',
@@ -101,9 +107,54 @@ def test_msg_and_log_dict():
     assert (log['ddp/gtg'], log['ddp/trsigma'], log['ddp/gns']) == (*gns.get_stats(), gns.get_gns())
 
 
+def test_reference_defaults_attributes_and_state_dict():
+    gns = GradientNoiseScale()
+    assert (gns.beta, gns.eps) == (0.995, 1e-8)
+    assert (gns.ema_sq_norm, gns.ema_var, gns.beta_cumprod) == (0.0, 0.0, 1.0)
+    assert math.isnan(gns.gradient_noise_scale) and math.isnan(gns.get_gns())
+    steps = [(2.0, 30.0), (3.0, 20.0)]
+    for gtg, trsigma in steps:
+        returned = gns.update(*sq_norms_for(gtg, trsigma, 4, 32), 4, 32)
+    # the EMAs as the reference keeps them: not debiased
+    assert gns.ema_sq_norm == pytest.approx(0.995 * 0.005 * 2.0 + 0.005 * 3.0, rel=1e-12)
+    assert gns.ema_var == pytest.approx(0.995 * 0.005 * 30.0 + 0.005 * 20.0, rel=1e-12)
+    assert gns.beta_cumprod == pytest.approx(0.995 ** 2, rel=1e-15)
+    assert returned == gns.gradient_noise_scale == gns.get_gns() == pytest.approx(gns.ema_var / gns.ema_sq_norm)
+    state = gns.state_dict()
+    assert state == dict(beta=0.995, eps=1e-8, ema_sq_norm=gns.ema_sq_norm, ema_var=gns.ema_var,
+                         beta_cumprod=gns.beta_cumprod, gradient_noise_scale=gns.gradient_noise_scale)
+
+
+def test_load_state_dict_takes_this_forks_older_checkpoints_and_the_reference_dict():
+    a = GradientNoiseScale(beta=0.99)
+    for i in range(3):
+        a.update(*sq_norms_for(1.0 + i, 10.0 - i, 4, 16), 4, 16)
+    older = dict(beta=0.99, eps=1e-8, ema_gtg=a.ema_sq_norm, ema_trsigma=a.ema_var, beta_cumprod=a.beta_cumprod)
+    b = GradientNoiseScale()
+    b.load_state_dict(older)
+    assert b.state_dict() == pytest.approx(a.state_dict(), rel=1e-15)
+    fresh = GradientNoiseScale(beta=0.9)
+    c = GradientNoiseScale()
+    c.load_state_dict(dict(beta=0.9, eps=1e-8, ema_gtg=0.0, ema_trsigma=0.0, beta_cumprod=1.0))
+    assert math.isnan(c.get_gns()) and c.state_dict().keys() == fresh.state_dict().keys()
+    # the reference's state_dict() is its __dict__: the same six keys
+    d = GradientNoiseScale()
+    d.load_state_dict(dict(a.state_dict()))
+    assert d.state_dict() == a.state_dict()
+    with pytest.raises(ValueError, match=r"unknown keys \['ema_something'\]"):
+        d.load_state_dict({**a.state_dict(), 'ema_something': 1.0})
+
+
 def test_hook_refuses_a_model_without_ddp():
-    with pytest.raises(TypeError, match="DistributedDataParallel"):
+    with pytest.raises(ValueError, match="DistributedDataParallel"):  # the reference's error type
         DDPGradientStatsHook(torch.nn.Linear(2, 2))
+
+
+def test_the_reference_hooks_bucket_list_is_refused():
+    hook = object.__new__(DDPGradientStatsHook)
+    with pytest.raises(ReferenceNameError, match=r"bucket_sq_norms_small_batch is the reference implementation's.*"
+                                                 r"get_stats\(\).*get_sq_norms\(\)"):
+        hook.bucket_sq_norms_small_batch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,6 +180,8 @@ def test_hook_small_batch_norm_is_the_mean_of_each_ranks_local_gradient_norm(ran
         assert abs(local[0] - local[1]) > 1e-2 * local[0]  # different data: the mean is not trivial
         for r in ranks:
             assert r[dtype][step]['sq_small'] == pytest.approx(sum(local) / WORLD, rel=rtol)
+            # get_stats(): the reference's one float, that same mean
+            assert r[dtype][step]['stats_type'] == 'float' and r[dtype][step]['stats'] == r[dtype][step]['sq_small']
     # the first synchronised backward has DDP's one big bucket, later ones its real buckets
     assert all(r[dtype][1]['n_buckets'] > 1 for r in ranks)
     # silent on the micro-step that does not synchronise; reset by each get_stats()

@@ -1,9 +1,23 @@
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
 import pytest
 import torch
 
 import buffered
+import ddpgns
+import gnstracking
+from conftest import REPO
+from csv_tools import load_log
 from gns_fixtures import ToyGPT, brute_force_norms, fill_buffers, measure, per_example_grads, train_step
 from gnstracking import AccumulateMeasurements, Measurement, MeasurementTracker
+from reference_names import ReferenceNameError
+from tracker import LogWrapper
 
 
 def make_model(seed=0):
@@ -67,15 +81,19 @@ def test_disabled_scaler_is_ignored():
     assert_matches_brute_force(MeasurementTracker.from_model(model, scaler=scaler).step(4), model, x, y, 4)
 
 
-def test_overflow_step_records_nothing_and_is_counted():
+def test_overflow_step_gives_inf_measurements_with_the_batch_size_and_is_counted():
     model = make_model()
     calls = []
     tracker = MeasurementTracker.from_model(model, callback=calls.append)
     x, y = make_batch(4)
     train_step(model, [(x, y)])
     model.transformer.h[0].mlp.c_fc.weight.grad[0, 0] = float("inf")
-    assert tracker.step(batch_size=4) == []
-    assert tracker.skipped_steps == 1 and calls == []
+    measurements = tracker.step(batch_size=4)
+    assert tracker.skipped_steps == 1 and calls == measurements
+    assert [m.metadata["name"] for m in measurements] == [n for n, _ in model.named_parameters()]
+    for m in measurements:  # every parameter, not only the one that overflowed
+        assert (m.big_batch_norm, m.small_batch_norm, m.big_batch_size, m.small_batch_size) == (math.inf, math.inf, 4, 1)
+        assert m.metadata["step"] == 0
     assert buffers_are_zero(model), "buffers are zeroed on skipped steps too"
     # the next step is measured normally, and knows it is step 1
     model.zero_grad()
@@ -85,13 +103,50 @@ def test_overflow_step_records_nothing_and_is_counted():
     assert measurements[0].metadata["step"] == 1 and tracker.skipped_steps == 1
 
 
-def test_nan_buffer_is_an_overflow_too():
+def test_nan_buffer_and_bad_scale_are_overflows_too():
     model = make_model()
     tracker = MeasurementTracker.from_model(model)
     x, y = make_batch(4)
     train_step(model, [(x, y)])
     model.transformer.ln_f._buffers["bias_sqgradnorm"].fill_(float("nan"))
-    assert tracker.step(batch_size=4) == [] and tracker.skipped_steps == 1
+    measurements = tracker.step()  # the batch size from the counts
+    assert tracker.skipped_steps == 1 and len(measurements) == len(list(model.parameters()))
+    assert all(m.big_batch_norm == m.small_batch_norm == math.inf and m.big_batch_size == 4 for m in measurements)
+    # a count that does not match is still an error on such a step
+    train_step(model, [(x, y)])
+    model.transformer.ln_f._buffers["bias_sqgradnorm"].fill_(float("inf"))
+    with pytest.raises(ValueError, match="counted 4 examples but batch_size=8"):
+        tracker.step(batch_size=8)
+    # a GradScaler whose scale is no longer finite
+    model.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    tracker = MeasurementTracker.from_model(model, scaler=scaler)
+    train_step(model, [(x, y)], scaler=scaler)
+    scaler._scale.fill_(float("inf"))
+    assert all(m.big_batch_norm == math.inf for m in tracker.step(batch_size=4)) and tracker.skipped_steps == 1
+
+
+def test_an_overflow_row_keeps_one_batch_size_per_step_and_sums_to_inf(tmp_path):
+    """What the reference's gns-analysis.py and notebook check on every row of log.csv."""
+    model = make_model()
+    logs = AccumulateMeasurements(prefix="train/gns/")
+    tracker = MeasurementTracker.from_model(model, callback=logs)
+    x, y = make_batch(4)
+    with LogWrapper(out_dir=tmp_path) as log:
+        for step in range(3):
+            model.zero_grad()
+            train_step(model, [(x, y)])
+            if step == 1:
+                model.head.weight.grad.fill_(float("nan"))
+            tracker.step(batch_size=4)
+            log.log({"iter_num": step, **logs.get_msg()})
+            log.step()
+    df, _ = load_log(tmp_path)
+    batch_size_cols = [c for c in df.columns if c.endswith("/batch_size")]
+    assert len(batch_size_cols) == len(list(model.parameters()))
+    assert (df[batch_size_cols].nunique(axis=1) == 1).all() and (df[batch_size_cols] == 4).all().all()
+    squares = (df[[c for c in df.columns if c.endswith("/norm") or c.endswith("/pegn")]] ** 2).sum(axis=1)
+    assert np.isfinite(squares[0]) and np.isfinite(squares[2]) and squares[1] == np.inf
 
 
 def test_one_host_device_transfer_per_step(monkeypatch):
@@ -192,6 +247,21 @@ def test_accumulate_measurements_columns():
     ddp(Measurement(1.0, 2.0, 8, 1, {"name": "a", "step": 0}))
     ddp(Measurement(1.0, 2.0, 8, 1, {"name": "b", "step": 1}))  # a new step without pop(): a fresh row
     assert list(ddp.pop()) == ["ddp/b/norm", "ddp/b/pegn", "ddp/b/batch_size"]
+    # a prefix is used as given when empty or ending in '/', else a '/' is added
+    for prefix, key in [("", "w/norm"), ("train/gns", "train/gns/w/norm"), ("train/gns/", "train/gns/w/norm")]:
+        logs = AccumulateMeasurements(prefix)
+        logs(Measurement(1.0, 2.0, 8, 1, {"name": "w", "step": 0}))
+        assert logs.prefix == prefix and list(logs.pop())[0] == key
+
+
+def test_accumulate_measurements_reference_names_msg_step_and_get_msg():
+    logs = AccumulateMeasurements(prefix="train/gns/")
+    assert logs.msg == {} and logs.step is None
+    logs(Measurement(1.0, 2.0, 8, 1, {"name": "w", "step": 3}))
+    assert logs.step == 3 and logs.msg == {"train/gns/w/norm": 1.0, "train/gns/w/pegn": 2.0, "train/gns/w/batch_size": 8}
+    msg = logs.msg
+    assert logs.get_msg() is msg and logs.msg == {} and logs.step == 3
+    assert logs.get_msg() == {}
 
 
 def test_tracker_feeds_accumulator_with_gpt_names():
@@ -252,7 +322,7 @@ def test_step_without_gradients_still_zeroes_the_buffers():
     assert buffers_are_zero(model)
 
 
-def test_step_numbers_follow_the_last_given():
+def test_step_count_counts_calls_and_is_the_default_step():
     p = torch.nn.Parameter(torch.zeros(2))
     tracker = MeasurementTracker([("p", p, torch.zeros(()), torch.zeros(()))])
     steps = []
@@ -261,7 +331,8 @@ def test_step_numbers_follow_the_last_given():
         tracker.entries[0][2].fill_(1.0)
         tracker.entries[0][3].fill_(2.0)
         steps.append(tracker.step(step=given)[0].metadata["step"])
-    assert steps == [0, 1, 10, 11]
+    # as in the reference: a given step goes into the metadata, the default is the number of calls
+    assert steps == [0, 1, 10, 3] and tracker.step_count == 4
 
 
 def test_float16_gradient_past_float16_range():
@@ -316,3 +387,199 @@ def check_large_gradient_norm():
     measurement, = MeasurementTracker([("w", p, sq, count)]).step(batch_size=4)
     expected = p.grad.double().square().sum().sqrt().item()
     assert abs(measurement.big_batch_norm - expected) / expected < 2e-6
+
+
+# ---------------------------------------------------------------- the reference implementation's names
+
+def test_measurement_msg_and_str():
+    m = Measurement(1.5, 2.5, 32, 1, {"name": "transformer.wte.weight", "step": 7})
+    assert m.msg() == {"big_batch_norm": 1.5, "small_batch_norm": 2.5, "big_batch_size": 32, "small_batch_size": 1}
+    assert m.msg(prefix="ddp/") == {"ddp/big_batch_norm": 1.5, "ddp/small_batch_norm": 2.5,
+                                    "ddp/big_batch_size": 32, "ddp/small_batch_size": 1}
+    assert str(m) == "name transformer.wte.weight, step 7: |G_B| 1.5 over 32 examples, |G_b| 2.5 over 1"
+    bare = Measurement(3.0, 4.0, 16, 8)  # positional, as the reference's train.py builds the DDP one
+    assert bare.metadata is None and str(bare) == "|G_B| 3 over 16 examples, |G_b| 4 over 8"
+
+
+def test_measurements_keeps_what_the_reference_keeps():
+    model = make_model()
+    x, y = make_batch(4)
+    # no callback: every measurement of every step
+    tracker = MeasurementTracker.from_model(model)
+    for _ in range(2):
+        train_step(model, [(x, y)])
+        returned = tracker.step(batch_size=4)
+        model.zero_grad()
+    n = len(list(model.parameters()))
+    assert len(tracker.measurements) == 2 * n and tracker.measurements[n:] == returned
+    assert [m.metadata["step"] for m in tracker.measurements] == [0] * n + [1] * n
+    tracker = MeasurementTracker.from_model(model, callback=[])  # an empty list is no callback
+    train_step(model, [(x, y)])
+    assert tracker.step(batch_size=4) == tracker.measurements
+    model.zero_grad()
+    # a callback that returns nothing (AccumulateMeasurements): nothing kept
+    tracker = MeasurementTracker.from_model(model, callback=AccumulateMeasurements())
+    train_step(model, [(x, y)])
+    assert len(tracker.step(batch_size=4)) == n and tracker.measurements == []
+    model.zero_grad()
+    # a callback that returns a replacement: the replacement
+    tracker = MeasurementTracker.from_model(model, callback=lambda m: m.big_batch_norm)
+    train_step(model, [(x, y)])
+    returned = tracker.step(batch_size=4)
+    assert tracker.measurements == returned and all(isinstance(v, float) for v in returned)
+
+
+def test_from_model_takes_the_reference_positional_order_and_enforces_coverage():
+    model = make_model()
+    x, y = make_batch(8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6)
+    logs = AccumulateMeasurements()
+    # (model, callback, enforce_coverage, scaler), as the reference; world_size after
+    tracker = MeasurementTracker.from_model(model, logs, True, scaler)
+    assert tracker.callback is logs and tracker.scaler is scaler and tracker.world_size == 1
+    assert tracker.names == [n for n, _ in model.named_parameters()]
+    B = train_step(model, [(x, y)], scaler=scaler)
+    assert_matches_brute_force(tracker.step(batch_size=B), model, x, y, B)
+    assert len(logs.pop()) == 3 * len(tracker.names)
+    # a trainable parameter whose layer does not measure: named
+    torch.manual_seed(0)
+    partly = ToyGPT()
+    measure(partly.transformer)
+    with pytest.raises(ValueError, match=r"^enforce_coverage: the trainable parameter head\.weight has no "
+                                         r"per-example gradient norm buffer \("):
+        MeasurementTracker.from_model(partly, enforce_coverage=True)
+    assert "head.weight" not in MeasurementTracker.from_model(partly).names  # without it: left out
+    partly.head.weight.requires_grad_(False)  # a frozen one is not missing
+    assert MeasurementTracker.from_model(partly, enforce_coverage=True).names == \
+        [n for n, p in partly.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("call", [
+    lambda p, b: MeasurementTracker([(p, b)]),
+    lambda p, b: MeasurementTracker([(p, b)], names=["w"], indexes=[0]),
+    lambda p, b: MeasurementTracker([("w", p, b[0], b[1])], shared_params=[]),
+])
+def test_the_reference_constructor_form_is_refused_with_from_model(call):
+    p, upegsqnorm = torch.nn.Parameter(torch.zeros(3)), torch.zeros(2)
+    with pytest.raises(ReferenceNameError, match=r"reference implementation's constructor .* use "
+                                                 r"MeasurementTracker\.from_model\(model, callback=\.\.\., scaler=\.\.\.\)"):
+        call(p, upegsqnorm)
+
+
+@pytest.mark.parametrize("name, hint", [("params_and_buffers", ".entries"), ("indexes", ".names"),
+                                        ("shared_params", "buffered.tie_weights")])
+def test_reference_tracker_attributes_not_kept_are_refused(name, hint):
+    tracker = MeasurementTracker.from_model(make_model())
+    with pytest.raises(ReferenceNameError, match=rf"MeasurementTracker\.{name} is the reference implementation's.*{hint}"):
+        getattr(tracker, name)
+
+
+@pytest.mark.parametrize("name, hint", [("exists", "is not None"), ("shared_weights", "buffered.tie_weights"),
+                                        ("named_parameters_and_buffers", "buffered.find_sqgradnorm_buffers")])
+def test_reference_module_helpers_are_refused(name, hint):
+    with pytest.raises(ReferenceNameError, match=rf"gnstracking\.{name} is the reference implementation's.*{hint}"):
+        getattr(gnstracking, name)
+
+
+REFERENCE_STYLE_SCRIPT = textwrap.dedent('''
+    # the calls the reference implementation's train.py makes, in its order, on a GPT of our layers
+    import json, math, sys
+    import torch
+    sys.path.insert(0, {root!r})
+    import layer_config as lc
+    from buffered import (PEGradNormLinear, PEGradNormEmbedding, PEGradNormSeparatedLayerNorm,
+                          zero_sqgradnorm_buffers)
+    import gnstracking
+    import ddpgns
+    from tracker import LogWrapper
+
+    with lc.set_contextual_config(Linear=PEGradNormLinear, Embedding=PEGradNormEmbedding,
+                                  LayerNorm=PEGradNormSeparatedLayerNorm):
+        from model import GPTConfig, GPT
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulate_gns = gnstracking.AccumulateMeasurements(prefix="train/gns/")
+    gns_tracker = gnstracking.MeasurementTracker.from_model(model, callback=accumulate_gns, scaler=scaler)
+    ddp_gns_stats = ddpgns.GradientNoiseScale()
+    rows, raw = [], []
+    def log(msg):
+        rows.append(dict(msg))
+    tracker = LogWrapper(log, config=dict(batch_size=4), out_dir={out!r})
+    ga_steps, batch_size, log_interval = 2, 4, 2
+    g = torch.Generator().manual_seed(1)
+    for iter_num in range(4):
+        for micro_step in range(ga_steps):
+            X = torch.randint(0, 32, (batch_size, 8), generator=g)
+            logits, loss = model(X, X)
+            loss = loss / ga_steps
+            scaler.scale(loss).backward()
+        gns_tracker.step(batch_size=ga_steps * batch_size * 1)
+        zero_sqgradnorm_buffers(model)
+        scaler.unscale_(optimizer)
+        grad_norm = math.sqrt(sum(p.grad.norm().item() ** 2 for p in model.parameters()))
+        # stand-ins for the DDP hook's numbers: two "ranks" of one process
+        sq_norm_small_batch, sq_norm_large_batch = 2 * grad_norm ** 2, grad_norm ** 2
+        big_batch_size, small_batch_size = X.shape[0] * 2 * ga_steps, X.shape[0] * ga_steps
+        ddp_gns_stats.update(sq_norm_small_batch, sq_norm_large_batch, small_batch_size, big_batch_size)
+        raw.append((sq_norm_small_batch, sq_norm_large_batch))
+        ddp_gns_measurement = gnstracking.Measurement(sq_norm_large_batch ** 0.5, sq_norm_small_batch ** 0.5,
+                                                      big_batch_size, small_batch_size)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if iter_num % log_interval == 0:
+            lossf = loss.item() * ga_steps
+            tracker.log({{"dt": 0.5, "lr": 0.1, "grad_norm": grad_norm, "train/lossf": lossf}})
+            tracker.print(f"{{iter_num=}}: " + "{{train_lossf=:.4f}}, dt={{dt:.3f}}s")
+            tracker.log(ddp_gns_measurement.msg(prefix="ddp/"))
+            tracker.log(ddp_gns_stats.get_msg(prefix="ddp/"))
+        tracker.log({{
+            **accumulate_gns.get_msg(),
+        }})
+        if tracker.log_dict:
+            tracker.log({{"iter_num": iter_num, "tokens_processed": (iter_num + 1) * ga_steps * batch_size * 8}})
+        tracker.step()
+    tracker.close()
+    names = [n for n, _ in model.named_parameters()]
+    json.dump(dict(rows=rows, raw=raw, names=names), open({out!r} + "/script.json", "w"))
+''')
+
+
+@pytest.mark.slow
+def test_a_script_written_for_the_reference_runs_unchanged(tmp_path):
+    out = tmp_path / "out"
+    script = REFERENCE_STYLE_SCRIPT.format(root=REPO, out=str(out))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    printed = [line for line in p.stdout.splitlines() if line.startswith("iter_num=")]
+    assert [line.split(": ")[0] for line in printed] == ["iter_num=0", "iter_num=2"]
+    assert all("train/lossf=" in line and line.endswith("dt=0.500s") for line in printed)
+    df, _ = load_log(out)
+    assert df["step"].tolist() == df["iter_num"].tolist() == [0, 1, 2, 3]
+    ran = json.load(open(out / "script.json"))
+    # every parameter of the GPT (the tied wte/lm_head once), measured on every row, one batch size
+    names = ran["names"]
+    assert {c[len("train/gns/"):-len("/norm")] for c in df.columns if c.endswith("/norm") and
+            c.startswith("train/gns/")} == set(names)
+    for kind in ("norm", "pegn", "batch_size"):
+        assert df[[f"train/gns/{n}/{kind}" for n in names]].notna().all().all(), kind
+    assert (df[[f"train/gns/{n}/batch_size" for n in names]] == 8).all().all()
+    # the DDP columns on the logged iterations, smoothed with the reference's default beta 0.995
+    replay = ddpgns.GradientNoiseScale(beta=0.995)
+    for iter_num, (sq_small, sq_big) in enumerate(ran["raw"]):
+        replay.update(sq_small, sq_big, 8, 16)
+        row = df[df["iter_num"] == iter_num].iloc[0]
+        if iter_num % 2:
+            assert np.isnan(row["ddp/gns"])
+            continue
+        assert row["ddp/big_batch_norm"] == pytest.approx(sq_big ** 0.5, rel=1e-12)
+        assert row["ddp/small_batch_norm"] == pytest.approx(sq_small ** 0.5, rel=1e-12)
+        assert (row["ddp/big_batch_size"], row["ddp/small_batch_size"]) == (16, 8)
+        for key, value in replay.get_msg("ddp/").items():
+            assert row[key] == pytest.approx(value, rel=1e-12), key
+    # logf got the rows without a "step" key, as many as the CSV has
+    assert len(ran["rows"]) == 4 and all("step" not in r for r in ran["rows"])
+    assert [r["iter_num"] for r in ran["rows"]] == [0, 1, 2, 3]

@@ -1,10 +1,13 @@
 import csv
+import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +15,8 @@ import torch
 
 import tracker as tracker_module
 from csv_tools import load_log
-from tracker import LogWrapper
+from reference_names import ReferenceNameError
+from tracker import LogWrapper, LogWriteError, NotALogError, transform_format_string
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,13 +65,15 @@ def test_config_json_and_logf(tmp_path):
     rows = []
     config = {"batch_size": 12, "out_dir": str(tmp_path), "dtype": "float16", "betas": (0.9, 0.95)}
     log = LogWrapper(logf=rows.append, config=config, out_dir=tmp_path)
+    assert log.logf == rows.append and log.config is config and log.out_dir == tmp_path
     log.log({"iter_num": 0, "train/loss": 1.0})
     log.step()
     log.log({"iter_num": 1})
     log.step()
     log.close()
     assert json.loads((tmp_path / "config.json").read_text()) == {**config, "betas": [0.9, 0.95]}
-    assert rows == [{"step": 0, "iter_num": 0, "train/loss": 1.0}, {"step": 1, "iter_num": 1}]
+    # as the reference implementation calls it: the values of the step, without a "step" key
+    assert rows == [{"iter_num": 0, "train/loss": 1.0}, {"iter_num": 1}]
 
 
 def test_step_is_reserved():
@@ -296,15 +302,18 @@ def test_resume_over_an_empty_log_starts_afresh(tmp_path):
     assert read_csv(out / "log.csv") == [["step", "a"], ["3", "1"]]
 
 
-@pytest.mark.parametrize("text, error", [("iter,a\n0,1\n5,2\n", "not 'step'"),
-                                         ("step,a\n0,1\nx,2\n1,3\n", "cannot resume")])
-def test_resume_refuses_a_file_that_is_not_its_log_and_leaves_it_alone(tmp_path, text, error):
+@pytest.mark.parametrize("content", [b"iter,a\n0,1\n5,2\n", b"\x00\x9f\xff\xfe,binary\n\x00\x01\n",
+                                     "\ufeffstep,a\n0,1\n".encode("utf-16"), b"no newline at all"])
+def test_resume_refuses_a_file_that_is_not_its_log_and_leaves_it_alone(tmp_path, content):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "log.csv").write_text(text)
-    with pytest.raises(ValueError, match=error):
+    (out / "log.csv").write_bytes(content)
+    with pytest.raises(NotALogError, match=r"(not 'step'|\(binary, or not UTF-8 text\)): not a log this program wrote; "
+                                           "move it away or use another out_dir$") as error:
         LogWrapper(out_dir=out, resume_step=3)
-    assert (out / "log.csv").read_text() == text
+    assert isinstance(error.value, ValueError) and "\n" not in str(error.value)
+    assert (out / "log.csv").read_bytes() == content
+    assert sorted(os.listdir(out)) == ["log.csv"]
 
 
 def test_config_json_is_rewritten_on_resume_and_takes_any_value(tmp_path):
@@ -334,3 +343,398 @@ def test_wandb_gets_the_csv_step_numbers(monkeypatch):
     log.step()
     log.close()
     assert calls == [({"a": 1}, {"step": 5}), ({"a": 2}, {"step": 7})]
+
+
+# ---------------------------------------------------------------- the reference implementation's names
+
+def test_reference_log_dict_ordered_keys_step_count_and_print(capsys):
+    log = LogWrapper()
+    assert not log.log_dict and log.ordered_keys == [] and log.step_count == 0
+    log.log({"iter_num": 3, "train/lossf": 1.23454})
+    log.log({"mfu": 0.5})
+    assert log.log_dict == {"iter_num": 3, "train/lossf": 1.23454, "mfu": 0.5}
+    assert log.ordered_keys == ["iter_num", "train/lossf", "mfu"]
+    iter_num = 3
+    # the reference's train.py: an f-string part and a format part
+    log.print(f"{iter_num=}: " + "{train_lossf=:.4f}, {mfu=:.2f}%", prefix=None)
+    assert capsys.readouterr().out == "iter_num=3: train/lossf=1.2345, mfu=0.50%\n"
+    log.print("{lossf=:.1f}", prefix="train/")
+    assert capsys.readouterr().out == "lossf=1.2\n"
+    log.step()
+    assert log.log_dict == {} and not log.log_dict and log.step_count == 1  # what `if tracker.log_dict:` tests
+    log.step()
+    log.log({"lr": 0.1, "iter_num": 5})
+    assert log.ordered_keys == ["iter_num", "train/lossf", "mfu", "lr"] and log.step_count == 2
+
+
+def test_logf_and_wandb_get_the_row_without_no_sync_keys(monkeypatch):
+    logged, wandb_calls = [], []
+
+    class FakeRun:
+        def log(self, row, **kwargs):
+            wandb_calls.append((row, kwargs))
+
+        def finish(self):
+            pass
+    fake = type(sys)("wandb")
+    fake.init = lambda **kwargs: FakeRun()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    log = LogWrapper(logf=logged.append, wandb_log=True)
+    assert log.no_sync_keyword == "no_sync"
+    log.log({"a": 1, "debug/no_sync/x": 2})
+    log.step()
+    log.log({"no_sync_only": 1})
+    log.step()  # the reference calls logf even when every key is filtered out
+    log.close()
+    assert logged == [{"a": 1}, {}]
+    assert wandb_calls == [({"a": 1}, {"step": 0}), ({}, {"step": 1})]
+
+
+def test_no_sync_keys_still_reach_the_csv(tmp_path):
+    with LogWrapper(out_dir=tmp_path, logf=lambda row: None) as log:
+        log.log({"a": 1, "x/no_sync": 2})
+        log.step()
+    assert read_csv(tmp_path / "log.csv") == [["step", "a", "x/no_sync"], ["0", "1", "2"]]
+
+
+def test_transform_format_string():
+    assert transform_format_string("Value is {x=}") == "Value is x={x}"
+    assert transform_format_string("Formatted value is {x=:.2f}") == "Formatted value is x={x:.2f}"
+    s = transform_format_string("{a=}, {b_c=:,.0f} and {d} {e:>3}")
+    assert s == "a={a}, b_c={b_c:,.0f} and {d} {e:>3}"
+    assert s.format(a=1, b_c=12345.6, d="d", e=7) == "a=1, b_c=12,346 and d   7"
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("setup_csv_writer", "first step"), ("write_config", "config="), ("update_header", "step()"),
+    ("finalize_csv", "close()"), ("csv_writer", ".path"), ("csv_data_file", ".path"),
+    ("csv_header_file", ".path"), ("csv_data_path", ".path"), ("csv_header_path", ".path"),
+    ("header_updated", ".ordered_keys"), ("is_finalized", "complete after every step")])
+def test_reference_csv_machinery_is_refused_with_what_to_use(tmp_path, name, hint):
+    log = LogWrapper(out_dir=tmp_path)
+    with pytest.raises(ReferenceNameError, match=f"LogWrapper.{name} is the reference implementation's.*{re.escape(hint)}"):
+        getattr(log, name)
+    log.close()
+
+
+def test_module_exists_is_refused():
+    with pytest.raises(ReferenceNameError, match=r"tracker\.exists .*is not None"):
+        from tracker import exists  # noqa: F401
+    assert not hasattr(tracker_module, "something_else")
+
+
+def test_tracker_does_not_import_pandas():
+    code = "import sys, tracker; print('pandas' in sys.modules, 'numpy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+# ---------------------------------------------------------------- one write per row, and a kill in the middle of one
+
+def test_each_row_is_appended_with_one_write_of_the_whole_line(tmp_path, monkeypatch):
+    log = LogWrapper(out_dir=tmp_path)
+    log.log({"a": 0, "payload": ""})
+    log.step()
+    writes = []
+    write = os.write
+
+    def spy(fd, data):
+        writes.append(bytes(data))
+        return write(fd, data)
+    monkeypatch.setattr(tracker_module.os, "write", spy)
+    for step in range(1, 4):
+        log.log({"a": step, "payload": "x" * 300_000})  # several pages: a buffered writer splits it
+        log.step()
+        assert writes == [f"{step},{step},{'x' * 300_000}\r\n".encode()]
+        del writes[:]
+    log.close()
+
+
+KILLED_MID_WRITE = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import tracker
+    log = tracker.LogWrapper(out_dir={out!r})
+    write = os.write
+
+    def torn_write(fd, data):
+        # the kernel took the first part of the row when the process was killed
+        write(fd, bytes(data[:len(data) // 2]))
+        os.kill(os.getpid(), signal.SIGKILL)
+    for step in range(10):
+        log.log({{"iter_num": step, "payload": "x" * 50_000}})
+        if step == 7:
+            tracker.os.write = torn_write
+        log.step()
+""")
+
+
+def kill_mid_write(out):
+    p = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE.format(root=ROOT, out=str(out))])
+    assert p.returncode == -signal.SIGKILL
+    raw = (out / "log.csv").read_bytes()
+    assert raw.endswith(b"x" * 1000) and raw.count(b"\n") == 8  # header and steps 0-6, step 7 torn
+    assert load_log(out)[0]["step"].tolist() == list(range(7)), "readers drop the torn row"
+    return raw
+
+
+def test_a_row_torn_by_a_kill_is_dropped_and_the_resumed_run_redoes_it(tmp_path):
+    raw = kill_mid_write(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the torn row is the step being redone: nothing to report
+        log = LogWrapper(out_dir=tmp_path, resume_step=7)
+    assert (tmp_path / "log.csv").read_bytes() == raw[:raw.rindex(b"\n") + 1]
+    for step in range(7, 9):
+        log.log({"iter_num": step, "payload": "y"})
+        log.step()
+    log.close()
+    df, _ = load_log(tmp_path)
+    assert df["step"].tolist() == df["iter_num"].tolist() == list(range(9))
+    assert not (tmp_path / "log.csv.rejected").exists()
+
+
+def test_a_torn_row_before_the_resume_step_is_reported_and_kept_aside(tmp_path):
+    raw = kill_mid_write(tmp_path)
+    torn = raw[raw.rindex(b"\n") + 1:]
+    with pytest.warns(UserWarning) as caught:
+        LogWrapper(out_dir=tmp_path, resume_step=9).close()
+    messages = [str(w.message) for w in caught]
+    assert messages == [f"{tmp_path / 'log.csv'} line 9: a row cut short by a kill or a full disk; moved to log.csv.rejected",
+                        f"{tmp_path / 'log.csv'}: steps 7 to 8 are missing (the log ends before step 9, where the run resumes)"]
+    assert (tmp_path / "log.csv.rejected").read_bytes() == torn + b"\r\n"
+    assert (tmp_path / "log.csv").read_bytes() == raw[:-len(torn)]
+
+
+# ---------------------------------------------------------------- a full disk
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def assert_disk_full_error(error, path):
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC and error.filename == str(path)
+    message = str(error)
+    assert "\n" not in message and str(path) in message and "the disk is full" in message
+    assert error.__cause__ is None and error.__suppress_context__, "one error, not a chain"
+
+
+def test_a_failed_append_leaves_the_complete_rows_and_the_step_can_be_retried(tmp_path, monkeypatch):
+    log = LogWrapper(out_dir=tmp_path)
+    for step in range(3):
+        log.log({"a": step})
+        log.step()
+    before = (tmp_path / "log.csv").read_bytes()
+    write = os.write
+    calls = []
+
+    def half_then_full(fd, data):
+        # the disk fills in the middle of the row: part of it lands, then the rest fails
+        calls.append(len(data))
+        if len(calls) == 1:
+            return write(fd, bytes(data[:len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(tracker_module.os, "write", half_then_full)
+    log.log({"a": 3})
+    with pytest.raises(LogWriteError) as error:
+        log.step()
+    assert_disk_full_error(error.value, tmp_path / "log.csv")
+    assert "appending the row of step 3" in str(error.value)
+    assert len(calls) == 2 and (tmp_path / "log.csv").read_bytes() == before, "the half row is cut back"
+    assert log.log_dict == {"a": 3} and log.step_count == 3
+    # an fsync that fails after the write is cut back the same way
+    monkeypatch.setattr(tracker_module.os, "write", write)
+    monkeypatch.setattr(tracker_module.os, "fsync", enospc)
+    with pytest.raises(LogWriteError):
+        log.step()
+    assert (tmp_path / "log.csv").read_bytes() == before
+    monkeypatch.undo()
+    log.step()  # room again: the same step, once
+    log.close()
+    assert read_csv(tmp_path / "log.csv") == [["step", "a"], ["0", "0"], ["1", "1"], ["2", "2"], ["3", "3"]]
+
+
+@pytest.mark.parametrize("fail", ["write", "fsync", "replace"])
+def test_a_failed_header_rewrite_leaves_the_old_file_and_no_tmp(tmp_path, monkeypatch, fail):
+    log = LogWrapper(out_dir=tmp_path)
+    log.log({"a": 0})
+    log.step()
+    before = (tmp_path / "log.csv").read_bytes()
+    if fail == "write":  # the .tmp is written through a buffered file: fail its writes
+        real_open = open
+        monkeypatch.setattr(tracker_module, "open", lambda path, mode="r", *a, **k: (
+            FullFile(real_open(path, mode, *a, **k)) if mode == "wb" else real_open(path, mode, *a, **k)), raising=False)
+    else:
+        monkeypatch.setattr(tracker_module.os, fail, enospc)
+    log.log({"a": 1, "new": 2})
+    with pytest.raises(LogWriteError) as error:
+        log.step()
+    assert_disk_full_error(error.value, tmp_path / "log.csv")
+    assert "rewriting it with a new column" in str(error.value)
+    assert (tmp_path / "log.csv").read_bytes() == before and sorted(os.listdir(tmp_path)) == ["log.csv"]
+    monkeypatch.undo()
+    log.step()
+    log.close()
+    assert read_csv(tmp_path / "log.csv") == [["step", "a", "new"], ["0", "0", ""], ["1", "1", "2"]]
+
+
+class FullFile:
+    """A binary file whose writes fail as on a full disk."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_failed_config_write_keeps_the_old_config_and_no_tmp(tmp_path, monkeypatch):
+    LogWrapper(out_dir=tmp_path, config={"lr": 1}).close()
+    monkeypatch.setattr(tracker_module.os, "fsync", enospc)
+    with pytest.raises(LogWriteError) as error:
+        LogWrapper(out_dir=tmp_path, config={"lr": 2}, resume_step=0)
+    assert_disk_full_error(error.value, tmp_path / "config.json")
+    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1}
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]
+
+
+def test_other_write_errors_say_what_failed(tmp_path, monkeypatch):
+    log = LogWrapper(out_dir=tmp_path)
+    log.log({"a": 0})
+    log.step()
+    monkeypatch.setattr(tracker_module.os, "write", lambda *a: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    log.log({"a": 1})
+    with pytest.raises(LogWriteError, match=r"log\.csv: appending the row of step 1 failed, Input/output error; "
+                                            r"the file is left as it was$") as error:
+        log.step()
+    assert error.value.errno == errno.EIO
+
+
+def write_log(out, rows, header="step,a"):
+    out.mkdir(exist_ok=True)
+    text = header + "\r\n" + "".join(f"{r}\r\n" for r in rows)
+    (out / "log.csv").write_bytes(text.encode())
+    return text.encode()
+
+
+def test_resume_cuts_the_file_in_place_without_a_second_copy(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    raw = write_log(out, [f"{s},{s * 10}" for s in range(20)])
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("a resume with an unchanged header must not copy the file")
+    real_open = open
+    monkeypatch.setattr(tracker_module.os, "replace", no_copy)
+    monkeypatch.setattr(tracker_module, "open", lambda path, mode="r", *a, **k: (
+        no_copy() if "w" in mode or "a" in mode else real_open(path, mode, *a, **k)), raising=False)
+    log = LogWrapper(out_dir=out, resume_step=12)
+    assert (out / "log.csv").read_bytes() == raw[:raw.index(b"12,120")]
+    log.log({"a": -12})
+    log.step()
+    log.close()
+    monkeypatch.undo()
+    assert [r[0] for r in read_csv(out / "log.csv")[1:]] == [str(s) for s in range(13)]
+    assert sorted(os.listdir(out)) == ["log.csv"]
+
+
+# ---------------------------------------------------------------- resume checks the log it continues
+
+def test_resume_moves_malformed_rows_aside_and_reports_each(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [b"0,0", b"1,1,extra", b"x,2", b"2,2", b"2,22", b"1,3", b"3,\xff\xfe", b"4,a\x00b", b"5,5", b"",
+            b"6,6", b"7,7", b"8,8"]
+    (out / "log.csv").write_bytes(b"step,a\r\n" + b"".join(r + b"\r\n" for r in rows))
+    with pytest.warns(UserWarning) as caught:
+        log = LogWrapper(out_dir=out, resume_step=7)
+    path = out / "log.csv"
+    moved = "moved to log.csv.rejected"
+    assert [str(w.message) for w in caught] == [
+        f"{path} line 3: 3 cells for 2 columns; {moved}",
+        f"{path} line 4: the step 'x' is not an integer; {moved}",
+        f"{path} line 5: step 1 is missing",
+        f"{path} line 6: step 2 after step 2; {moved}",
+        f"{path} line 7: step 1 after step 2; {moved}",
+        f"{path}: 4 more problems like these"]  # lines 8, 9 not UTF-8 CSV text, 10 steps 3-4 missing, 11 empty
+    assert (out / "log.csv.rejected").read_bytes() == b"".join(r + b"\r\n" for r in [
+        b"1,1,extra", b"x,2", b"2,22", b"1,3", b"3,\xff\xfe", b"4,a\x00b", b""])
+    for step in range(7, 9):
+        log.log({"a": 100 + step})
+        log.step()
+    log.close()
+    assert read_csv(path) == [["step", "a"], ["0", "0"], ["2", "2"], ["5", "5"], ["6", "6"], ["7", "107"], ["8", "108"]]
+    # the log is clean now except for the gaps, which stay reported
+    with pytest.warns(UserWarning) as caught:
+        LogWrapper(out_dir=out, resume_step=9).close()
+    assert [str(w.message) for w in caught] == [f"{path} line 3: step 1 is missing", f"{path} line 4: steps 3 to 4 are missing"]
+    assert (out / "log.csv.rejected").read_bytes().count(b"\n") == 7, "nothing saved twice"
+
+
+def test_resume_reports_a_log_that_ends_before_the_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    raw = write_log(out, [f"{s},{s}" for s in range(5)])
+    with pytest.warns(UserWarning, match=r"log\.csv: steps 5 to 9 are missing \(the log ends before step 10, where the run resumes\)"):
+        log = LogWrapper(out_dir=out, resume_step=10)
+    assert (out / "log.csv").read_bytes() == raw and not (out / "log.csv.rejected").exists()
+    log.log({"a": 10})
+    log.step()
+    log.close()
+    assert [r[0] for r in read_csv(out / "log.csv")[1:]] == ["0", "1", "2", "3", "4", "10"]
+
+
+def test_resume_keeps_rows_shorter_than_the_header_and_pads_them_on_a_new_column(tmp_path):
+    # the reference implementation's log.csv: rows written before a key first appeared are shorter
+    out = tmp_path / "out"
+    write_log(out, ["0,1", "1,2,3", "2,,4"], header="step,a,b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log = LogWrapper(out_dir=out, resume_step=3)
+    assert log.ordered_keys == ["a", "b"]
+    log.log({"c": 5})
+    log.step()
+    log.close()
+    assert read_csv(out / "log.csv") == [["step", "a", "b", "c"], ["0", "1", "", ""], ["1", "2", "3", ""],
+                                         ["2", "", "4", ""], ["3", "", "", "5"]]
+
+
+def test_a_quoted_cell_with_a_newline_is_one_row(tmp_path):
+    out = tmp_path / "out"
+    with LogWrapper(out_dir=out) as log:
+        for step in range(3):
+            log.log({"note": f"line one\nline two of {step}", "a": step})
+            log.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log = LogWrapper(out_dir=out, resume_step=2)
+    log.log({"a": 2, "new": 1})
+    log.step()
+    log.close()
+    rows = read_csv(out / "log.csv")
+    assert rows == [["step", "note", "a", "new"], ["0", "line one\nline two of 0", "0", ""],
+                    ["1", "line one\nline two of 1", "1", ""], ["2", "", "2", "1"]]
+
+
+@pytest.mark.parametrize("fail", ["rejected", "log"])
+def test_a_resume_that_cannot_write_leaves_both_files_as_they_were(tmp_path, monkeypatch, fail):
+    out = tmp_path / "out"
+    raw = write_log(out, ["0,0", "x,1", "1,1", "2,2"])
+    real_open = open
+    if fail == "rejected":  # saving the malformed row fails
+        monkeypatch.setattr(tracker_module.os, "write", enospc)
+    else:  # the rewrite of log.csv without it fails
+        monkeypatch.setattr(tracker_module, "open", lambda path, mode="r", *a, **k: (
+            FullFile(real_open(path, mode, *a, **k)) if mode == "wb" else real_open(path, mode, *a, **k)), raising=False)
+    with pytest.warns(UserWarning, match="not an integer"), pytest.raises(LogWriteError) as error:
+        LogWrapper(out_dir=out, resume_step=2)
+    assert_disk_full_error(error.value, out / ("log.csv.rejected" if fail == "rejected" else "log.csv"))
+    assert (out / "log.csv").read_bytes() == raw
+    assert not (out / "log.csv.tmp").exists()
+    assert (out / "log.csv.rejected").read_bytes() == b""  # not saved, or cut back: never twice
