@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 
 import numpy as np
@@ -112,6 +113,10 @@ def die(msg):
     """Bad input: one line on stderr and a non-zero exit, never a traceback."""
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
+
+
+# warnings (a resumed log's missing rows, a schedule edit refused) are one line each, like errors
+warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
 
 
 try:
@@ -388,7 +393,7 @@ if ddp:
 from schedules import GradAccumSchedule, lr_at, max_accumulation_steps  # noqa: E402
 from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers  # noqa: E402
 from gnstracking import AccumulateMeasurements, MeasurementTracker  # noqa: E402
-from tracker import LogWrapper  # noqa: E402
+from tracker import LogWrapper, LogWriteError  # noqa: E402
 import ddpgns  # noqa: E402
 
 # GNS from exact per-example norms: every parameter whose layer measures it
@@ -506,6 +511,16 @@ def stop(message, code):
     sys.exit(code)
 
 
+def log_step():
+    """Write this step's row; a full disk (or any failed write) ends the run with one line,
+    log.csv left with its complete rows for --init_from=resume."""
+    try:
+        logger.step()
+    except LogWriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
 # SIGINT (Ctrl-C) and SIGTERM (a cluster's preemption) end the run after the step under way, with
 # a checkpoint where the run saves them anyway; a second signal stops at once
 stop_signal = 0
@@ -563,7 +578,7 @@ while eval_only or not finished(tokens_processed, iter_num):
         evaluate_and_checkpoint()
     if eval_only:
         if master_process:
-            logger.step()  # to wandb only
+            log_step()  # to wandb only
         break
 
     # forward/backward with gradient accumulation; the per-example-norm layers add into their
@@ -644,7 +659,7 @@ while eval_only or not finished(tokens_processed, iter_num):
     if master_process:
         if last_step:  # the final evaluation (and checkpoint), on the last step's row
             evaluate_and_checkpoint()
-        logger.step()
+        log_step()
     if nonfinite_steps >= max_nonfinite_steps:
         stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
              f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
