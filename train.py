@@ -507,6 +507,7 @@ def stop(message, code):
     """End the run early with one line: the log is complete up to the last finished step."""
     if master_process:
         print(message, file=sys.stderr)
+        logger.log_dict.clear()  # the unfinished step's values: its row is redone on resume
         logger.close()
     sys.exit(code)
 

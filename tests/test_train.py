@@ -3,6 +3,7 @@ exactly, the LR follows the token schedule, bad input fails cleanly, DDP on gloo
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -488,3 +489,37 @@ def test_the_references_readers_take_a_finished_a_resumed_and_a_killed_run(tiny_
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     assert len(read_like_the_reference(out)["LayerNorm"]) >= 10
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_in_one_line_and_the_run_resumes_in_place(tiny_dataset, tmp_path):
+    """On a small tmpfs: the run stops with one line saying the disk is full, leaves no partial
+    file, keeps its last checkpoint and a log of complete rows; after the user frees less room
+    than log.csv takes (so a resume that copied the log could not), --init_from=resume goes on."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=320k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CI has it)")
+    try:
+        (disk / "ballast").write_bytes(bytes(72 * 1024))
+        out = disk / "out"
+        common = ["--device=cpu", "--dtype=float32", "--compile=False", "--n_layer=1", "--n_head=2", "--n_embd=16",
+                  "--block_size=16", "--batch_size=4", "--eval_iters=2", "--log_interval=1000", "--device_name='M1_eflops'",
+                  f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=40",
+                  "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim"]
+        p = run_train(*common, "--max_iters=100000", check=False)
+        assert p.returncode == 1
+        err = p.stderr.strip().splitlines()
+        assert len(err) == 1 and "disk is full" in err[0] and str(out) in err[0], p.stderr
+        assert sorted(f.name for f in out.iterdir()) == ["ckpt.pt", "config.json", "log.csv", "train.lock"]
+        kept = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
+        text = (out / "log.csv").read_text()
+        assert text.endswith("\n") and pd.read_csv(out / "log.csv").step.tolist() == list(range(len(text.splitlines()) - 1))
+        (disk / "ballast").unlink()
+        assert shutil.disk_usage(disk).free < len(text)  # too little room for a second copy of the log
+        p = run_train(*common, f"--max_iters={kept + 3}", "--init_from=resume")
+        df = pd.read_csv(out / "log.csv")
+        assert df.step.tolist() == list(range(kept + 3))
+        assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == kept + 3
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
