@@ -93,6 +93,9 @@ if start.startswith('FILE:'):
     except (OSError, UnicodeDecodeError) as e:
         die(f"cannot read {prompt_from} ({e})")
 
+# seeded before the model is built, as nanoGPT does: building draws the same random numbers here
+# as there, so the same checkpoint and seed give nanoGPT's samples
+torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
@@ -175,9 +178,7 @@ if not start_ids:
         f"{'' if load_meta else ' or --start=<|endoftext|>'}")
 x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 
-# run generation; seeded here, once the model is built, so that the samples depend on the weights,
-# the prompt and the seed alone (not on how many random numbers building the model drew)
-torch.manual_seed(seed)
+# run generation
 with torch.no_grad():
     with ctx:
         for k in range(num_samples):

@@ -53,9 +53,13 @@ def sample_here(monkeypatch, capsys, *args):
 
 
 def samples_of(model, prompt_ids, decode, top_k=TOP_K):
-    """What nanoGPT's sampling loop prints for model's weights: the oracle."""
-    model.eval()
+    """The oracle: what nanoGPT's sample.py prints for model's weights. It seeds, builds a GPT of
+    the checkpoint's config (whose initialisation draws from the generator), loads the weights and
+    samples; this fork's GPT draws the same numbers, so its samples are nanoGPT's."""
     torch.manual_seed(SEED)
+    model_of_checkpoint = GPT(model.config)
+    model_of_checkpoint.load_state_dict(model.state_dict())
+    model = model_of_checkpoint.eval()
     x = torch.tensor([prompt_ids], dtype=torch.long)
     printed = ""
     for _ in range(NUM_SAMPLES):
@@ -265,7 +269,9 @@ def test_init_from_gpt2_samples_with_gpt2_bpe(gpt2_ranks, tmp_path, monkeypatch,
 
     def from_pretrained(cls, model_type, override_args=None):  # the hub's weights, without the network
         asked.append((model_type, override_args))
-        return model
+        pretrained = GPT(model.config)  # building draws random numbers, as GPT.from_pretrained's does
+        pretrained.load_state_dict(model.state_dict())
+        return pretrained
     monkeypatch.setattr(GPT, "from_pretrained", classmethod(from_pretrained))
     code, out, err = sample_here(monkeypatch, capsys, "--init_from=gpt2-medium", *FLAGS, "--start=<|endoftext|>")
     assert code == 0, err
