@@ -47,7 +47,9 @@ def _coerce(key, value, default):
 
 
 def help_text(config, doc=""):
-    lines = [doc.strip(), "", "usage: python train.py [config/file.py ...] [--key=value ...]", "", "keys and defaults:"]
+    import sys
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+    lines = [doc.strip(), "", f"usage: python {script} [config/file.py ...] [--key=value ...]", "", "keys and defaults:"]
     lines += [f"  --{k}={v!r}" for k, v in config.items()]
     return "\n".join(lines)
 

@@ -90,11 +90,17 @@ def encoding_from_ranks(path):
 def gpt2_encoding(cache_dir=None):
     """(tiktoken Encoding of GPT-2's BPE, a line saying where it came from): tiktoken's own "gpt2",
     else GPT-2's ranks from the openai-whisper sdist, cached in cache_dir (default data/.cache)."""
+    import socket
     import tiktoken
+    # tiktoken downloads without a timeout: a network that drops packets would hang it for ever
+    saved_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(30)
     try:
         return tiktoken.get_encoding("gpt2"), "tiktoken's GPT-2 BPE files"
     except Exception as e:  # no network: requests' errors; a damaged download: ValueError
         tiktoken_error = first_line(e)
+    finally:
+        socket.setdefaulttimeout(saved_timeout)
     path = os.path.join(cache_dir or CACHE_DIR, "gpt2.tiktoken")
     try:
         if not os.path.exists(path):

