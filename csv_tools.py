@@ -1,23 +1,41 @@
 """
 Reading out_dir/log.csv robustly, for gns-analysis.py, plot.py and a resuming LogWrapper, and
-the little those command-line tools share (one-line usage errors, terminal plots).
+the little those command-line tools share (one-line errors, terminal plots).
 
 A log may be finished, still being written, or cut short by a kill in the middle of a write.
 Every complete line ends in a newline, so a last line without one is a write cut short and is
 dropped. Rows shorter than the header are padded with empty cells (older logs only ever grew
 their header). The reference implementation's in-progress pair log_header.csv.tmp +
 log_data.csv.tmp is read too when there is no log.csv.
+
+Cells: an empty cell is a value not logged that step (NaN), and so, as pandas reads them, are
+'nan', 'None', 'NA' and its other missing-value words. In the columns asked for as written
+(load_log's as_written: the GNS columns, for gns-analysis.py) only an empty cell is missing and
+every other keeps what it says, so a value that went wrong ('nan', text) is told from one that
+was never logged. An old bug of the reference implementation wrote losses as 'tensor(4.2000)'
+(or "tensor(4.2000, device='cuda:0')"): those cells are read as the number.
+
+Memory: the file is streamed into pandas (never held as one string), and load_log(out_dir,
+columns) parses only the columns asked for, so a tool needs about the size of what it reads.
 """
 import argparse
 import csv
 import io
 import os
+import re
 import sys
+import warnings
 
 import numpy as np
 import pandas as pd
 
 LOG_NAME = "log.csv"
+REFERENCE_PAIR = ("log_header.csv.tmp", "log_data.csv.tmp")  # the reference's log while its run lasts
+TENSOR_CELL = re.compile(r"^\s*tensor\(\s*([^,()\s]+)\s*(?:,[^()]*)?\)\s*$")
+_EXTRA = "\0cells beyond the header"  # a column no header has: catches rows longer than the header
+# pandas' missing-value words (read_csv's documentation), for the columns not read as written
+PANDAS_NA = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>",
+             "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"]
 
 
 class LogError(Exception):
@@ -39,48 +57,153 @@ def read_rows(path):
     return next(rows, None), rows
 
 
+def complete_size(f):
+    """The bytes of an open binary file up to and including its last newline (0 if it has none)."""
+    end = f.seek(0, os.SEEK_END)
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        f.seek(start)
+        last = f.read(end - start).rfind(b"\n")
+        if last >= 0:
+            return start + last + 1
+        end = start
+    return 0
+
+
+class _Stream(io.RawIOBase):
+    """`head`, then the bytes of an open binary file from its position up to `end`: what pandas parses."""
+
+    def __init__(self, head, f, end):
+        self.head, self.f, self.left = head, f, end - f.tell()
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if self.head:
+            n = min(len(buffer), len(self.head))
+            buffer[:n], self.head = self.head[:n], self.head[n:]
+            return n
+        n = self.f.readinto(memoryview(buffer)[:self.left]) if self.left > 0 else 0
+        self.left -= n
+        return n
+
+
 def find_log(out_dir):
-    """(path to report, iterator over complete lines, header first) of the log in out_dir (or the file itself)."""
+    """(path to report, header file, data file) of the log in out_dir (or the file itself); for log.csv both are it."""
     if os.path.isfile(out_dir):
-        return out_dir, complete_lines(out_dir)
+        return out_dir, out_dir, out_dir
     if not os.path.isdir(out_dir):
         raise LogError(f"{out_dir}: no such directory")
     path = os.path.join(out_dir, LOG_NAME)
     if os.path.isfile(path):
-        return path, complete_lines(path)
-    header, data = (os.path.join(out_dir, n) for n in ("log_header.csv.tmp", "log_data.csv.tmp"))
+        return path, path, path
+    header, data = (os.path.join(out_dir, n) for n in REFERENCE_PAIR)
     if os.path.isfile(header) and os.path.isfile(data):
-        return data, (line for p in (header, data) for line in complete_lines(p))
+        return data, header, data
     raise LogError(f"{out_dir}: no {LOG_NAME} (has the run finished its first step?)")
 
 
-def load_log(out_dir):
+def _read_header(path, f):
+    """(column names, offset of the next line) from the first non-blank complete line of an open binary file."""
+    end = complete_size(f)
+    f.seek(0)
+    while f.tell() < end:
+        line = f.readline()
+        if line.strip():
+            try:
+                columns = next(csv.reader([line.decode("utf-8")]))
+            except UnicodeDecodeError:
+                raise LogError(f"{path}: not a text CSV file") from None
+            if columns[0] != "step":
+                raise LogError(f"{path}: malformed log, the first column is {columns[0]!r}, not 'step'")
+            twice = [c for c in columns if columns.count(c) > 1]
+            if twice:
+                raise LogError(f"{path}: malformed log, the column {twice[0]!r} appears twice in the header")
+            return columns, f.tell()
+    raise LogError(f"{path}: empty (no complete line yet)")
+
+
+def log_columns(out_dir):
+    """(column names, path) of the log in out_dir, from its header alone. Raises LogError."""
+    path, header_file, _ = find_log(out_dir)
+    try:
+        with open(header_file, "rb") as f:
+            return _read_header(path, f)[0], path
+    except OSError as e:
+        raise LogError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _tensor_cells_as_numbers(col):
+    """A text column with 'tensor(x, ...)' cells (the reference's old loss bug): those cells as numbers,
+    and the whole column numeric if nothing else in it is text."""
+    number = col.astype(str).str.extract(TENSOR_CELL, expand=False)
+    found = number.notna()
+    if not found.any():
+        return col
+    col = col.astype(object)
+    col[found] = pd.to_numeric(number[found], errors="coerce")
+    numeric = pd.to_numeric(col, errors="coerce")
+    return numeric if (numeric.notna() == col.notna()).all() else col
+
+
+def load_log(out_dir, columns=None, as_written=()):
     """
     (DataFrame, path) of the log in out_dir: one row per logged step, sorted by step; where a
-    step appears twice (an old run resumed by hand), the later row wins. Raises LogError.
+    step appears twice (an old run resumed by hand), the later row wins. columns: the names to
+    read ('step' always; names the log lacks are ignored), default all. as_written: columns
+    where only an empty cell is missing ('nan' or 'None' stay text). Raises LogError.
     """
-    path, lines = find_log(out_dir)
+    path, header_file, data_file = find_log(out_dir)
     try:
-        text = "".join(lines)
+        # header and rows from one open file: a LogWrapper swapping in a longer header meanwhile
+        # replaces the file, not what is read here
+        with open(data_file, "rb") as f, warnings.catch_warnings():
+            if data_file == header_file:
+                header, start = _read_header(path, f)
+            else:
+                with open(header_file, "rb") as h:
+                    header, start = _read_header(path, h)[0], 0
+            wanted = set(header) if columns is None else {"step", *columns}
+            warnings.simplefilter("ignore", pd.errors.DtypeWarning)  # mixed columns are handled below
+            end = complete_size(f)
+            f.seek(start)
+            # a first row of zeros one cell longer than the header: pandas takes the number of
+            # cells from its first rows, so a later row longer than the header fills _EXTRA
+            # (with usecols it would be cut silently); zeros keep integer columns integer
+            zeros = ",".join(["0"] * (len(header) + 1)).encode() + b"\n"
+            df = pd.read_csv(io.BufferedReader(_Stream(zeros, f, max(end, start))), header=None,
+                             names=header + [_EXTRA], usecols=lambda c: c in wanted or c == _EXTRA,
+                             keep_default_na=False, na_values={c: [""] if c in as_written else PANDAS_NA
+                                                               for c in wanted | {_EXTRA}},
+                             encoding="utf-8")
+            df = df.iloc[1:].reset_index(drop=True)
     except UnicodeDecodeError:
         raise LogError(f"{path}: not a text CSV file") from None
     except OSError as e:
         raise LogError(f"{path}: cannot read ({e.strerror})") from None
-    if not text.strip():
-        raise LogError(f"{path}: empty (no complete line yet)")
-    try:
-        df = pd.read_csv(io.StringIO(text), low_memory=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as e:
         raise LogError(f"{path}: malformed CSV ({str(e).strip().splitlines()[-1]})") from None
-    if df.columns[0] != "step":
-        raise LogError(f"{path}: malformed log, the first column is {df.columns[0]!r}, not 'step'")
+    extra = df.pop(_EXTRA).notna().to_numpy()
+    if extra.any():
+        raise LogError(f"{path}: malformed CSV (data row {int(extra.argmax()) + 1} has more cells than the "
+                       f"header's {len(header)})")
+    for c in df.columns:
+        if not pd.api.types.is_numeric_dtype(df[c]):
+            df[c] = _tensor_cells_as_numbers(df[c])
     steps = pd.to_numeric(df["step"], errors="coerce")
     if steps.isna().any():
         raise LogError(f"{path}: malformed log, a 'step' cell is not a number "
                        f"(data row {int(steps.isna().to_numpy().argmax()) + 1})")
     df["step"] = steps.astype("int64")
-    df = df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
+    if not (df["step"].is_monotonic_increasing and df["step"].is_unique):  # copies only when needed
+        df = df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
     return df, path
+
+
+def load_csv(out_dir):
+    """The reference implementation's name: the log's DataFrame, load_log(out_dir)[0]."""
+    return load_log(out_dir)[0]
 
 
 # -- shared by the command-line tools ----------------------------------------------------------
@@ -93,12 +216,21 @@ class ToolParser(argparse.ArgumentParser):
 
 
 def run_main(main):
-    """sys.exit(main()), quietly when the output is piped into head & co. and the pipe closes."""
+    """
+    sys.exit(main()), where main reports bad input itself (one line, 2). Output that cannot be
+    written: quietly 1 when a pipe into head & co. closes, one line and 1 otherwise (a full disk).
+    """
     try:
-        sys.exit(main())
+        code = main()
+        sys.stdout.flush()
     except BrokenPipeError:
+        code = 1
+    except OSError as e:  # everything read is checked by then: this is stdout
+        print(f"{os.path.basename(sys.argv[0])}: error: cannot write the output ({e.strerror or e})", file=sys.stderr)
+        code = 1
+    if code:  # what is still buffered for stdout would fail again at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+    sys.exit(code)
 
 
 def figure(series, x_label, y_label, scatter=False, width=72, height=16):

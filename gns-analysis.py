@@ -63,9 +63,42 @@ Writes OUT_DIR/gns_analysis.csv with, per step that has a measurement from any e
       has seen); and batch_size, small_batch_size (the main estimator's B and b);
   every other estimator E:    E/total/... (the same six), E/batch_size, E/small_batch_size;
       where E and the main one cover different parameters, also E/common/... (E summed over the
-      parameters both cover) and E/main_common/... (the main estimator over the same ones).
+      parameters both cover) and E/main_common/... (the main estimator over the same ones);
+  the reference implementation's columns (CerebrasResearch/nanoGNS, exact/gns-analysis.py), for
+      code that reads its gns_analysis.csv, all for the main estimator's total: step, batch_size,
+      sgn and spegn (the summed squared norms |G_B|^2 and |G_b|^2), gtg and trsigma (the per-step
+      estimates, = total/sq_norm, total/trace), gtg_ema, trsigma_ema and gns (the smoothed ones,
+      = total/sq_norm_ema, total/trace_ema, total/gns), tokens_processed (if logged) and ddp_gns
+      (the log's own ddp/gns, if logged). Their numbers differ from the reference's, because:
+        - the EMA is bias-corrected (pandas' adjusted ewm); the reference's ewm(adjust=False)
+          starts at the first estimate and weighs it more for ~1/(1 - alpha) steps;
+        - steps without a measurement are skipped (no row, the EMA carried over), not zeros;
+        - the tied weight wte = lm_head is included: this fork measures it exactly, the
+          reference measures it wrong and its analysis leaves it out;
+        - gns is trsigma_ema / gtg_ema as it is; the reference clips gtg_ema below at 1e-6;
+        - tokens_processed only comes from the log; the reference made up step * batch_size.
+
+Logs of the reference implementation are read too (log.csv, or log_header.csv.tmp +
+log_data.csv.tmp while it runs). Its tracker logs the tied weight transformer.wte.weight with the
+whole gradient's norm but only the embedding's per-example norms, and its analysis skips every
+parameter whose name contains 'wte' or 'lm_head'; so do we for its logs, with a note. Whose log
+it is comes from config.json beside it: this fork's has always had a 'seed' key, the reference's
+never has (--tied keep or drop decides where there is no config.json). Under float16 the
+reference's DDP estimator divides loss-scaled small-batch norms by unscaled big-batch ones, so
+for a float16 reference log its ddp/ columns are left out, with a note.
+
+Cells that are not finite numbers. An empty cell is a value not measured that step (evaluation
+rows, an estimator that did not run): silently nothing. A GNS cell (norm, pegn, batch_size,
+small_batch_size) holding anything else that is not a finite number (inf, nan, 1e400, text) is
+left out with its step from every group holding its parameter, and counted in the summary: steps
+with a non-finite norm (a float16 overflow: the optimizer skipped the step) on one line, other
+cells on another, with the first few steps and parameters.
+
+Exit status: 0 done; 2 bad input (usage, a missing, unreadable or invalid log, a --prefix that is
+not in it), one line on stderr; 1 the result could not be written, one line on stderr.
 """
 import argparse
+import json
 import math
 import os
 import re
@@ -74,7 +107,9 @@ import sys
 import numpy as np
 import pandas as pd
 
-from csv_tools import LogError, ToolParser, figure, load_log, log10_positive, run_main, x_axis
+from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
+                       run_main, x_axis)
+from reference_names import refuse_module_names
 
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
 KINDS = ("norm", "pegn", "batch_size", "small_batch_size")
@@ -85,6 +120,11 @@ DDP_NAME = "(whole model)"  # the DDP estimator's one pseudo-parameter: it logs 
 DDP_COLUMNS = {"norm": "ddp/big_batch_norm", "pegn": "ddp/small_batch_norm",
                "batch_size": "ddp/big_batch_size", "small_batch_size": "ddp/small_batch_size"}
 EMA_COLUMNS = ("sq_norm", "trace", "sq_norm_ema", "trace_ema", "gns", "ema_steps")
+# the reference's gns_analysis.csv columns, from the main estimator's total: {ours: reference's}
+REFERENCE_COLUMNS = {"total/sq_norm": "gtg", "total/trace": "trsigma", "total/sq_norm_ema": "gtg_ema",
+                     "total/trace_ema": "trsigma_ema", "total/gns": "gns"}
+TIED = ("wte", "lm_head")  # the reference's analysis leaves out every parameter whose name holds one
+NOT_NUMBERS = ("nan", "-nan", "+nan")  # text that is a (non-finite) number
 
 
 class AnalysisError(Exception):
@@ -115,8 +155,9 @@ def unbiased_estimates(big_sq, small_sq, B, b=1):
     B, b = np.asarray(B, dtype=float), np.asarray(b, dtype=float)
     ok = (b >= 1) & (B > b)
     B, b = np.where(ok, B, np.nan), np.where(ok, b, np.nan)
-    sq_norm = (B * big_sq - b * small_sq) / (B - b)
-    trace = (small_sq - big_sq) / (1 / b - 1 / B)
+    with np.errstate(invalid="ignore"):  # inf - inf: a step that overflowed, NaN like any unmeasured one
+        sq_norm = (B * big_sq - b * small_sq) / (B - b)
+        trace = (small_sq - big_sq) / (1 / b - 1 / B)
     return sq_norm, trace
 
 
@@ -132,6 +173,25 @@ def debiased_ema(x, alpha):
     return np.where(seen > 0, ema, np.nan), seen
 
 
+def gns_column(col):
+    """(prefix, parameter name, kind) of a per-parameter GNS column PREFIX/<name>/<kind>, else None."""
+    parts = col.rsplit("/", 2)
+    if len(parts) == 3 and all(parts) and parts[2] in KINDS:
+        return tuple(parts)
+    return None
+
+
+def analysis_columns(columns):
+    """The log columns the analysis reads: every GNS column, the DDP ones, and the x axes."""
+    extra = {"step", "iter_num", "tokens_processed", "ddp/gns", *DDP_COLUMNS.values()}
+    return [c for c in columns if c in extra or gns_column(c)]
+
+
+def tied_columns(columns):
+    """The per-parameter GNS columns of the tied weight wte = lm_head (names holding 'wte' or 'lm_head')."""
+    return [c for c in columns if gns_column(c) and any(t in gns_column(c)[1] for t in TIED)]
+
+
 def find_estimators(df):
     """
     {prefix: {parameter name: {kind: column}}} of every estimator in the log: each prefix with a
@@ -141,8 +201,8 @@ def find_estimators(df):
     """
     found = {}
     for col in df.columns:
-        parts = col.rsplit("/", 2)
-        if len(parts) == 3 and all(parts) and parts[2] in KINDS:
+        parts = gns_column(col)
+        if parts:
             found.setdefault(parts[0], {}).setdefault(parts[1], {})[parts[2]] = col
     # a prefix is an estimator if one of its parameters has the norm and pegn pair
     found = {p: names for p, names in found.items() if any({"norm", "pegn"} <= set(c) for c in names.values())}
@@ -153,15 +213,22 @@ def find_estimators(df):
     return estimators
 
 
+def read_cells(cells):
+    """(values, bad) of a GNS column: its numbers (NaN where empty or text), and the cells that hold
+    something other than a finite number (an empty cell, not measured, is not bad)."""
+    values = pd.to_numeric(cells, errors="coerce").to_numpy(dtype=float)
+    bad = ~np.isfinite(values) & cells.notna().to_numpy()
+    return values, bad
+
+
 def load_estimator(df, prefix, columns):
     """
     One estimator's raw numbers over all log rows: dict with names (parameters with at least one
     measurement), index (name -> column), big_sq, small_sq, B, b, measured ([rows, params]),
-    incomplete and never (names left out). Raises AnalysisError if nothing is left.
+    incomplete and never (names left out), overflow_steps (steps with a non-finite norm), bad_cells
+    and bad_examples (the other cells that are not finite numbers: how many, and the first few as
+    'step N name/kind (cell)'). Raises AnalysisError if nothing is left.
     """
-    def numeric(col):
-        return pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
-
     complete = {n: c for n, c in columns.items() if {"norm", "pegn", "batch_size"} <= set(c)}
     incomplete = sorted(set(columns) - set(complete))
     if not complete:
@@ -169,29 +236,50 @@ def load_estimator(df, prefix, columns):
         raise AnalysisError(f"the GNS columns under '{prefix}' are incomplete (each parameter needs "
                             f"/norm, /pegn and /batch_size; e.g. {incomplete[0]} has {has})")
     names = list(complete)
-    big_sq = np.stack([numeric(complete[n]["norm"]) ** 2 for n in names], axis=1)  # [rows, params]
-    small_sq = np.stack([numeric(complete[n]["pegn"]) ** 2 for n in names], axis=1)
-    B = np.stack([numeric(complete[n]["batch_size"]) for n in names], axis=1)
-    # b = 1 (per-example) unless the estimator logs its small batch size
-    b = np.stack([numeric(complete[n]["small_batch_size"]) if "small_batch_size" in complete[n]
-                  else np.ones(len(df)) for n in names], axis=1)
+    steps = df["step"].to_numpy()
+    shape = (len(df), len(names))
+    # filled in place, one column at a time: the log holds many parameters over many steps
+    big_sq, small_sq, B, b = np.empty(shape), np.empty(shape), np.empty(shape), np.ones(shape)
+    overflow = np.zeros(len(df), dtype=bool)
+    bad_cells, bad_examples = 0, []
+    for i, name in enumerate(names):
+        for kind, out in (("norm", big_sq), ("pegn", small_sq), ("batch_size", B), ("small_batch_size", b)):
+            if kind not in complete[name]:
+                continue  # no small_batch_size: b = 1, per-example
+            cells = df[complete[name][kind]]
+            values, bad = read_cells(cells)
+            out[:, i] = values ** 2 if kind in ("norm", "pegn") else values
+            if not bad.any():
+                continue
+            rows = np.flatnonzero(bad)
+            if kind in ("norm", "pegn"):  # inf or nan written as a number: an overflow
+                text = cells.iloc[rows].astype(str).str.strip().str.lower()
+                number = np.isinf(values[rows]) | text.isin(NOT_NUMBERS).to_numpy()
+                overflow[rows[number]] = True
+                rows = rows[~number]
+            bad_cells += len(rows)
+            bad_examples += [f"step {steps[r]} {name}/{kind} ({cells.iloc[r]!r})" for r in rows[:3 - len(bad_examples)]]
     measured = np.isfinite(big_sq) & np.isfinite(small_sq) & np.isfinite(B) & np.isfinite(b)
     keep = measured.any(0)
     if not keep.any():
-        raise AnalysisError(f"the GNS columns under '{prefix}' hold no numbers yet")
+        why = f" ({overflow.sum()} steps with non-finite norms)" if overflow.any() else ""
+        why += f" ({bad_cells} cells that are not finite numbers, e.g. {bad_examples[0]})" if bad_cells else ""
+        raise AnalysisError(f"the GNS columns under '{prefix}' hold no numbers yet{why}")
     never = [n for n, k in zip(names, keep) if not k]
     names = [n for n, k in zip(names, keep) if k]
-    return dict(prefix=prefix, names=names, index={n: i for i, n in enumerate(names)}, big_sq=big_sq[:, keep],
-                small_sq=small_sq[:, keep], B=B[:, keep], b=b[:, keep], measured=measured[:, keep],
-                incomplete=incomplete, never=never)
+    if not keep.all():
+        big_sq, small_sq, B, b, measured = (a[:, keep] for a in (big_sq, small_sq, B, b, measured))
+    return dict(prefix=prefix, names=names, index={n: i for i, n in enumerate(names)}, big_sq=big_sq,
+                small_sq=small_sq, B=B, b=b, measured=measured, incomplete=incomplete, never=never,
+                overflow_steps=steps[overflow].tolist(), bad_cells=bad_cells, bad_examples=bad_examples)
 
 
 def group_estimates(est, members):
     """
-    (sq_norm, trace, B, b, mixed) per log row for the parameters `members` of an estimator: the
-    squared norms summed over the members first, then the estimators. A row counts only if every
-    member was measured with one B and one b (mixed: rows left out for differing B or b);
-    NaN elsewhere, and where B <= b.
+    Per log row for the parameters `members` of an estimator, a dict: big_sq and small_sq (the
+    squared norms summed over the members), sq_norm and trace (the estimates from those sums), B,
+    b, and mixed (rows left out for differing B or b). A row counts only if every member was
+    measured with one B and one b; NaN elsewhere, and where B <= b.
     """
     cols = [est["index"][n] for n in members]
     B, b = est["B"][:, cols[0]], est["b"][:, cols[0]]
@@ -199,9 +287,12 @@ def group_estimates(est, members):
     same = (est["B"][:, cols] == B[:, None]).all(1) & (est["b"][:, cols] == b[:, None]).all(1)
     ok = all_measured & same
     # summing |G_b|^2 over parameters is fine for any b: each is a mean over the same micro-batches
-    sq_norm, trace = unbiased_estimates(est["big_sq"][:, cols].sum(1), est["small_sq"][:, cols].sum(1), B, b)
-    return (np.where(ok, sq_norm, np.nan), np.where(ok, trace, np.nan), np.where(ok, B, np.nan),
-            np.where(ok, b, np.nan), int((all_measured & ~same).sum()))
+    big_sq, small_sq = est["big_sq"][:, cols].sum(1), est["small_sq"][:, cols].sum(1)
+    sq_norm, trace = unbiased_estimates(big_sq, small_sq, B, b)
+    out = dict(big_sq=big_sq, small_sq=small_sq, sq_norm=sq_norm, trace=trace, B=B, b=b)
+    out = {k: np.where(ok, v, np.nan) for k, v in out.items()}
+    out["mixed"] = int((all_measured & ~same).sum())
+    return out
 
 
 def smoothed(sq_norm, trace, alpha, name):
@@ -228,11 +319,11 @@ def main_groups(names, prefix):
     return groups
 
 
-def choose_main(df, estimators, prefix):
+def choose_main(df, estimators, prefix, fallback=True):
     """
     (main prefix, {prefix: loaded estimator} of the usable ones, note or None). The main one is
-    `prefix` if usable; otherwise the first usable estimator, with a note saying why. Raises
-    AnalysisError when no estimator is usable.
+    `prefix` if usable; otherwise, with fallback, the first usable estimator, with a note saying
+    why. Raises AnalysisError when no estimator is usable, or `prefix` is not and not fallback.
     """
     loaded, problems = {}, {}
     for p, columns in estimators.items():
@@ -254,18 +345,22 @@ def choose_main(df, estimators, prefix):
         others = [p for p in problems if p != prefix]
         also = f"; under {', '.join(others)}: none usable either" if others else ""
         raise AnalysisError(f"{why}{also}; is --prefix right?")
+    if not fallback:
+        raise AnalysisError(f"{why}; estimators in the log: {', '.join(loaded)}")
     main = next(iter(loaded))
     return main, loaded, f"{why}; showing '{main}' instead (estimators in the log: {', '.join(loaded)})"
 
 
-def analyze(df, alpha, prefix="train/gns"):
+def analyze(df, alpha, prefix="train/gns", fallback=True):
     """
-    (results DataFrame, info dict) for a loaded log: the main estimator (`prefix`, or the first
-    usable one if it is absent) per group, every other estimator's total, and their comparison
-    with the main one. Raises AnalysisError.
+    (results DataFrame, info dict) for a loaded log: the main estimator (`prefix`, or with
+    fallback the first usable one if it is absent) per group, every other estimator's total, and
+    their comparison with the main one; results also hold the reference's columns (module
+    docstring). The log is taken as it is: leave out a reference log's tied weight beforehand
+    (tied_columns). Raises AnalysisError.
     """
     prefix = prefix.rstrip("/")
-    main, loaded, note = choose_main(df, find_estimators(df), prefix)
+    main, loaded, note = choose_main(df, find_estimators(df), prefix, fallback)
     est = loaded[main]
     groups = main_groups(est["names"], main)
 
@@ -275,33 +370,48 @@ def analyze(df, alpha, prefix="train/gns"):
             out[col] = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
     mixed_batch_rows = 0
     for group, members in groups.items():
-        sq_norm, trace, B, b, mixed = group_estimates(est, members)
+        g = group_estimates(est, members)
         if group == "total":
-            out["batch_size"], out["small_batch_size"], mixed_batch_rows = B, b, mixed
-        out.update(smoothed(sq_norm, trace, alpha, group))
+            out["batch_size"], out["small_batch_size"], mixed_batch_rows = g["B"], g["b"], g["mixed"]
+            total = g
+        out.update(smoothed(g["sq_norm"], g["trace"], alpha, group))
+    # the reference's columns (copies of the total's), for code that reads its gns_analysis.csv
+    reference = {name: out[ours] for ours, name in REFERENCE_COLUMNS.items()}
+    reference.update(sgn=total["big_sq"], spegn=total["small_sq"])
+    if "ddp/gns" in df.columns:
+        reference["ddp_gns"] = pd.to_numeric(df["ddp/gns"], errors="coerce").to_numpy(dtype=float)
 
     others = {}
     for p, other in loaded.items():
         if p == main:
             continue
-        sq_norm, trace, B, b, mixed = group_estimates(other, other["names"])
-        out.update(smoothed(sq_norm, trace, alpha, f"{p}/total"))
-        out[f"{p}/batch_size"], out[f"{p}/small_batch_size"] = B, b
+        g = group_estimates(other, other["names"])
+        out.update(smoothed(g["sq_norm"], g["trace"], alpha, f"{p}/total"))
+        out[f"{p}/batch_size"], out[f"{p}/small_batch_size"] = g["B"], g["b"]
         # the same parameters on both sides, where they cover different ones (the Linear hooks)
         shared = [n for n in other["names"] if n in est["index"]]
         differ = len(shared) < len(other["names"]) or len(shared) < len(est["names"])
         if shared and differ:
-            out.update(smoothed(*group_estimates(other, shared)[:2], alpha, f"{p}/common"))
-            out.update(smoothed(*group_estimates(est, shared)[:2], alpha, f"{p}/main_common"))
+            for side, e in (("common", other), ("main_common", est)):
+                common = group_estimates(e, shared)
+                out.update(smoothed(common["sq_norm"], common["trace"], alpha, f"{p}/{side}"))
         others[p] = dict(params=len(other["names"]), shared=len(shared), common=shared if shared and differ else None,
-                         mixed_batch_rows=mixed, incomplete=other["incomplete"], never_measured=other["never"])
+                         mixed_batch_rows=g["mixed"], incomplete=other["incomplete"], never_measured=other["never"],
+                         overflow_steps=other["overflow_steps"], bad_cells=other["bad_cells"],
+                         bad_examples=other["bad_examples"])
 
     # keep the rows where any estimator measured anything; the EMAs carry over the others
     rows = np.zeros(len(df), dtype=bool)
     for e in loaded.values():
         rows |= e["measured"].any(1)
     main_rows = int(est["measured"].any(1).sum())
-    results = pd.DataFrame(out)[rows].reset_index(drop=True)
+    kept = {k: est[k] for k in ("incomplete", "never", "overflow_steps", "bad_cells", "bad_examples")}
+    est = other = loaded = None  # the raw [rows, params] arrays: freed before the results take their place
+    first = [c for c in ("step", "iter_num", "tokens_processed", "batch_size", "small_batch_size") if c in out]
+    data = {**{c: out.pop(c) for c in first}, **reference, **out}
+    out = reference = None
+    # each column filtered once, its unfiltered array freed as it goes; pandas need not copy them again
+    results = pd.DataFrame({k: data.pop(k)[rows] for k in list(data)}, copy=False)
 
     for p, o in others.items():
         o["comparison"] = compare(results[f"{p}/total/gns"], results["total/gns"],
@@ -314,9 +424,10 @@ def analyze(df, alpha, prefix="train/gns"):
     if "LayerNorm" in groups:
         ln = compare(results["LayerNorm/gns"], results["total/gns"],
                      np.minimum(results["LayerNorm/ema_steps"], results["total/ema_steps"]), alpha)
-    info = dict(main=main, requested=prefix, note=note, groups=groups, incomplete=est["incomplete"],
-                never_measured=est["never"], mixed_batch_rows=mixed_batch_rows, log_rows=len(df),
-                main_rows=main_rows, comparison=ln, estimators=others)
+    info = dict(main=main, requested=prefix, note=note, notes=[], groups=groups,
+                incomplete=kept["incomplete"], never_measured=kept["never"], mixed_batch_rows=mixed_batch_rows,
+                overflow_steps=kept["overflow_steps"], bad_cells=kept["bad_cells"], bad_examples=kept["bad_examples"],
+                log_rows=len(df), main_rows=main_rows, comparison=ln, estimators=others)
     return results, info
 
 
@@ -343,6 +454,79 @@ def compare(numerator, denominator, seen, alpha):
         pearson = float(np.corrcoef(a[warm], d[warm])[0, 1])
     return dict(steps=int(warm.sum()), min_ema_steps=window, ratio_median=float(np.median(ratio)) if len(ratio) else np.nan,
                 ratio_mean=float(np.mean(ratio)) if len(ratio) else np.nan, pearson=pearson)
+
+
+# -- logs of the reference implementation --------------------------------------------------------
+
+def log_origin(path):
+    """
+    ('fork', 'reference' or None when it cannot tell, why, config) of the log at path. This
+    fork's config.json has always had a 'seed' key, the reference's never has (and is never
+    empty); only the reference writes the in-progress pair log_header.csv.tmp + log_data.csv.tmp.
+    """
+    try:
+        with open(os.path.join(os.path.dirname(path), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and config:
+        if "seed" in config:
+            return "fork", "its config.json has a 'seed'", config
+        return "reference", "its config.json has no 'seed'", config
+    if os.path.basename(path) == REFERENCE_PAIR[1]:
+        return "reference", f"written as {' + '.join(REFERENCE_PAIR)}", {}
+    return None, "no config.json with the run's settings beside it", {}
+
+
+def reference_fixes(columns, path, tied="auto"):
+    """
+    (columns to leave out, note lines) for the log at path with these columns. tied: 'auto'
+    (leave out the tied weight of a reference log, keep this fork's), 'keep' or 'drop'. Also
+    leaves out a float16 reference log's ddp/ columns. Raises AnalysisError where the tied weight
+    is logged and auto cannot tell whose log it is.
+    """
+    origin, why, config = log_origin(path)
+    leave_out, notes = [], []
+    tied_cols = tied_columns(columns)
+    names = sorted({gns_column(c)[1] for c in tied_cols})
+    shown = ", ".join(names)
+    if tied_cols and tied == "auto":
+        if origin is None:
+            raise AnalysisError(f"cannot tell whether this log is this fork's, whose tied weight {shown} is "
+                                f"measured exactly, or the reference implementation's, which measures it wrong "
+                                f"({why}): pass --tied keep or --tied drop")
+        tied = "drop" if origin == "reference" else "keep"
+        if tied == "drop":
+            notes.append(f"a log of the reference implementation ({why}): its tied weight {shown} is measured "
+                         f"wrong there (the whole gradient's norm, only the embedding's per-example norms), so it "
+                         f"is left out, as its own analysis does (--tied keep keeps it)")
+    elif tied_cols and tied == "drop":
+        notes.append(f"the tied weight {shown} is left out (--tied drop)")
+    elif tied_cols and origin == "reference":
+        notes.append(f"the tied weight {shown} is kept (--tied keep), though the reference implementation "
+                     f"measures it wrong ({why})")
+    if tied == "drop":
+        leave_out += tied_cols
+    ddp = [c for c in columns if c.startswith(DDP + "/")]
+    if origin == "reference" and config.get("dtype") == "float16" and ddp:
+        leave_out += ddp
+        notes.append("the reference implementation's DDP estimator under float16 divides loss-scaled "
+                     "small-batch norms by unscaled big-batch ones: its ddp/ columns are left out")
+    return leave_out, notes
+
+
+def read_log(out_dir, tied="auto"):
+    """
+    (DataFrame, path, note lines) of the log in out_dir as the analysis reads it: the columns it
+    needs, the GNS cells as written (a 'nan' is not an empty cell), a reference log's tied weight
+    and float16 DDP columns left out (reference_fixes). Raises LogError, AnalysisError.
+    """
+    columns, path = log_columns(out_dir)
+    leave_out, notes = reference_fixes(columns, path, tied)
+    wanted = [c for c in analysis_columns(columns) if c not in set(leave_out)]
+    gns = [c for c in wanted if gns_column(c) or c in DDP_COLUMNS.values()]
+    df, path = load_log(out_dir, wanted, as_written=gns)
+    return df, path, notes
 
 
 # -- terminal output ----------------------------------------------------------------------------
@@ -380,6 +564,21 @@ def left_out_lines(what_names, indent="  "):
     return lines
 
 
+def bad_cell_lines(e, indent="  "):
+    """The summary's lines on GNS cells that were not finite numbers (their steps left out)."""
+    lines = []
+    steps = e["overflow_steps"]
+    if steps:
+        shown = ", ".join(map(str, steps[:4])) + (" ..." if len(steps) > 4 else "")
+        lines.append(f"{indent}{len(steps)} steps with non-finite norms (e.g. float16 overflow; the optimizer "
+                     f"skipped them), left out: steps {shown}")
+    if e["bad_cells"]:
+        more = " ..." if e["bad_cells"] > len(e["bad_examples"]) else ""
+        lines.append(f"{indent}{e['bad_cells']} cells that are not finite numbers, left out with their steps: "
+                     f"{'; '.join(e['bad_examples'])}{more}")
+    return lines
+
+
 def summary(results, info, path, alpha):
     groups, main = info["groups"], info["main"]
     last = results.iloc[-1]
@@ -389,10 +588,10 @@ def summary(results, info, path, alpha):
         counts = ", ".join(f"{k} {len(groups[k])}" for k in TYPE_GROUPS if k in groups)
         covered = f"{len(groups['total'])} parameters ({counts})"
     lines = [f"{path}: {info['log_rows']} rows, {info['main_rows']} steps with GNS measurements under '{main}', {covered}"]
-    if info["note"]:
-        lines.append(f"  note: {info['note']}")
+    lines += [f"  note: {note}" for note in [info["note"]] * bool(info["note"]) + info["notes"]]
     lines += left_out_lines([("incomplete columns, left out", info["incomplete"]),
                              ("never measured, left out", info["never_measured"])])
+    lines += bad_cell_lines(info)
     if info["mixed_batch_rows"]:
         lines.append(f"  {info['mixed_batch_rows']} steps with different batch sizes across parameters were left out")
     seen = int(last["total/ema_steps"])
@@ -463,6 +662,7 @@ def estimator_table(results, info, alpha):
             lines.append(f"    {p}: no step with B > B_small (one micro-batch on one process?): nothing to estimate")
         lines += left_out_lines([("incomplete columns, left out", o["incomplete"]),
                                  ("never measured, left out", o["never_measured"])], indent=f"    {p}: ")
+        lines += bad_cell_lines(o, indent=f"    {p}: ")
         if o["mixed_batch_rows"]:
             lines.append(f"    {p}: {o['mixed_batch_rows']} steps with different batch sizes across parameters were left out")
     return lines
@@ -480,33 +680,51 @@ def alpha_type(text):
 
 def main(argv=None):
     parser = ToolParser(
-        prog="gns-analysis.py",
-        description="Gradient noise scale (GNS) of a run from the raw gradient norms in OUT_DIR/log.csv: "
-                    "unbiased per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, App. A), "
-                    "summed over parameter groups, smoothed separately, GNS = EMA(tr S) / EMA(|G|^2). "
-                    "Every estimator in the log is analysed (exact per-example train/gns, Linear hooks "
-                    "train/gnshooks, SOGNS train/sogns, micro-batch train/microbatch_gns, DDP ddp/...) and "
-                    "compared with the main one. Prints a summary and terminal plots; writes "
-                    "OUT_DIR/gns_analysis.csv.")
+        prog="gns-analysis.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Gradient noise scale (GNS) of a run from the raw gradient norms in OUT_DIR/log.csv: unbiased
+per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, App. A), summed over parameter
+groups, smoothed separately, GNS = EMA(tr S) / EMA(|G|^2). Every estimator in the log is analysed
+(exact per-example train/gns, Linear hooks train/gnshooks, SOGNS train/sogns, micro-batch
+train/microbatch_gns, DDP ddp/...) and compared with the main one. Prints a summary and terminal
+plots; writes OUT_DIR/gns_analysis.csv. Reads the reference implementation's logs too.""",
+        epilog="""\
+gns_analysis.csv also has the reference implementation's columns, from the main estimator's
+total: step, batch_size, sgn and spegn (summed |G_B|^2, |G_b|^2), gtg and trsigma (per-step
+estimates), gtg_ema, trsigma_ema, gns (smoothed), tokens_processed, ddp_gns (the log's ddp/gns).
+They differ from the reference's numbers because:
+  - the EMA is bias-corrected (pandas' adjusted ewm), not ewm(adjust=False);
+  - steps without a measurement are skipped, not zeros;
+  - the tied weight wte = lm_head is included (the reference measures it wrong and leaves it out);
+  - gns is not clipped (the reference divides by max(gtg_ema, 1e-6));
+  - tokens_processed comes only from the log (the reference made up step * batch_size).
+GNS cells that are not finite numbers (inf, nan, text) are left out with their steps and counted
+in the summary; empty cells are steps without a measurement.
+Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be written.""")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the run's output directory (holding log.csv), or a log CSV file")
     parser.add_argument("--alpha", type=alpha_type, default=0.99,
                         help="EMA smoothing factor in [0, 1): ema = alpha * ema + (1 - alpha) * estimate at each "
                              "measured step, bias-corrected at the start; averages over ~1/(1 - alpha) steps; "
                              "0 = no smoothing (default: 0.99)")
-    parser.add_argument("--prefix", default="train/gns",
+    parser.add_argument("--prefix", default=None,
                         help="the main estimator, broken down by parameter group and the one the others are "
                              "compared with: the column prefix PREFIX/<param>/norm, or 'ddp' for the DDP "
-                             "estimator; if the log lacks it, the first estimator present is used, with a "
-                             "note (default: train/gns)")
+                             "estimator; a PREFIX given that the log lacks is an error (default: train/gns, or "
+                             "if the log lacks it the first estimator present, with a note)")
     parser.add_argument("--no-plots", action="store_true", help="print only the summary (default: plots too)")
+    parser.add_argument("--tied", choices=("auto", "keep", "drop"), default="auto",
+                        help="the tied weight wte = lm_head: keep it (this fork measures it exactly), drop it "
+                             "(the reference implementation measures it wrong), or auto: drop it from the "
+                             "reference's logs, told apart by their config.json (default: auto)")
     args = parser.parse_args(argv)
 
     try:
-        df, path = load_log(args.out_dir)
-        results, info = analyze(df, args.alpha, args.prefix)
+        df, path, notes = read_log(args.out_dir, args.tied)
+        results, info = analyze(df, args.alpha, args.prefix or "train/gns", fallback=args.prefix is None)
     except (LogError, AnalysisError) as e:
         print(f"gns-analysis.py: error: {e}", file=sys.stderr)
-        return 1
+        return 2
+    info["notes"] += notes
     if not args.no_plots:
         print(plots(results, df, info))
         print()
@@ -519,6 +737,20 @@ def main(argv=None):
         return 1
     print(f"wrote {out_path}")
     return 0
+
+
+# -- the reference implementation's names that are not kept (reference_names.py) ------------------
+
+__getattr__ = refuse_module_names(__name__, {
+    "analyze_gns": "use analyze(load_log(out_dir)[0], alpha, prefix); its results hold gtg, trsigma, gtg_ema, "
+                   "trsigma_ema, gns, sgn, spegn with a bias-corrected EMA (module docstring)",
+    "compute_ema": "use debiased_ema(x, alpha): bias-corrected, over the measured steps only "
+                   "(the reference's was ewm(adjust=False))",
+    "compute_total_norms": "use analyze(df, alpha)'s sgn and spegn columns (the main estimator's summed squared norms)",
+    "get_aligned_columns": "use find_estimators(df)",
+    "unbiased_stats": "use unbiased_estimates(sgn, spegn, B), NaN where B <= 1",
+    "create_plots": "use plots(results, df, info)",
+})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
+import os
+
+import numpy as np
+import pandas as pd
 import pytest
 
-from csv_tools import LogError, load_log, read_rows
+from csv_tools import LogError, load_log, log_columns, read_rows
 from tracker import LogWrapper
 
 
@@ -72,3 +76,113 @@ def test_bad_logs_raise_one_line_errors(tmp_path, content, message):
 def test_a_directory_without_a_log(tmp_path):
     with pytest.raises(LogError, match="no log.csv"):
         load_log(str(tmp_path))
+
+
+def test_load_csv_is_the_reference_name_for_the_frame(tmp_path):
+    from csv_tools import load_csv
+    write(tmp_path / "log.csv", "step,a\n0,1\n1,2\n")
+    assert load_csv(str(tmp_path)).equals(load_log(str(tmp_path))[0])
+
+
+def test_the_reference_tensor_loss_cells_are_numbers(tmp_path):
+    # an old reference bug logged 0-dim tensors: csv wrote str(tensor), quoted where it has a comma
+    write(tmp_path / "log.csv", "step,train/loss,val/loss,note\n"
+                                "0,tensor(4.2000),\"tensor(4.3000, device='cuda:0')\",tensor(1.0)\n"
+                                "1,3.5,tensor(1.2346e-05),abc\n2,,tensor(nan),x tensor(2.0)\n")
+    df, _ = load_log(tmp_path)
+    assert df["train/loss"].dtype == float and df["train/loss"].tolist()[:2] == [4.2, 3.5]
+    assert df["val/loss"].dtype == float and df["val/loss"].tolist()[:2] == [4.3, 1.2346e-05]
+    assert df["val/loss"].isna().tolist() == [False, False, True] and df["train/loss"].isna().tolist()[2]
+    # a column with other text keeps it; its tensor cells are still numbers
+    assert df["note"].tolist() == [1.0, "abc", "x tensor(2.0)"]
+
+
+def test_missing_cells_as_pandas_reads_them_or_as_written(tmp_path):
+    """'nan' or 'None' are missing as pandas reads a CSV; as written, only an empty cell is (the analysis
+    tells a value that went wrong from one never logged)."""
+    write(tmp_path / "log.csv", "step,a,b,c\n0,1,nan,inf\n1,,None,1e400\n2,3,,2\n")
+    df, _ = load_log(tmp_path)
+    assert df["a"].isna().tolist() == [False, True, False] and df["b"].isna().all()
+    assert df["c"].tolist() == [np.inf, np.inf, 2.0]
+    df, _ = load_log(tmp_path, as_written=["b", "c"])
+    assert df["b"].tolist()[:2] == ["nan", "None"] and df["b"].isna().tolist() == [False, False, True]
+    assert df["a"].isna().tolist() == [False, True, False] and df["c"].tolist() == [np.inf, np.inf, 2.0]
+
+
+def test_the_missing_value_words_are_pandas_own():
+    parsers = pytest.importorskip("pandas._libs.parsers")
+    from csv_tools import PANDAS_NA
+    assert set(PANDAS_NA) == set(parsers.STR_NA_VALUES)
+
+
+def test_reading_some_columns(tmp_path):
+    write(tmp_path / "log.csv", "step,a,b,c\n0,1,x,0.5\n1,2,y\n")
+    df, path = load_log(tmp_path, ["c", "a", "not in the log"])
+    assert list(df.columns) == ["step", "a", "c"] and df["c"].isna().tolist() == [False, True]
+    assert df["a"].dtype == np.int64 and df["step"].dtype == np.int64, "integer columns stay integer"
+    assert log_columns(tmp_path) == (["step", "a", "b", "c"], path)
+    # a row longer than the header is refused whichever columns are read
+    write(tmp_path / "log.csv", "step,a,b\n0,1,2\n1,2,3,4,5\n2,3,4\n")
+    for columns in (None, ["a"]):
+        with pytest.raises(LogError, match="data row 2 has more cells than the header's 3"):
+            load_log(tmp_path, columns)
+
+
+def test_log_columns_reads_the_header_alone(tmp_path):
+    write(tmp_path / "log_header.csv.tmp", "step,a,b\n")
+    write(tmp_path / "log_data.csv.tmp", "0,1,2,3,4\n")  # not read
+    assert log_columns(tmp_path)[0] == ["step", "a", "b"]
+    write(tmp_path / "log.csv", "a,step\n0,1\n")
+    with pytest.raises(LogError, match="first column is 'a'"):
+        log_columns(tmp_path)
+    write(tmp_path / "log.csv", "step,a,a\n0,1,2\n")
+    with pytest.raises(LogError, match="'a' appears twice"):
+        load_log(tmp_path)
+
+
+def test_a_log_that_cannot_be_read(tmp_path, monkeypatch):
+    import csv_tools
+    write(tmp_path / "log.csv", "step,a\n0,1\n")
+
+    def refuse(path, *args, **kwargs):  # as root, file permissions do not stop a read
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(csv_tools, "open", refuse, raising=False)
+    with pytest.raises(LogError, match="cannot read \\(Permission denied\\)"):
+        load_log(tmp_path)
+
+
+def test_a_long_log_is_streamed_not_held_as_text(tmp_path, monkeypatch):
+    """The rows reach pandas in pieces: the text of the file is never one string."""
+    import csv_tools
+    rows = "".join(f"{i},{i * 0.5}\n" for i in range(200_000))
+    write(tmp_path / "log.csv", "step,a\n" + rows + "200000,1")  # ~2.5 MB, last line cut
+    largest = []
+    read = csv_tools._Stream.readinto
+
+    def spy(self, buffer):
+        n = read(self, buffer)
+        largest.append(n)
+        return n
+
+    monkeypatch.setattr(csv_tools._Stream, "readinto", spy)
+    df, _ = load_log(tmp_path)
+    assert len(df) == 200_000 and df["a"].iloc[-1] == 199_999 * 0.5
+    assert sum(largest) == len(rows) + len("0,0,0\n") and max(largest) < len(rows) / 4
+
+
+def test_header_and_rows_come_from_one_file(tmp_path, monkeypatch):
+    """A LogWrapper swapping in a longer header (os.replace) between reading the header and the rows."""
+    import csv_tools
+    write(tmp_path / "log.csv", "step,a\n0,1\n1,2\n")
+    read_header = csv_tools._read_header
+
+    def then_replaced(path, f):
+        header = read_header(path, f)
+        write(tmp_path / "log.tmp", "step,a,b\n0,1,\n1,2,\n2,3,4\n")
+        os.replace(tmp_path / "log.tmp", tmp_path / "log.csv")
+        return header
+
+    monkeypatch.setattr(csv_tools, "_read_header", then_replaced)
+    df, _ = load_log(tmp_path)
+    assert list(df.columns) == ["step", "a"] and df["a"].tolist() == [1, 2]

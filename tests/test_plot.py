@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from tracker import LogWrapper
@@ -68,11 +70,11 @@ def test_list(run_dir, capsys):
 
 def test_unknown_columns_name_some_available_ones(run_dir, capsys):
     code, out, err = plot(capsys, run_dir, "train/los")
-    assert code == 1 and out == "" and len(err.splitlines()) == 1
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
     assert "no column matches 'train/los'" in err and "train/loss, val/loss" in err
     assert "9 per-parameter columns like train/gns/transformer.ln_f.weight/norm" in err
     code, _, err = plot(capsys, run_dir, "--x", "tokens")
-    assert code == 1 and "no column 'tokens' for --x" in err
+    assert code == 2 and "no column 'tokens' for --x" in err
 
 
 BAD = [
@@ -82,6 +84,9 @@ BAD = [
     (["{run}", "--x", "tokens"], "no column 'tokens'"),
     (["{run}", "--width", "ten"], "invalid int value"),
     (["{nodefault}"], "no train/loss or val/loss"),
+    (["{run}", "--height", "2"], "--height at least 3"),
+    (["{nodefault}", "lr", "--max-tokens", "5"], "--max-tokens needs a tokens_processed column"),
+    (["{binary}"], "not a text CSV"),
 ]
 
 
@@ -91,10 +96,105 @@ def test_bad_inputs_from_the_command_line(run_dir, tmp_path_factory):
     (other / "empty" / "log.csv").write_text("")
     (other / "nodefault").mkdir()
     (other / "nodefault" / "log.csv").write_text("step,lr\n0,1\n")
-    paths = dict(missing=other / "missing", empty=other / "empty", run=run_dir, nodefault=other / "nodefault")
+    (other / "binary").mkdir()
+    (other / "binary" / "log.csv").write_bytes(b"\xff\xfe\x00binary\n")
+    paths = dict(missing=other / "missing", empty=other / "empty", run=run_dir, nodefault=other / "nodefault",
+                 binary=other / "binary")
     children = [subprocess.Popen([sys.executable, SCRIPT, *(a.format(**paths) for a in args)], cwd=ROOT, text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _ in BAD]
     for child, (args, message) in zip(children, BAD):
         _, stderr = child.communicate()
-        assert child.returncode != 0 and "Traceback" not in stderr, (args, stderr)
+        assert child.returncode == 2 and "Traceback" not in stderr, (args, stderr)
         assert message in stderr and len(stderr.strip().splitlines()) == 1, (args, stderr)
+
+
+def test_the_reference_command_line(run_dir, capsys):
+    """plot.py log_dir metric [--x-axis COL] [--log-y] [--log-x] [--max-tokens N] [--width W] [--height H]"""
+    code, ours, _ = plot(capsys, run_dir, "lr", "--x", "iter_num", "--logy", "--width", "80", "--height", "20")
+    code2, theirs, _ = plot(capsys, run_dir, "lr", "--x-axis", "iter_num", "--log-y", "--width", "80", "--height", "20")
+    assert code == code2 == 0 and ours == theirs and "(log10 lr)" in ours and "(iter_num)" in ours
+    code, out, _ = plot(capsys, run_dir, "train/lossf", "--x-axis", "iter_num", "--log-x")
+    assert code == 0 and "(log10 iter_num)" in out and " 1.243 " in out, "x from log10 1 = 0 to log10 19 = 1.28"
+    # tokens_processed is 1024 (it + 1): iterations 0..9
+    code, out, _ = plot(capsys, run_dir, "train/lossf", "--max-tokens", "10240")
+    assert code == 0 and "10 rows with tokens_processed <= 10240, steps 0..9" in out
+    assert "last: train/lossf=2.19" in out and " 9984 " in out
+    code, out, _ = plot(capsys, run_dir, "train/lossf", "--max-tokens", "1e3")
+    assert code == 0 and "no rows with tokens_processed <= 1000" in out and "(nothing to plot)" in out
+    r = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert all(f in r.stdout for f in ("--x-axis", "--log-y", "--log-x", "--max-tokens", "reference"))
+
+
+def test_the_reference_plot_metric_is_refused():
+    from reference_names import ReferenceNameError
+    with pytest.raises(ReferenceNameError, match="plot_metric .* use csv_tools.figure"):
+        plot_tool.plot_metric
+    with pytest.raises(AttributeError):
+        plot_tool.no_such_name
+
+
+def test_reference_tensor_losses_are_plotted(tmp_path, capsys):
+    (tmp_path / "log.csv").write_text("step,train/loss,iter_num\n0,tensor(4.2000),0\n1,\"tensor(3.9000, device='cuda:0')\",1\n")
+    code, out, _ = plot(capsys, tmp_path, "train/loss")
+    assert code == 0 and "last: train/loss=3.9" in out
+
+
+def test_only_the_plotted_columns_are_read(run_dir, capsys, monkeypatch):
+    asked = []
+
+    def load_log(out_dir, columns=None):
+        asked.append(set(columns))
+        return plot_tool.load_log.__wrapped__(out_dir, columns)
+
+    load_log.__wrapped__ = plot_tool.load_log
+    monkeypatch.setattr(plot_tool, "load_log", load_log)
+    assert plot(capsys, run_dir, "train/gns/*ln_f*/pegn", "lr")[0] == 0
+    assert asked[-1] == {"train/gns/transformer.ln_f.weight/pegn", "lr", "tokens_processed", "iter_num", "step"}
+    assert plot(capsys, run_dir, "lr", "--x", "step", "--max-tokens", "5000")[0] == 0
+    assert asked[-1] == {"lr", "step", "tokens_processed"}
+
+
+def test_output_that_cannot_be_written(run_dir):
+    with open(os.devnull if not os.path.exists("/dev/full") else "/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, SCRIPT, str(run_dir), "lr"], stdout=full, stderr=subprocess.PIPE,
+                           text=True, cwd=ROOT)
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "plot.py: error: cannot write the output (No space left on device)"]
+
+
+def write_long_log(path, rows, params):
+    """A log shaped like a long run's: many per-parameter GNS columns of full-precision floats."""
+    rng = np.random.default_rng(0)
+    names = [f"transformer.h.{i // 4}.{k}" for i, k in
+             zip(range(params), ["ln_1.weight", "ln_1.bias", "mlp.c_fc.weight", "mlp.c_proj.weight"] * params)]
+    cols = {"step": np.arange(rows), "iter_num": np.arange(rows), "tokens_processed": 4096 * np.arange(1, rows + 1),
+            "train/lossf": rng.uniform(2, 4, rows)}
+    for n in names:
+        cols.update({f"train/gns/{n}/norm": rng.uniform(0.1, 1, rows), f"train/gns/{n}/pegn": rng.uniform(1, 3, rows),
+                     f"train/gns/{n}/batch_size": np.full(rows, 64)})
+    pd.DataFrame(cols).to_csv(path, index=False)
+    return os.path.getsize(path)
+
+
+def peak_rss(*args):
+    """Peak resident memory in bytes of a command, measured in a fresh process (RUSAGE_CHILDREN is its own)."""
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout) * 1024  # kilobytes on Linux
+
+
+@pytest.mark.slow
+def test_memory_is_about_what_is_plotted(tmp_path):
+    """On a 12 MB log, plot.py needs little more than on a short one: it read every column (7x) before."""
+    (tmp_path / "long").mkdir(), (tmp_path / "short").mkdir()
+    size = write_long_log(tmp_path / "long" / "log.csv", rows=6000, params=48)
+    write_long_log(tmp_path / "short" / "log.csv", rows=20, params=48)
+    args = ["train/lossf", "train/gns/*h.0.ln_1.weight/pegn"]
+    baseline = peak_rss(sys.executable, SCRIPT, tmp_path / "short", *args)
+    peak = peak_rss(sys.executable, SCRIPT, tmp_path / "long", *args)
+    assert size > 10e6 and peak - baseline < 0.5 * size, (peak - baseline) / size
