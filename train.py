@@ -685,4 +685,6 @@ if master_process:
     if not eval_only:
         out_dir_lock.truncate(0)  # a clean end: the next run finds no holder to take over from
 if ddp:
+    # leave together: a gloo rank tearing down while its peer still talks can abort the process
+    torch.distributed.barrier()
     destroy_process_group()
