@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(PY) gns-analysis.py out-shakespeare-char-cpu
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 GPU_PY ?= python3
 gpu-check:
