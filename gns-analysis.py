@@ -12,7 +12,8 @@ Estimators. A per-parameter estimator PREFIX logs for every parameter p and step
 (`PREFIX/p/batch_size`, which may change from step to step) and, where b > 1, b
 (`PREFIX/p/small_batch_size`; b = 1 when the column is absent). Found in a log:
     train/gns             exact per-example norms of every parameter (gnstracking.py), b = 1
-    train/gnshooks        exact per-example norms from Linear hooks (gnshooks.py), b = 1
+    train/hooks_gns       exact per-example norms from Linear hooks (gnshooks.py), b = 1
+                          (train/gnshooks in logs written before the rename)
     train/sogns           the SOGNS approximation of those (gnshooks.py), b = 1
     train/microbatch_gns  one gradient-accumulation micro-batch per rank as the small batch, b > 1
 and any other PREFIX with PREFIX/<param>/norm, /pegn, /batch_size columns (parameter names have
@@ -114,7 +115,9 @@ from reference_names import refuse_module_names
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
 KINDS = ("norm", "pegn", "batch_size", "small_batch_size")
 # known estimators, in the order they are tried as the main one and listed; others follow, ddp last
-KNOWN_PREFIXES = ["train/gns", "train/gnshooks", "train/sogns", "train/microbatch_gns"]
+# train/gnshooks: the hooks' prefix before it became train/hooks_gns (the reference's readers
+# take every column starting with train/gns for theirs)
+KNOWN_PREFIXES = ["train/gns", "train/hooks_gns", "train/gnshooks", "train/sogns", "train/microbatch_gns"]
 DDP = "ddp"
 DDP_NAME = "(whole model)"  # the DDP estimator's one pseudo-parameter: it logs model totals
 DDP_COLUMNS = {"norm": "ddp/big_batch_norm", "pegn": "ddp/small_batch_norm",
@@ -685,7 +688,7 @@ def main(argv=None):
 Gradient noise scale (GNS) of a run from the raw gradient norms in OUT_DIR/log.csv: unbiased
 per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, App. A), summed over parameter
 groups, smoothed separately, GNS = EMA(tr S) / EMA(|G|^2). Every estimator in the log is analysed
-(exact per-example train/gns, Linear hooks train/gnshooks, SOGNS train/sogns, micro-batch
+(exact per-example train/gns, Linear hooks train/hooks_gns, SOGNS train/sogns, micro-batch
 train/microbatch_gns, DDP ddp/...) and compared with the main one. Prints a summary and terminal
 plots; writes OUT_DIR/gns_analysis.csv. Reads the reference implementation's logs too.""",
         epilog="""\

@@ -266,7 +266,7 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0):
                                   or the SOGNS surrogate's ||sum_b W~_b|| (SOGNS weights)
       {prefix}/{name}/pegn        sqrt(|G_1|^2), |G_1|^2 = (1/B) sum_b ||g_b||^2 = B sum_b ||g_b/B||^2
       {prefix}/{name}/batch_size  B, the examples of the optimizer step over all processes
-    prefix defaults to 'train/gnshooks' (exact) or 'train/sogns'. Call after the last backward of
+    prefix defaults to 'train/hooks_gns' (exact) or 'train/sogns'. Call after the last backward of
     the step and after scaler.unscale_ (p.grad unscaled), before clipping; loss_scale is the
     GradScaler scale of this step's backward (scaler.get_scale(), 1.0 without fp16). Under DDP
     call it on every rank (one all-reduce of the sums): with B_rank examples per rank and
@@ -274,7 +274,7 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0):
     Layers that saw no example this step are left out.
     """
     kind = _kind_of(kind)
-    prefix = prefix if prefix is not None else {'exact': 'train/gnshooks', 'sogns': 'train/sogns'}[kind]
+    prefix = prefix if prefix is not None else {'exact': 'train/hooks_gns', 'sogns': 'train/sogns'}[kind]
     results = gather_hook_results(model, kind)
     if not results:
         return {}

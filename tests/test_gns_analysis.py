@@ -416,18 +416,18 @@ def test_comparison_of_every_estimator_in_a_real_log(tmp_path, capsys):
     alpha = 0.9
     results, info = gns_analysis.analyze(df, alpha)
     others = info["estimators"]
-    assert info["main"] == "train/gns" and list(others) == ["train/gnshooks", "train/sogns", "train/microbatch_gns", "ddp"]
-    assert len(info["groups"]["total"]) == 6 and others["train/gnshooks"]["params"] == 4
+    assert info["main"] == "train/gns" and list(others) == ["train/hooks_gns", "train/sogns", "train/microbatch_gns", "ddp"]
+    assert len(info["groups"]["total"]) == 6 and others["train/hooks_gns"]["params"] == 4
 
     # the exact Linear hooks match the exact per-example norms on the parameters both cover
     linear = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    assert others["train/gnshooks"]["common"] == linear and others["train/microbatch_gns"]["common"] is None
-    assert np.allclose(results["train/gnshooks/common/gns"], results["train/gnshooks/main_common/gns"], rtol=1e-4)
-    assert np.allclose(results["train/gnshooks/total/gns"], results["Linear/gns"], rtol=1e-4)
-    same = others["train/gnshooks"]["common_comparison"]
+    assert others["train/hooks_gns"]["common"] == linear and others["train/microbatch_gns"]["common"] is None
+    assert np.allclose(results["train/hooks_gns/common/gns"], results["train/hooks_gns/main_common/gns"], rtol=1e-4)
+    assert np.allclose(results["train/hooks_gns/total/gns"], results["Linear/gns"], rtol=1e-4)
+    same = others["train/hooks_gns"]["common_comparison"]
     assert same["ratio_median"] == pytest.approx(1, abs=1e-4) and same["pearson"] == pytest.approx(1, abs=1e-6)
     assert same["steps"] == 30 - 9, "compared after the EMA warm-up of 1/(1 - alpha) = 10 estimates"
-    total_vs_linear = others["train/gnshooks"]["comparison"]["ratio_median"]
+    total_vs_linear = others["train/hooks_gns"]["comparison"]["ratio_median"]
     assert abs(total_vs_linear - 1) > 1e-3, "the hooks miss the LayerNorm: not the total GNS"
 
     # micro-batch (b = 4) and DDP (b = one rank's 8) against the brute-force totals over all parameters
@@ -446,13 +446,13 @@ def test_comparison_of_every_estimator_in_a_real_log(tmp_path, capsys):
     assert gns_analysis.main([str(tmp_path), "--alpha", str(alpha)]) == 0
     out = capsys.readouterr().out
     table = out[out.index("every estimator in the log"):]
-    for p in ("train/gns (main)", "train/gnshooks", "train/sogns", "train/microbatch_gns", "\n  ddp "):
+    for p in ("train/gns (main)", "train/hooks_gns", "train/sogns", "train/microbatch_gns", "\n  ddp "):
         assert p in table
     assert "on the 4 shared params: ratio 1.000, r 1.000" in table
     assert "train/microbatch_gns total" in out and "ddp total" in out, "every estimator in the GNS plot"
     written = pd.read_csv(tmp_path / "gns_analysis.csv")
     assert len(written) == 30 and {"total/gns", "ddp/total/gns", "train/sogns/total/trace_ema",
-                                   "train/gnshooks/main_common/gns", "ddp/small_batch_size"} <= set(written.columns)
+                                   "train/hooks_gns/main_common/gns", "ddp/small_batch_size"} <= set(written.columns)
 
 
 def test_micro_batch_estimator_recovers_the_true_gns_of_linear_regression():

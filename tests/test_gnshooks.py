@@ -75,9 +75,9 @@ def test_exact_hooks_match_vmap_brute_force(inner, bias, chunk_elements, monkeyp
 
     logged = hook_measurements(model, 'exact')
     for n, p in model.named_parameters():
-        assert logged[f"train/gnshooks/{n}/batch_size"] == B
-        assert logged[f"train/gnshooks/{n}/norm"] == pytest.approx(p.grad.norm().item(), rel=1e-5)
-        assert logged[f"train/gnshooks/{n}/pegn"] == pytest.approx(
+        assert logged[f"train/hooks_gns/{n}/batch_size"] == B
+        assert logged[f"train/hooks_gns/{n}/norm"] == pytest.approx(p.grad.norm().item(), rel=1e-5)
+        assert logged[f"train/hooks_gns/{n}/pegn"] == pytest.approx(
             math.sqrt(grads[n].square().sum().item() / B), rel=1e-5)
 
     zero_hook_results(model)
@@ -256,7 +256,7 @@ def test_gpt_loop_with_accumulation_all_finite():
     for step in range(3):
         for X, Y in batches[2 * step:2 * step + 2]:
             (model(X, Y)[1] / 2).backward()
-        for kind, prefix in (('exact', 'train/gnshooks'), ('sogns', 'train/sogns')):
+        for kind, prefix in (('exact', 'train/hooks_gns'), ('sogns', 'train/sogns')):
             logged = hook_measurements(model, kind)
             assert logged and all(k.startswith(prefix + '/') for k in logged)
             assert all(math.isfinite(v) and v > 0 for v in logged.values())

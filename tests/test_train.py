@@ -190,8 +190,10 @@ def test_every_gns_option_trains_and_logs_its_columns(tiny_dataset, tmp_path, op
         assert "transformer.wpe.weight" in measured
     if opts["linearclass"] != "nn" and opts["embeddingclass"] != "nn":
         assert "transformer.wte.weight" in measured  # the tied weight, measured exactly
-    for prefix in {"sogns": ["train/sogns/"], "exact": ["train/gnshooks/"]}.get(opts.get("gns_hooks"), []):
+    for prefix in {"sogns": ["train/sogns/"], "exact": ["train/hooks_gns/"]}.get(opts.get("gns_hooks"), []):
         assert any(c.startswith(prefix) for c in cols)
+    # the reference's readers take every column starting with train/gns (and containing it) for its own
+    assert all(c.startswith("train/gns/") for c in cols if "train/gns" in c)
     if opts.get("microbatch_gns"):
         assert any(c.startswith("train/microbatch_gns/") and c.endswith("/small_batch_size") for c in cols)
     gns_cols = [c for c in cols if c.startswith("train/") and c.count("/") >= 3]  # train/<estimator>/<param>/<what>
