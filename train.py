@@ -492,7 +492,9 @@ def evaluate_and_checkpoint():
     global best_val_loss
     losses = estimate_loss()
     print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-    logger.log({'train/loss': losses['train'], 'val/loss': losses['val']})
+    # eval_tokens: what the evaluated model has seen (the row's tokens_processed counts its step too,
+    # which comes after the row's evaluation, except for the final evaluation)
+    logger.log({'train/loss': losses['train'], 'val/loss': losses['val'], 'eval_tokens': tokens_processed})
     if losses['val'] < best_val_loss or always_save_checkpoint:
         best_val_loss = min(best_val_loss, losses['val'])
         if local_iter_num > 0:  # nothing new to save before this process has taken a step

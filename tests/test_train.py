@@ -84,6 +84,8 @@ def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     assert df.tokens_processed.tolist() == [i * 2 * 4 * 16 for i in range(1, 9)]
     assert df["train/gns/transformer.ln_f.weight/batch_size"].tolist() == [8] * 8
     assert df["val/loss"].notna().tolist() == [True, False, False, False, True, True, False, True]
+    # the tokens the evaluated models had seen: before the row's step, after it for a final evaluation
+    assert df["eval_tokens"].dropna().tolist() == [0, 5 * 128, 5 * 128, 8 * 128]
     # the status line's GNS, carried across the resume, is gns-analysis.py's total over both runs
     printed = float(re.findall(r", gns ([\d.e+-]+)$", p.stdout, re.M)[-1])
     subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), str(out), "--no-plots"],
