@@ -3,7 +3,7 @@ The two short CPU training runs that `Replicating Figures.ipynb` draws its figur
 same small GPT, the same tokens and learning-rate schedule, every parameter's per-example
 gradient norm measured (--linearclass=gns --embeddingclass=gns --lnclass=shim), once with a
 fixed batch and once with a batch-size schedule (--bs_schedule=True: gradient accumulation
-growing linearly in tokens from 1 step to the fixed run's gradient_accumulation_steps).
+growing linearly in tokens from 2 steps to the fixed run's gradient_accumulation_steps).
 
     python bench/figure_runs.py                      # out-figures/fixed, out-figures/schedule
     python bench/figure_runs.py --out_dir runs --dataset data/shakespeare_char --max_tokens=400000
