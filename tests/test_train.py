@@ -567,3 +567,16 @@ def test_a_full_disk_stops_in_one_line_and_the_run_resumes_in_place(tiny_dataset
         assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == kept + 3
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_resume_on_a_log_that_is_not_one_is_one_line_and_leaves_it_alone(tiny_dataset, one_step_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(one_step_run, out)
+    garbage = os.urandom(3000)
+    (out / "log.csv").write_bytes(garbage)
+    code, stderr = train_until_exit(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}",
+                                    "--init_from=resume", "--max_iters=2")
+    assert code == 2
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "log.csv" in err[0], stderr
+    assert (out / "log.csv").read_bytes() == garbage
