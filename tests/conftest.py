@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,3 +48,27 @@ def run_train(*args, cwd=REPO, timeout=300, check=True, torchrun_procs=0):
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+def write_long_log(path, rows, params):
+    """A log shaped like a long run's: many per-parameter GNS columns of full-precision floats."""
+    rng = np.random.default_rng(0)
+    names = [f"transformer.h.{i // 4}.{k}" for i, k in
+             zip(range(params), ["ln_1.weight", "ln_1.bias", "mlp.c_fc.weight", "mlp.c_proj.weight"] * params)]
+    cols = {"step": np.arange(rows), "iter_num": np.arange(rows), "tokens_processed": 4096 * np.arange(1, rows + 1),
+            "train/lossf": rng.uniform(2, 4, rows)}
+    for n in names:
+        cols.update({f"train/gns/{n}/norm": rng.uniform(0.1, 1, rows), f"train/gns/{n}/pegn": rng.uniform(1, 3, rows),
+                     f"train/gns/{n}/batch_size": np.full(rows, 64)})
+    pd.DataFrame(cols).to_csv(path, index=False)
+    return os.path.getsize(path)
+
+
+def peak_rss(*args):
+    """Peak resident memory in bytes of a command, measured in a fresh process (RUSAGE_CHILDREN is its own)."""
+    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    return int(r.stdout) * 1024  # kilobytes on Linux

@@ -9,6 +9,8 @@ import pytest
 
 from tracker import LogWrapper
 
+from conftest import peak_rss, write_long_log  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "plot.py")
 spec = importlib.util.spec_from_file_location("plot_tool", SCRIPT)
@@ -162,30 +164,6 @@ def test_output_that_cannot_be_written(run_dir):
         pytest.skip("no /dev/full here")
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "plot.py: error: cannot write the output (No space left on device)"]
-
-
-def write_long_log(path, rows, params):
-    """A log shaped like a long run's: many per-parameter GNS columns of full-precision floats."""
-    rng = np.random.default_rng(0)
-    names = [f"transformer.h.{i // 4}.{k}" for i, k in
-             zip(range(params), ["ln_1.weight", "ln_1.bias", "mlp.c_fc.weight", "mlp.c_proj.weight"] * params)]
-    cols = {"step": np.arange(rows), "iter_num": np.arange(rows), "tokens_processed": 4096 * np.arange(1, rows + 1),
-            "train/lossf": rng.uniform(2, 4, rows)}
-    for n in names:
-        cols.update({f"train/gns/{n}/norm": rng.uniform(0.1, 1, rows), f"train/gns/{n}/pegn": rng.uniform(1, 3, rows),
-                     f"train/gns/{n}/batch_size": np.full(rows, 64)})
-    pd.DataFrame(cols).to_csv(path, index=False)
-    return os.path.getsize(path)
-
-
-def peak_rss(*args):
-    """Peak resident memory in bytes of a command, measured in a fresh process (RUSAGE_CHILDREN is its own)."""
-    code = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    r = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr
-    return int(r.stdout) * 1024  # kilobytes on Linux
 
 
 @pytest.mark.slow
