@@ -11,12 +11,47 @@ Bad input raises ConfigError, which train.py turns into one line on stderr and e
 Scripts written for nanoGPT (or the reference implementation) apply it their way,
 `exec(open('configurator.py').read())` among their globals, and that works here as well.
 """
+import math
 import os
+import sys
 from ast import literal_eval
 
 
 class ConfigError(Exception):
     pass
+
+
+def die(message):
+    """Bad input, for every tool here: one line on stderr and exit code 2, never a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_number(config, key, low, high=math.inf, whole=False, low_ok=True):
+    """die() unless config[key] is a (whole) number in [low, high), or (low, high) if not low_ok."""
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
+            or not (value >= low if low_ok else value > low) or not value < high:
+        bounds = f"{'>=' if low_ok else '>'} {low}" + (f" and < {high}" if high < math.inf else "")
+        die(f"--{key}={value!r} must be a {'whole ' if whole else ''}number {bounds}")
+
+
+def check_device(device):
+    """The device's type ('cpu', 'cuda' or 'mps') if this machine has it, else die()."""
+    import torch  # here: exec'd into a script, this file imports nothing heavy
+    try:
+        kind, index = torch.device(device).type, torch.device(device).index
+    except (RuntimeError, ValueError):
+        kind = index = None
+    if kind not in ('cpu', 'cuda', 'mps'):
+        die(f"--device={device!r} is not a device: use cpu, cuda, cuda:N or mps")
+    if kind == 'cuda' and not torch.cuda.is_available():
+        die(f"--device={device} but CUDA is not available here; use --device=cpu")
+    if kind == 'cuda' and (index or 0) >= torch.cuda.device_count():
+        die(f"--device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == 'mps' and not torch.backends.mps.is_available():
+        die(f"--device={device} but MPS is not available here; use --device=cpu")
+    return kind
 
 
 def _checked(key, value, default, shown):
@@ -47,7 +82,6 @@ def _coerce(key, value, default):
 
 
 def help_text(config, doc=""):
-    import sys
     script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
     lines = [doc.strip(), "", f"usage: python {script} [config/file.py ...] [--key=value ...]", "", "keys and defaults:"]
     lines += [f"  --{k}={v!r}" for k, v in config.items()]
@@ -108,13 +142,11 @@ def apply_to_script(scope):
     with this module's checks: every plain global of the script (not starting with '_') is a key;
     bad input prints one line and exits with code 2.
     """
-    import sys
     config = {k: v for k, v in scope.items() if not k.startswith("_") and _is_plain(v)}
     try:
         configure(sys.argv[1:], config, scope.get("__doc__") or "")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        die(str(e))
     scope.update(config)
 
 

@@ -7,10 +7,12 @@ The Linear / Embedding / LayerNorm classes come from layer_config, read when the
 constructed, so the same file builds a plain GPT or one whose layers measure per-example
 gradient norms (buffered.py, fused_gns.py).
 """
+import errno
 import inspect
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -303,6 +305,25 @@ def read_checkpoint(path, device='cpu'):
     if missing:
         raise CheckpointError(f"{path} lacks model_args {', '.join(missing)}; cannot rebuild its model")
     return checkpoint
+
+
+def write_checkpoint(checkpoint, path):
+    """torch.save to path atomically: path.tmp, fsynced, then renamed, so a crash mid-write leaves
+    the previous file intact. A failed write (a full disk) leaves no partial file and raises
+    CheckpointError, one line saying why."""
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)
+    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+        if os.path.exists(path + '.tmp'):
+            os.remove(path + '.tmp')
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        full = getattr(e, 'errno', None) == errno.ENOSPC or free < (1 << 26)
+        why = f"the disk is full ({free:,} bytes free)" if full else str(e).strip().splitlines()[0][:160]
+        raise CheckpointError(f"cannot write {path}: {why}") from None
 
 
 def config_from_checkpoint(model_args):

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import torch
 
-from configurator import ConfigError, configure
+from configurator import ConfigError, check_device, configure, die
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (from out_dir) or a GPT-2 variant: gpt2, gpt2-medium, gpt2-large, gpt2-xl
@@ -42,12 +42,6 @@ compile = False  # torch.compile the model
 config = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
 GPT2_VARIANTS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
 REPO = os.path.dirname(os.path.abspath(__file__))
-
-
-def die(msg):
-    """Bad input: one line on stderr and exit code 2, never a traceback."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 # configurator.py checks every value against its default's type, and top_k's is an int, so the one
@@ -73,18 +67,7 @@ if top_k is not None and top_k < 1:
     die(f"--top_k={top_k} must be at least 1, or None to keep every token")
 if dtype not in ('float32', 'bfloat16', 'float16'):
     die(f"--dtype={dtype!r} is not one of float32, bfloat16, float16")
-try:
-    device_type = torch.device(device).type
-except (RuntimeError, ValueError):
-    device_type = None
-if device_type not in ('cpu', 'cuda', 'mps'):
-    die(f"--device={device!r} is not a device: use cpu, cuda, cuda:N or mps")
-if device_type == 'cuda' and not torch.cuda.is_available():
-    die(f"--device={device} but CUDA is not available here; use --device=cpu")
-if device_type == 'cuda' and (torch.device(device).index or 0) >= torch.cuda.device_count():
-    die(f"--device={device} but there are {torch.cuda.device_count()} CUDA devices")
-if device_type == 'mps' and not torch.backends.mps.is_available():
-    die(f"--device={device} but MPS is not available here; use --device=cpu")
+device_type = check_device(device)
 prompt_from = f"the prompt file {start[5:]}" if start.startswith('FILE:') else "--start"
 if start.startswith('FILE:'):
     try:

@@ -504,6 +504,38 @@ class LogWrapper:
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names (exact/tracker.py)
 
+class OutDirInUse(Exception):
+    """Another live process holds out_dir's lock; the message is one line naming it."""
+
+
+def lock_out_dir(out_dir):
+    """
+    Hold out_dir/train.lock while the run lives, so that a second run on the same out_dir (a
+    relaunch while this one still runs, a typo in a sweep) stops at once instead of writing over
+    this one's log and checkpoints. flock is released by the kernel when a process dies, however it
+    dies, so a lock left by a killed run is simply taken over (the file names its last holder).
+    Returns (the open lock file: keep it, closing it releases the lock; the previous holder's line
+    or ''), or raises OutDirInUse.
+    """
+    import fcntl
+    import socket
+    f = open(os.path.join(out_dir, "train.lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "process unknown"
+        f.close()
+        raise OutDirInUse(f"{out_dir} is in use by another train.py ({holder}); wait for it to end, "
+                          f"or use another out_dir") from None
+    f.seek(0)
+    previous = f.read().strip()
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f, previous
+
+
 def transform_format_string(s):
     """
     '{x=}' -> 'x={x}' and '{x=:.2f}' -> 'x={x:.2f}': f-string '=' fields made fit for str.format.

@@ -23,7 +23,6 @@ batch_size * block_size); set each length in one unit only.
 import math
 import os
 import pickle
-import shutil
 import signal
 import sys
 import time
@@ -34,7 +33,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from configurator import ConfigError, configure
+from configurator import ConfigError, check_device, check_number, configure, die
+from layer_config import set_contextual_config
+from model import GPT, GPTConfig, CheckpointError, load_weights, read_checkpoint, write_checkpoint
+from schedules import GradAccumSchedule, lr_at, max_accumulation_steps
+from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
 
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on OpenWebText, as in nanoGPT
@@ -109,12 +112,6 @@ config_keys = [k for k, v in globals().items()
 config = {k: globals()[k] for k in config_keys}
 
 
-def die(msg):
-    """Bad input: one line on stderr and a non-zero exit, never a traceback."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
 # warnings (a resumed log's missing rows, a schedule edit refused) are one line each, like errors
 warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
 
@@ -141,47 +138,24 @@ if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
     die(f"--init_from={init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
 
 
-def number(key, low, high=math.inf, whole=False, low_ok=True):
-    """Check config[key] is a (whole) number in [low, high) ((low, high) if not low_ok)."""
-    value = config[key]
-    kind = int if whole else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not (value >= low if low_ok else value > low) \
-            or not value < high:
-        bounds = f"{'>=' if low_ok else '>'} {low}" + (f" and < {high}" if high < math.inf else "")
-        die(f"--{key}={value!r} must be a {'whole ' if whole else ''}number {bounds}")
-
-
 for key in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
             'eval_interval', 'log_interval', 'eval_iters', 'max_nonfinite_steps'):
-    number(key, 1, whole=True)
+    check_number(config, key, 1, whole=True)
 if n_embd % n_head:
     die(f"--n_embd={n_embd} must be a multiple of --n_head={n_head}")
-number('dropout', 0, 1)
-number('learning_rate', 0, low_ok=False)
-for key in ('min_lr', 'weight_decay', 'grad_clip'):
-    number(key, 0)
-for key in ('beta1', 'beta2'):
-    number(key, 0, 1)
+for key, low, high in (('dropout', 0, 1), ('beta1', 0, 1), ('beta2', 0, 1), ('min_lr', 0, math.inf),
+                       ('weight_decay', 0, math.inf), ('grad_clip', 0, math.inf)):
+    check_number(config, key, low, high)
+check_number(config, 'learning_rate', 0, low_ok=False)
+for key in ('max_tokens', 'warmup_tokens', 'lr_decay_tokens', 'max_iters', 'warmup_iters', 'lr_decay_iters'):
+    if config[key] is not None:
+        check_number(config, key, 1 if key.startswith('max') else 0, whole=key.endswith('iters'))
 for key in ('cos_attn', 'spectral_c_attn', 'fp32_attention_layers'):
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in config[key]):
         die(f"--{key}={config[key]!r} must list block indices 0..{n_layer - 1}")
-for key in ('max_tokens', 'warmup_tokens', 'lr_decay_tokens', 'max_iters', 'warmup_iters', 'lr_decay_iters'):
-    if config[key] is not None:
-        number(key, 1 if key.startswith('max') else 0, whole=key.endswith('iters'))
 if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
     die(f"--out_dir={out_dir!r} must name a directory")
-try:
-    device_type = torch.device(device).type
-except (RuntimeError, ValueError):
-    die(f"--device={device!r} is not a device: cpu, cuda, cuda:N or mps")
-if device_type == 'cuda' and not torch.cuda.is_available():
-    die(f"--device={device} but CUDA is not available here; use --device=cpu (and --backend=gloo with torchrun)")
-if device_type == 'cuda' and torch.device(device).index is not None and torch.device(device).index >= torch.cuda.device_count():
-    die(f"--device={device} but this machine has {torch.cuda.device_count()} CUDA device(s)")
-if device_type == 'mps' and not torch.backends.mps.is_available():
-    die(f"--device={device} but MPS is not available here; use --device=cpu")
-if device_type not in ('cpu', 'cuda', 'mps'):
-    die(f"--device={device!r}: train.py runs on cpu, cuda or mps")
+device_type = check_device(device)
 
 # lengths given in iterations (nanoGPT) become tokens of the configured step
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
@@ -233,38 +207,16 @@ print(f"tokens per iteration will be: {gradient_accumulation_steps * tokens_per_
 
 
 
-def lock_out_dir():
-    """
-    Hold out_dir/train.lock while the run lives, so that a second train.py on the same out_dir
-    (a relaunch while this one still runs, a typo in a sweep) stops at once instead of writing
-    over our log and checkpoints. flock is released by the kernel when a process dies, however
-    it dies, so a lock left by a killed run is simply taken over; the file names the holder.
-    """
-    import fcntl
-    import socket
-    f = open(os.path.join(out_dir, 'train.lock'), 'a+')
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        die(f"--out_dir={out_dir} is in use by another train.py ({f.read().strip() or 'process unknown'}); "
-            f"wait for it to end, or use another --out_dir")
-    f.seek(0)
-    previous = f.read().strip()
-    if previous:
-        print(f"note: taking over {out_dir}/train.lock from {previous}, which is no longer running")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    return f  # held open: closing it releases the lock
-
-
-if master_process and not eval_only:  # eval_only writes nothing into out_dir
+if master_process and not eval_only:  # out_dir is this run's alone (eval_only writes nothing there)
     try:
         os.makedirs(out_dir, exist_ok=True)
-        out_dir_lock = lock_out_dir()
+        out_dir_lock, previous = lock_out_dir(out_dir)
     except OSError as e:
         die(f"cannot write in --out_dir={out_dir} ({e.strerror or e})")
+    except OutDirInUse as e:
+        die(f"--out_dir={e}")
+    if previous:
+        print(f"note: taking over {out_dir}/train.lock from {previous}, which is no longer running")
 torch.manual_seed(seed + seed_offset)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -307,8 +259,6 @@ if os.path.exists(meta_path):
         meta_vocab_size = pickle.load(f)['vocab_size']
     print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
 
-from model import GPT, GPTConfig, CheckpointError, load_weights, read_checkpoint  # noqa: E402
-from layer_config import set_contextual_config  # noqa: E402
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, cos_attn=cos_attn, spectral_c_attn=spectral_c_attn,
@@ -390,10 +340,8 @@ if ddp:
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None,
                 broadcast_buffers=False)
 
-from schedules import GradAccumSchedule, lr_at, max_accumulation_steps  # noqa: E402
 from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers  # noqa: E402
 from gnstracking import AccumulateMeasurements, MeasurementTracker  # noqa: E402
-from tracker import LogWrapper, LogWriteError  # noqa: E402
 import ddpgns  # noqa: E402
 
 # GNS from exact per-example norms: every parameter whose layer measures it
@@ -452,8 +400,7 @@ def estimate_loss():
 
 
 def save_checkpoint():
-    """Write ckpt.pt atomically (a crash mid-write leaves the previous one intact), never from
-    non-finite weights; a full disk stops the run with one line and no partial file left."""
+    """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
     if not torch.stack([torch.isfinite(p).all() for p in params]).all():
         print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
@@ -470,21 +417,11 @@ def save_checkpoint():
     }
     if ddp_gns is not None:
         ckpt['ddp_gns'] = ddp_gns.state_dict()
-    path = os.path.join(out_dir, 'ckpt.pt')
     print(f"saving checkpoint to {out_dir}")
     try:
-        with open(path + '.tmp', 'wb') as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + '.tmp', path)
-    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
-        if os.path.exists(path + '.tmp'):
-            os.remove(path + '.tmp')
-        free = shutil.disk_usage(out_dir).free
-        why = f"the disk is full ({free:,} bytes free)" if free < (1 << 26) or getattr(e, 'errno', None) == 28 \
-            else str(e).strip().splitlines()[0][:160]
-        stop(f"cannot write {path}: {why}; ckpt.pt keeps {last_checkpoint}", code=1)
+        write_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
+    except CheckpointError as e:
+        stop(f"{e}; ckpt.pt keeps {last_checkpoint}", code=1)
     last_checkpoint = f"iter {iter_num}"
 
 
