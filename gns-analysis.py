@@ -37,7 +37,7 @@ import pandas as pd
 
 from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
-from gnstracking import EMA_BETA, KINDS, PREFIXES, debiased_ema, parse_column, total_columns, unbiased_estimates
+from gnstracking import EMA_BETA, PREFIXES, debiased_ema, parse_column, total_columns, unbiased_estimates
 from reference_names import refuse_module_names
 
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
@@ -92,7 +92,7 @@ def tied_columns(columns):
 def find_estimators(df):
     """
     {prefix: {parameter name: {kind: column}}} of every estimator in the log: each prefix with a
-    column PREFIX/<name>/<kind> (kind in KINDS, a name without '/'), and 'ddp' with one
+    column PREFIX/<name>/<kind> (kind in gnstracking.KINDS, a name without '/'), and 'ddp' with one
     pseudo-parameter when the four raw ddp/ columns are there. Known prefixes first, then the
     others in the order of their first column, ddp last.
     """

@@ -186,6 +186,9 @@ def total_columns(prefix):
     return {kind: f"{prefix}/{field}" for kind, field in KINDS.items()}
 
 
+# ---------------------------------------------------------------------------------------------
+# What every estimator reads from the run besides the gradients: the loss scale, the processes
+
 def current_scale(scaler):
     """The GradScaler's current scale s (gradients carry s, per-example sums s^2): a device tensor
     when possible, so dividing it out costs no host sync; 1.0 for none or a disabled one."""

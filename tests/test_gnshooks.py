@@ -9,7 +9,6 @@ import torch
 import torch.nn as nn
 
 import buffered
-import gnshooks
 from gnshooks import (add_exact_hooks, add_hooks_to_model, add_sogns_hooks, exact_linear_sqnorms,
                       gather_hook_results, hook_measurements, zero_hook_results)
 from model import GPT, GPTConfig
