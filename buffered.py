@@ -73,11 +73,26 @@ def find_sqgradnorm_buffers(model):
     return [(n, p, *found[id(p)]) for n, p in model.named_parameters() if id(p) in found]
 
 
+def _is_norm_buffer(name):
+    return name == "example_count" or name.endswith("_sqgradnorm")
+
+
+def all_sqgradnorm_buffers(model):
+    """Every per-example-norm buffer of `model`, the running sums and the example counts, each
+    once, in module order: what is zeroed after a step and summed over DDP ranks before it."""
+    found = {}
+    for module in model.modules():
+        if "example_count" in module._buffers:
+            for name, buf in module._buffers.items():
+                if buf is not None and _is_norm_buffer(name):
+                    found.setdefault(id(buf), buf)
+    return list(found.values())
+
+
 @torch.no_grad()
 def zero_sqgradnorm_buffers(model):
     """Zero every per-example-norm buffer in place (after each optimizer step)."""
-    bufs = [buf for module in model.modules() if "example_count" in module._buffers
-            for name, buf in module._buffers.items() if name == "example_count" or name.endswith("_sqgradnorm")]
+    bufs = all_sqgradnorm_buffers(model)
     if bufs:
         torch._foreach_zero_(bufs)  # one call for all of them
 
@@ -276,8 +291,7 @@ class MeasuredLayer:
     """
 
     def _apply(self, fn, recurse=True):
-        ours = {n: b for n, b in self._buffers.items()
-                if b is not None and (n == "example_count" or n.endswith("_sqgradnorm"))}
+        ours = {n: b for n, b in self._buffers.items() if b is not None and _is_norm_buffer(n)}
         for n in ours:
             del self._buffers[n]
         super()._apply(fn, recurse)
@@ -503,6 +517,27 @@ class PEGradNormShimLinear(_MeasuredLinear):
         y = F.linear(x, self.weight, self.bias)
         return _LinearNormTap.apply(y, x.detach(), self.bias is not None, w_sq, b_sq, self.example_count,
                                     ids, link_q, link_s, ghost, self.max_chunk_numel)
+
+
+@torch.no_grad()
+def linear_sqnorms(x, dy, weight=True, bias=True):
+    """
+    (sum_b ||dW_b||^2, sum_b ||db_b||^2) of a Linear y = x W^T + b from its input x [B, ..., K] and
+    output gradient dy [B, ..., L], float32 0-dim (None where not asked): PEGradNormShimLinear's
+    maths, its ghost/materialise choice and chunking, for code that sees x and dy beside torch's own
+    backward (gnshooks.py). x is taken in dy's dtype, the one the layer computed in under autocast.
+    """
+    B, K, L = _examples(x, 1), x.shape[-1], dy.shape[-1]
+    x3, dy3 = x.to(dy.dtype).reshape(B, -1, K), dy.reshape(B, -1, L)
+    max_chunk_numel = PEGradNormShimLinear.max_chunk_numel
+    w_sq = b_sq = None
+    if weight and _use_ghost(x3.shape[1], K, L, False, PEGradNormShimLinear.per_example_mode):
+        w_sq = _weight_sqnorm_ghost(x3, dy3, max_chunk_numel)
+    elif weight:
+        w_sq = _weight_sqnorm_materialised(x3, dy3, max_chunk_numel, False)[0]
+    if bias:
+        b_sq = dy3.sum(1, dtype=torch.float32).square().sum()
+    return w_sq, b_sq
 
 
 # ---------------------------------------------------------------------------------------------

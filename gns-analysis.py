@@ -1,99 +1,26 @@
 """
-Gradient noise scale of a run, computed offline from the raw norms in log.csv, for every GNS
-estimator the run logged, side by side.
+Gradient noise scale of a run, offline, from the raw norms in log.csv, for every GNS estimator the
+run logged, side by side.
 
     python gns-analysis.py out-shakespeare-char
     python gns-analysis.py out --alpha 0.999 --no-plots
     python gns-analysis.py out --prefix train/microbatch_gns
 
-Estimators. A per-parameter estimator PREFIX logs for every parameter p and step |G_B|
-(`PREFIX/p/norm`, the norm of the mean gradient over the B examples of the step), |G_b|
-(`PREFIX/p/pegn`, the root mean square of the norms of mean gradients over b examples), B
-(`PREFIX/p/batch_size`, which may change from step to step) and, where b > 1, b
-(`PREFIX/p/small_batch_size`; b = 1 when the column is absent). Found in a log:
-    train/gns             exact per-example norms of every parameter (gnstracking.py), b = 1
-    train/hooks_gns       exact per-example norms from Linear hooks (gnshooks.py), b = 1
-                          (train/gnshooks in logs written before the rename)
-    train/sogns           the SOGNS approximation of those (gnshooks.py), b = 1
-    train/microbatch_gns  one gradient-accumulation micro-batch per rank as the small batch, b > 1
-and any other PREFIX with PREFIX/<param>/norm, /pegn, /batch_size columns (parameter names have
-no '/'). The DDP estimator (ddpgns.py) logs totals over the whole model instead:
-ddp/big_batch_norm, ddp/small_batch_norm, ddp/big_batch_size (B), ddp/small_batch_size (b, one
-rank's batch); it is analysed as an estimator `ddp` with a single group. Its online EMA columns
-(ddp/gtg, ddp/trsigma, ddp/gns, with its own beta) are not used: everything is recomputed here.
+Each estimator's columns (named in gnstracking.py: PREFIX/<param>/norm, /pegn, /batch_size and
+/small_batch_size, or the DDP estimator's ddp/ totals) are summed over a group of parameters, then
+give per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, "An Empirical Model of
+Large-Batch Training", App. A), each smoothed on its own by the bias-corrected EMA over the steps
+that have one; GNS = EMA(tr S) / EMA(|G|^2). The maths is gnstracking.py's, the training run's.
 
-For a group of parameters (all, one layer type, one transformer block) the squared norms are
-summed over the group first, then McCandlish et al. 2018 ("An Empirical Model of Large-Batch
-Training", App. A, B_small = b, B_big = B) give unbiased per-step estimates of the true
-gradient's squared norm and of the trace of the per-example gradient covariance S:
+The main estimator (--prefix, default train/gns) is broken down by layer type and transformer
+block, and its LayerNorm-only GNS compared with the total (Gray et al. 2024: the LayerNorm
+gradients alone predict the GNS); every other estimator's total is compared with the main one's,
+also on just the parameters both cover where they cover different ones.
 
-    |G|^2  ~ (B |G_B|^2 - b |G_b|^2) / (B - b)
-    tr(S)  ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
-
-(from E|G_n|^2 = |G|^2 + tr(S)/n at n = b and n = B). A step where B = b (one micro-batch on one
-process) carries no information and is skipped, as is a step where the group's parameters have
-different B or b.
-
-Single-step estimates are very noisy (|G|^2 is often negative), so each is smoothed on its own
-with an exponential moving average over the steps that have an estimate,
-
-    ema_t = alpha * ema_{t-1} + (1 - alpha) * x_t,   ema_0 = 0,   reported as ema_t / (1 - alpha^t)
-
-(the division is Adam's bias correction: without it the zero start drags early values down; with
-it the first value is x_1 and every later one a weighted mean with weights alpha^age). alpha = 0.99
-averages over roughly the last 1/(1 - alpha) = 100 measured steps. The noise scale is the ratio
-of the two averages, GNS = EMA(tr(S)) / EMA(|G|^2), never an average of per-step ratios (a ratio
-of noisy estimates is biased and explodes where |G|^2 crosses zero).
-
-The main estimator (--prefix, default train/gns, the exact one) is broken down into groups: total
-(all parameters), LayerNorm (names with ln_*), Embedding (wte, wpe), Linear (the rest), and each
-transformer block h.N. GPT ties lm_head to wte, so transformer.wte.weight (its first name)
-carries the head's share of the gradient too and sits in Embedding. The paper's question (Gray et
-al. 2024): how well does the LayerNorm-only GNS track the total? Answered with the ratio LayerNorm
-GNS / total GNS (median and mean) and their Pearson correlation over the steps where the EMA has
-filled its window (all steps if the run is shorter).
-
-Every other estimator gets its total, compared with the main estimator's total the same way (ratio
-of GNS, median over the run, and Pearson r). The Linear hooks cover only some parameters (not
-LayerNorm, Embedding or the tied head), so where an estimator covers other parameters than the
-main one, both are also summed over just the parameters they share and compared on those.
-
-Writes OUT_DIR/gns_analysis.csv with, per step that has a measurement from any estimator:
-  main estimator, per group:  {group}/sq_norm and {group}/trace (the per-step estimates),
-      {group}/sq_norm_ema, {group}/trace_ema, {group}/gns and {group}/ema_steps (estimates the EMA
-      has seen); and batch_size, small_batch_size (the main estimator's B and b);
-  every other estimator E:    E/total/... (the same six), E/batch_size, E/small_batch_size;
-      where E and the main one cover different parameters, also E/common/... (E summed over the
-      parameters both cover) and E/main_common/... (the main estimator over the same ones);
-  the reference implementation's columns (CerebrasResearch/nanoGNS, exact/gns-analysis.py), for
-      code that reads its gns_analysis.csv, all for the main estimator's total: step, batch_size,
-      sgn and spegn (the summed squared norms |G_B|^2 and |G_b|^2), gtg and trsigma (the per-step
-      estimates, = total/sq_norm, total/trace), gtg_ema, trsigma_ema and gns (the smoothed ones,
-      = total/sq_norm_ema, total/trace_ema, total/gns), tokens_processed (if logged) and ddp_gns
-      (the log's own ddp/gns, if logged). Their numbers differ from the reference's, because:
-        - the EMA is bias-corrected (pandas' adjusted ewm); the reference's ewm(adjust=False)
-          starts at the first estimate and weighs it more for ~1/(1 - alpha) steps;
-        - steps without a measurement are skipped (no row, the EMA carried over), not zeros;
-        - the tied weight wte = lm_head is included: this fork measures it exactly, the
-          reference measures it wrong and its analysis leaves it out;
-        - gns is trsigma_ema / gtg_ema as it is; the reference clips gtg_ema below at 1e-6;
-        - tokens_processed only comes from the log; the reference made up step * batch_size.
-
-Logs of the reference implementation are read too (log.csv, or log_header.csv.tmp +
-log_data.csv.tmp while it runs). Its tracker logs the tied weight transformer.wte.weight with the
-whole gradient's norm but only the embedding's per-example norms, and its analysis skips every
-parameter whose name contains 'wte' or 'lm_head'; so do we for its logs, with a note. Whose log
-it is comes from config.json beside it: this fork's has always had a 'seed' key, the reference's
-never has (--tied keep or drop decides where there is no config.json). Under float16 the
-reference's DDP estimator divides loss-scaled small-batch norms by unscaled big-batch ones, so
-for a float16 reference log its ddp/ columns are left out, with a note.
-
-Cells that are not finite numbers. An empty cell is a value not measured that step (evaluation
-rows, an estimator that did not run): silently nothing. A GNS cell (norm, pegn, batch_size,
-small_batch_size) holding anything else that is not a finite number (inf, nan, 1e400, text) is
-left out with its step from every group holding its parameter, and counted in the summary: steps
-with a non-finite norm (a float16 overflow: the optimizer skipped the step) on one line, other
-cells on another, with the first few steps and parameters.
+Writes OUT_DIR/gns_analysis.csv: per group the estimates, their EMAs, the GNS and the EMA's count,
+and the reference implementation's columns (--help says why their numbers differ). Reads the
+reference's logs too, leaving out, with a note, what it measures wrong: its tied weight, and its
+DDP columns under float16. Cells that are not finite numbers are left out with their step, and counted.
 
 Exit status: 0 done; 2 bad input (usage, a missing, unreadable or invalid log, a --prefix that is
 not in it), one line on stderr; 1 the result could not be written, one line on stderr.
@@ -110,18 +37,19 @@ import pandas as pd
 
 from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
+from gnstracking import EMA_BETA, PREFIXES, debiased_ema, parse_column, total_columns, unbiased_estimates
 from reference_names import refuse_module_names
 
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
-KINDS = ("norm", "pegn", "batch_size", "small_batch_size")
 # known estimators, in the order they are tried as the main one and listed; others follow, ddp last
 # train/gnshooks: the hooks' prefix before it became train/hooks_gns (the reference's readers
 # take every column starting with train/gns for theirs)
-KNOWN_PREFIXES = ["train/gns", "train/hooks_gns", "train/gnshooks", "train/sogns", "train/microbatch_gns"]
-DDP = "ddp"
+KNOWN_PREFIXES = [PREFIXES["exact"], PREFIXES["hooks_exact"], "train/gnshooks", PREFIXES["hooks_sogns"],
+                  PREFIXES["microbatch"]]
+DDP = PREFIXES["ddp"]
 DDP_NAME = "(whole model)"  # the DDP estimator's one pseudo-parameter: it logs model totals
-DDP_COLUMNS = {"norm": "ddp/big_batch_norm", "pegn": "ddp/small_batch_norm",
-               "batch_size": "ddp/big_batch_size", "small_batch_size": "ddp/small_batch_size"}
+DDP_COLUMNS = total_columns(DDP)
+DDP_GNS = f"{DDP}/gns"  # the DDP estimator's own online GNS (GradientNoiseScale.get_msg)
 EMA_COLUMNS = ("sq_norm", "trace", "sq_norm_ema", "trace_ema", "gns", "ema_steps")
 # the reference's gns_analysis.csv columns, from the main estimator's total: {ours: reference's}
 REFERENCE_COLUMNS = {"total/sq_norm": "gtg", "total/trace": "trsigma", "total/sq_norm_ema": "gtg_ema",
@@ -150,61 +78,27 @@ def block_of(name):
     return f"h.{m.group(1)}" if m else None
 
 
-def unbiased_estimates(big_sq, small_sq, B, b=1):
-    """
-    McCandlish et al. 2018, App. A with B_small = b, B_big = B: estimates of (|G|^2, tr(S)) from
-    |G_B|^2 and |G_b|^2. Arrays or floats; NaN where B <= b (nothing to estimate from) or b < 1.
-    """
-    B, b = np.asarray(B, dtype=float), np.asarray(b, dtype=float)
-    ok = (b >= 1) & (B > b)
-    B, b = np.where(ok, B, np.nan), np.where(ok, b, np.nan)
-    with np.errstate(invalid="ignore"):  # inf - inf: a step that overflowed, NaN like any unmeasured one
-        sq_norm = (B * big_sq - b * small_sq) / (B - b)
-        trace = (small_sq - big_sq) / (1 / b - 1 / B)
-    return sq_norm, trace
-
-
-def debiased_ema(x, alpha):
-    """
-    (EMA, measurements seen) of x over its finite entries, bias-corrected as in the module
-    docstring; entries without a measurement carry the previous EMA forward (NaN before the first).
-    """
-    x = pd.Series(np.where(np.isfinite(x), x, np.nan))
-    # pandas' adjusted EWM is exactly sum_i alpha^i x_{t-i} / sum_i alpha^i = the debiased EMA
-    ema = x.ewm(alpha=1 - alpha, adjust=True, ignore_na=True).mean().to_numpy()
-    seen = np.cumsum(x.notna().to_numpy())
-    return np.where(seen > 0, ema, np.nan), seen
-
-
-def gns_column(col):
-    """(prefix, parameter name, kind) of a per-parameter GNS column PREFIX/<name>/<kind>, else None."""
-    parts = col.rsplit("/", 2)
-    if len(parts) == 3 and all(parts) and parts[2] in KINDS:
-        return tuple(parts)
-    return None
-
-
 def analysis_columns(columns):
     """The log columns the analysis reads: every GNS column, the DDP ones, and the x axes."""
-    extra = {"step", "iter_num", "tokens_processed", "ddp/gns", *DDP_COLUMNS.values()}
-    return [c for c in columns if c in extra or gns_column(c)]
+    extra = {"step", "iter_num", "tokens_processed", DDP_GNS, *DDP_COLUMNS.values()}
+    return [c for c in columns if c in extra or parse_column(c)]
 
 
 def tied_columns(columns):
     """The per-parameter GNS columns of the tied weight wte = lm_head (names holding 'wte' or 'lm_head')."""
-    return [c for c in columns if gns_column(c) and any(t in gns_column(c)[1] for t in TIED)]
+    return [c for c in columns if parse_column(c) and any(t in parse_column(c)[1] for t in TIED)]
 
 
 def find_estimators(df):
     """
     {prefix: {parameter name: {kind: column}}} of every estimator in the log: each prefix with a
-    column PREFIX/<name>/<kind> (kind in KINDS, a name without '/'), and 'ddp' with one
+    column PREFIX/<name>/<kind> (kind in gnstracking.KINDS, a name without '/'), and 'ddp' with one
     pseudo-parameter when the four raw ddp/ columns are there. Known prefixes first, then the
     others in the order of their first column, ddp last.
     """
     found = {}
     for col in df.columns:
-        parts = gns_column(col)
+        parts = parse_column(col)
         if parts:
             found.setdefault(parts[0], {}).setdefault(parts[1], {})[parts[2]] = col
     # a prefix is an estimator if one of its parameters has the norm and pegn pair
@@ -381,8 +275,8 @@ def analyze(df, alpha, prefix="train/gns", fallback=True):
     # the reference's columns (copies of the total's), for code that reads its gns_analysis.csv
     reference = {name: out[ours] for ours, name in REFERENCE_COLUMNS.items()}
     reference.update(sgn=total["big_sq"], spegn=total["small_sq"])
-    if "ddp/gns" in df.columns:
-        reference["ddp_gns"] = pd.to_numeric(df["ddp/gns"], errors="coerce").to_numpy(dtype=float)
+    if DDP_GNS in df.columns:
+        reference["ddp_gns"] = pd.to_numeric(df[DDP_GNS], errors="coerce").to_numpy(dtype=float)
 
     others = {}
     for p, other in loaded.items():
@@ -491,7 +385,7 @@ def reference_fixes(columns, path, tied="auto"):
     origin, why, config = log_origin(path)
     leave_out, notes = [], []
     tied_cols = tied_columns(columns)
-    names = sorted({gns_column(c)[1] for c in tied_cols})
+    names = sorted({parse_column(c)[1] for c in tied_cols})
     shown = ", ".join(names)
     if tied_cols and tied == "auto":
         if origin is None:
@@ -527,7 +421,7 @@ def read_log(out_dir, tied="auto"):
     columns, path = log_columns(out_dir)
     leave_out, notes = reference_fixes(columns, path, tied)
     wanted = [c for c in analysis_columns(columns) if c not in set(leave_out)]
-    gns = [c for c in wanted if gns_column(c) or c in DDP_COLUMNS.values()]
+    gns = [c for c in wanted if parse_column(c) or c in DDP_COLUMNS.values()]
     df, path = load_log(out_dir, wanted, as_written=gns)
     return df, path, notes
 
@@ -545,10 +439,10 @@ def plots(results, df, info):
             "", f"GNS over {x_name}:"]
     series = [(x, results[f"{g}/gns"].to_numpy(), f"{main} {g}") for g in ("total", "LayerNorm") if f"{g}/gns" in results]
     series += [(x, results[f"{p}/total/gns"].to_numpy(), f"{p} total") for p in info["estimators"]]
-    if DDP not in info["estimators"] and main != DDP and "ddp/gns" in df.columns:
+    if DDP not in info["estimators"] and main != DDP and DDP_GNS in df.columns:
         # an older log with only the online DDP estimate (its own EMA), not the raw norms
-        series.append((x_axis(df)[1], pd.to_numeric(df["ddp/gns"], errors="coerce").to_numpy(dtype=float),
-                       "ddp/gns (online EMA)"))
+        series.append((x_axis(df)[1], pd.to_numeric(df[DDP_GNS], errors="coerce").to_numpy(dtype=float),
+                       f"{DDP_GNS} (online EMA)"))
     text.append(figure(series, x_name, "GNS"))
     return "\n".join(text)
 
@@ -705,10 +599,10 @@ GNS cells that are not finite numbers (inf, nan, text) are left out with their s
 in the summary; empty cells are steps without a measurement.
 Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be written.""")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the run's output directory (holding log.csv), or a log CSV file")
-    parser.add_argument("--alpha", type=alpha_type, default=0.99,
+    parser.add_argument("--alpha", type=alpha_type, default=EMA_BETA,
                         help="EMA smoothing factor in [0, 1): ema = alpha * ema + (1 - alpha) * estimate at each "
                              "measured step, bias-corrected at the start; averages over ~1/(1 - alpha) steps; "
-                             "0 = no smoothing (default: 0.99)")
+                             f"0 = no smoothing (default: {EMA_BETA})")
     parser.add_argument("--prefix", default=None,
                         help="the main estimator, broken down by parameter group and the one the others are "
                              "compared with: the column prefix PREFIX/<param>/norm, or 'ddp' for the DDP "

@@ -1,72 +1,35 @@
 """
-Per-example gradient norms of plain nn.Linear layers from forward/backward hooks, with no change
-to the model: the estimators of Gray, Samar & Hestness, "Efficient and Approximate Per-Example
-Gradient Norms for Gradient Noise Scale" (WANT@NeurIPS 2023), kept so that a run can log them
-beside the exact per-example norms of buffered.py / gnstracking.py and compare.
+Per-example gradient norms of plain nn.Linear layers from forward/backward hooks, with no change to
+the model (Gray, Samar & Hestness 2023, "Efficient and Approximate Per-Example Gradient Norms for
+Gradient Noise Scale", WANT@NeurIPS), logged beside the exact norms of buffered.py to compare.
+Both kinds accumulate in float32 over the micro-steps until zero_hook_results():
 
-Two kinds of hooks, both accumulating in float32 over every gradient-accumulation micro-step
-until zero_hook_results() (call it after each optimizer step):
+- 'exact' (add_exact_hooks): from the layer's input x and output gradient dy, per example
+  ||sum_t dy_bt x_bt^T||^2 and ||sum_t dy_bt||^2, by buffered.linear_sqnorms (the shim layer's
+  ghost/materialise choice and chunking). The big batch is ||p.grad||.
+- 'sogns' (add_sogns_hooks): the Scaled Output GNS, each example's input replaced by its RMS
+  sigma_b = ||x_b|| / sqrt(T K) at every position: the surrogate W~_b = sigma_b (sum_t dy_bt) 1_K^T,
+  ||W~_b||^2 = (||x_b||^2 / T) ||sum_t dy_bt||^2, exact for T = 1. As in the paper's code, the
+  weight's big batch is the surrogate's ||sum_b W~_b|| (a GNS of one set of gradients), biases exact.
 
-- 'exact' (add_exact_hooks): the forward hook keeps the layer input x [B,T,K], a hook on the
-  output's gradient gets dy [B,T,L], and per example b
-      weight: ||W_b||^2 = ||sum_t dy_bt x_bt^T||^2 = sum_{t,t'} <x_bt, x_bt'> <dy_bt, dy_bt'>
-      bias:   ||sum_t dy_bt||^2
-  computed in the ghost form (B*T*T memory) or by materialising W_b (B*K*L memory), whichever
-  takes fewer flops, in batch chunks that bound the extra memory. 2-D inputs are T = 1, where
-  the weight term is ||x_b||^2 ||dy_b||^2. The big batch is the real gradient ||p.grad||.
-  Memory: the hook holds a reference to x until the backward of the layer (the layer's own
-  backward saves x anyway; under autocast the reference keeps the uncast x alive as well).
-
-- 'sogns' (add_sogns_hooks): the Scaled Output Gradient Noise Scale. Each example's input
-  activations are replaced by their root mean square under the paper's assumption that
-  activations are Gaussian with one variance per example,
-      sigma_b^2 = ||x_b||^2 / (T*K)       (mean square over the example's T*K input entries),
-  i.e. x_bt is replaced by the constant vector sigma_b * 1_K at every position t. Then
-      <x_bt, x_bt'>  ->  K sigma_b^2 = ||x_b||^2 / T       for every pair (t, t'),
-  the expectation of <x_bt, x_bt'> when one Gaussian vector x_b ~ N(0, sigma_b^2 I_K) is shared
-  by all positions, and the per-example weight gradient becomes the rank-one surrogate
-      W~_b = sigma_b (sum_t dy_bt) 1_K^T,    ||W~_b||^2 = (||x_b||^2 / T) * ||sum_t dy_bt||^2,
-  which needs only the output gradient reduced over time (what the bias gradient needs anyway)
-  and one scalar per example from the forward pass: O(B*T*(K+L)) work, B floats kept.
-  For T = 1 it equals the exact ||x_b||^2 ||dy_b||^2. We choose this (correlated-positions)
-  form over the independent-positions alternative <x_bt, x_bt'> -> delta_tt' ||x_b||^2 / T
-  because it is the one the paper's released code computes (so the numbers compare with the
-  earlier work) and because it defines a surrogate gradient W~_b, so the big-batch norm can be
-  taken of the same surrogate, sum_b W~_b, making the result the true noise scale of the
-  surrogate gradients; mixing the surrogate's per-example norms with the real ||p.grad|| would
-  not be a noise scale of anything. So for SOGNS the weight's big-batch norm is
-  ||sum_b W~_b|| = sqrt(K) ||sum_b sigma_b sum_t dy_bt|| (an L-vector kept per layer), while
-  biases are exact on both sides, as in the paper's code.
-
-What the layer sees: the training loss is the mean over the B examples of the optimizer step
-(each micro-step's mean loss is divided by grad_accum_steps), so the per-example gradient a layer
-sees is g_b / B and the running sums hold sum_b ||g_b / B||^2 over the B_rank examples of this
-process; under a float16 GradScaler with scale s the output gradients carry s, so the sums hold
-s^2 times that (and the SOGNS surrogate s times): pass loss_scale=s to hook_measurements(), or
-divide yourself when using gather_hook_results().
-
-A parameter shared with another module (GPT's tied wte/lm_head weight) is left out: a hook on the
-Linear sees only its own share of the gradient, and the per-example norm of the sum is out of
-reach of module hooks (buffered.py measures it exactly). Weights under a parametrization
-(spectral norm) are left out too: the hook sees the gradient of the computed weight, not of the
-parameter. Layers that measure themselves (buffered.py's Linear subclasses) are hooked too, so one
-run can compare the approximation with the exact norms on the same parameters. The backward side is a tensor hook on the layer's output (registered by the forward
-hook), not register_full_backward_hook, which would wrap every output in an extra autograd node.
-Under torch.compile the numbers are unchanged, but dynamo cannot trace the hooks' side effects
-and runs the model's forward eagerly: use these hooks with compile=False.
+The layers see g_b / B (the step's loss is a mean over its B examples) times a GradScaler's s.
+Parameters shared with another module (the tied wte/lm_head weight) or parametrized are left
+out: a module hook sees only its own share of their gradient. Under torch.compile the numbers
+are unchanged but dynamo runs the forward eagerly: use compile=False.
 """
 from collections import namedtuple
 
 import torch
 import torch.nn as nn
 
-# extra float32 elements a backward hook may allocate at once; larger batches are chunked
-CHUNK_ELEMENTS = 1 << 26
+from buffered import linear_sqnorms
+from gnstracking import PREFIXES, Estimator, current_scale, distributed_world_size, parameter_columns
 
 # (name, parameter, sum of per-example squared norms as the layer saw them [float32 0-dim
 #  tensor], example count [int], SOGNS surrogate big-batch gradient [L-vector] or None where
 #  the big batch is p.grad)
 HookResult = namedtuple('HookResult', 'name param sqnorm_sum example_count surrogate_grad')
+KIND_PREFIXES = {'exact': PREFIXES['hooks_exact'], 'sogns': PREFIXES['hooks_sogns']}
 
 
 def _as_batch_time_feature(t):
@@ -100,32 +63,13 @@ def _own_params(module, params):
     return params
 
 
-@torch.no_grad()
 def exact_linear_sqnorms(x, dy, with_weight=True, with_bias=True):
     """
     Sums over the batch of the exact per-example squared gradient norms of a Linear
     (weight, bias), float32 0-dim tensors (None where not asked). x [B,...,K], dy [B,...,L].
+    buffered.linear_sqnorms, the shim Linear's own maths.
     """
-    x, dy = _as_batch_time_feature(x), _as_batch_time_feature(dy)
-    B, T, K = x.shape
-    L = dy.shape[-1]
-    weight = torch.zeros((), dtype=torch.float32, device=dy.device) if with_weight else None
-    bias = torch.zeros((), dtype=torch.float32, device=dy.device) if with_bias else None
-    ghost = T * (K + L) <= K * L  # flops: ghost ~ B T^2 (K+L), materialised ~ B T K L
-    per_example = T * T if ghost else K * L
-    chunk = max(1, CHUNK_ELEMENTS // max(per_example + T * (K + L), 1))
-    for i in range(0, B, chunk):
-        xc, dyc = x[i:i + chunk].float(), dy[i:i + chunk].float()
-        if with_weight:
-            if T == 1:
-                weight += (xc.square().sum((1, 2)) * dyc.square().sum((1, 2))).sum()
-            elif ghost:
-                weight += (torch.bmm(xc, xc.transpose(1, 2)) * torch.bmm(dyc, dyc.transpose(1, 2))).sum()
-            else:
-                weight += torch.bmm(dyc.transpose(1, 2), xc).square().sum()
-        if with_bias:
-            bias += dyc.sum(1).square().sum()
-    return weight, bias
+    return linear_sqnorms(x, dy, with_weight, with_bias)
 
 
 def add_exact_hooks(module, params=None):
@@ -210,9 +154,12 @@ def add_hooks_to_model(model, add_hooks):
     return handles
 
 
+ADD_HOOKS = {'exact': add_exact_hooks, 'sogns': add_sogns_hooks}
+
+
 def _kind_of(add_hooks_or_kind):
-    kind = {add_exact_hooks: 'exact', add_sogns_hooks: 'sogns'}.get(add_hooks_or_kind, add_hooks_or_kind)
-    if kind not in ('exact', 'sogns'):
+    kind = {add: kind for kind, add in ADD_HOOKS.items()}.get(add_hooks_or_kind, add_hooks_or_kind)
+    if kind not in ADD_HOOKS:
         raise ValueError(f"unknown hook kind {add_hooks_or_kind!r}; use 'exact' or 'sogns'")
     return kind
 
@@ -253,13 +200,8 @@ def zero_hook_results(model):
             state['surrogate'] = None
 
 
-def _world_size():
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 @torch.no_grad()
-def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0):
+def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0, grad_scale=1.0):
     """
     The step's measurements in the tracker's CSV schema, as a dict of floats:
       {prefix}/{name}/norm        big-batch gradient norm |G_B|: ||p.grad|| (exact hooks, biases)
@@ -267,14 +209,15 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0):
       {prefix}/{name}/pegn        sqrt(|G_1|^2), |G_1|^2 = (1/B) sum_b ||g_b||^2 = B sum_b ||g_b/B||^2
       {prefix}/{name}/batch_size  B, the examples of the optimizer step over all processes
     prefix defaults to 'train/hooks_gns' (exact) or 'train/sogns'. Call after the last backward of
-    the step and after scaler.unscale_ (p.grad unscaled), before clipping; loss_scale is the
-    GradScaler scale of this step's backward (scaler.get_scale(), 1.0 without fp16). Under DDP
-    call it on every rank (one all-reduce of the sums): with B_rank examples per rank and
-    B = W B_rank, |G_1|^2 = (B_rank^2 / B) sum_ranks sum_b ||g_b/B_rank||^2. One host transfer.
+    the step, before clipping. loss_scale: the GradScaler scale s of this step's backward (a float,
+    or the scaler's device tensor; 1.0 without fp16); grad_scale: the scale p.grad still carries,
+    1.0 after scaler.unscale_, s before it. Under DDP call it on every rank (one all-reduce of the
+    sums): with B_rank examples per rank and B = W B_rank,
+    |G_1|^2 = (B_rank^2 / B) sum_ranks sum_b ||g_b/B_rank||^2. One host transfer.
     Layers that saw no example this step are left out.
     """
     kind = _kind_of(kind)
-    prefix = prefix if prefix is not None else {'exact': 'train/hooks_gns', 'sogns': 'train/sogns'}[kind]
+    prefix = prefix if prefix is not None else KIND_PREFIXES[kind]
     results = gather_hook_results(model, kind)
     if not results:
         return {}
@@ -283,7 +226,7 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0):
     counts = torch.tensor([float(r.example_count) for r in results], device=device)
     surrogates = [r.surrogate_grad.to(device) for r in results if r.surrogate_grad is not None]
     flat = torch.cat([sqnorm_sums, counts, *surrogates])
-    world_size = _world_size()
+    world_size = distributed_world_size()
     if world_size > 1:
         torch.distributed.all_reduce(flat)
     n = len(results)
@@ -297,14 +240,30 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0):
             # DDP averages gradients over ranks; the surrogate follows p.grad: mean of the ranks'
             norms.append(torch.linalg.vector_norm(next(surrogate_iter) / world_size) / loss_scale)
         elif r.param.grad is not None:
-            norms.append(torch.linalg.vector_norm(r.param.grad.float()))
+            norms.append(torch.linalg.vector_norm(r.param.grad.float()) / grad_scale)
         else:
             norms.append(torch.zeros((), dtype=torch.float32, device=device))
     values = torch.stack([torch.stack(norms).to(device), pe_sqnorm.sqrt(), total_counts]).tolist()
     out = {}
     for r, norm, pegn, count in zip(results, *values):
         if count > 0:
-            out[f"{prefix}/{r.name}/norm"] = norm
-            out[f"{prefix}/{r.name}/pegn"] = pegn
-            out[f"{prefix}/{r.name}/batch_size"] = int(count)
+            out.update(parameter_columns(prefix, r.name, norm, pegn, int(count)))
     return out
+
+
+class HooksEstimator(Estimator):
+    """The Linear hooks ('exact' or 'sogns') on every own parameter of `model`'s Linears, behind
+    gnstracking's interface."""
+
+    def __init__(self, model, kind):
+        self.kind = _kind_of(kind)
+        self.name = KIND_PREFIXES[self.kind]
+        self.model = model
+        self.handles = add_hooks_to_model(model, ADD_HOOKS[self.kind])
+
+    def measure(self, step, examples, scaler):
+        scale = current_scale(scaler)  # p.grad is not unscaled yet: it carries the scale too
+        return hook_measurements(self.model, self.kind, loss_scale=scale, grad_scale=scale)
+
+    def reset(self):
+        zero_hook_results(self.model)

@@ -1,45 +1,213 @@
 """
-Turns the per-example-norm buffers and the gradients into gradient noise scale measurements.
+The one home of the gradient noise scale maths, of log.csv's GNS column names, and of the small
+interface every estimator offers train.py's loop.
 
-After the last micro-step of an optimizer step (and after any DDP all-reduce, before gradient
-clipping and before scaler.unscale_), for every measured parameter p:
+Maths (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A): from the
+squared norms |G_B|^2 of a step's mean gradient over B examples and |G_b|^2, the mean squared norm
+of mean gradients over b examples, unbiased_estimates() gives |G|^2 and tr(S); each is smoothed by
+a bias-corrected EMA (GradientNoiseScale online, debiased_ema() over a log's columns) and the GNS
+is the ratio of the two EMAs, never an EMA of ratios.
 
-    big batch    |G_B|^2 = ||p.grad||^2                        (the minibatch gradient, B examples)
-    small batch  |G_1|^2 = (1/B) sum_b ||g_b||^2               (mean squared per-example gradient)
+The exact per-example estimator (b = 1) reads, after the last micro-step and before
+scaler.unscale_ and clipping, |G_B|^2 = ||p.grad||^2 and the per-example-norm buffers
+(buffered.py), which hold S = sum_b ||g_b / B||^2, so |G_1|^2 = B S. Under DDP over W ranks each
+rank's layers see its own mean loss; once buffers and counts are summed over ranks,
+|G_1|^2 = B S / W^2. Under a float16 GradScaler gradients carry s and buffers s^2.
 
-where g_b is the gradient of example b's own loss l_b and the training loss is L = (1/B) sum_b l_b.
-The layers see the gradient of L, so their buffer holds S = sum_b ||g_b / B||^2 and
-|G_1|^2 = B * S. Under DDP over W ranks with B_rank = B / W examples each, every rank's buffer
-holds sum_b ||g_b / B_rank||^2 over its own examples; once buffers and counts are summed over
-ranks, |G_1|^2 = (B_rank^2 / B) * S_sum = B * S_sum / W^2 (B * S_sum would be W^2 too large).
+Every estimator (ExactGNS here, ddpgns.DDPGNS, microbatch_gns.MicrobatchEstimator,
+gnshooks.HooksEstimator) is an Estimator; estimators_for() builds a run's list:
 
-These two are the B_big = B, B_small = 1 case of McCandlish et al. 2018, "An Empirical Model of
-Large-Batch Training", App. A, whose unbiased estimators
-
-    |G|^2  ~ (B |G_B|^2 - |G_1|^2) / (B - 1)
-    tr(S)  ~ (|G_1|^2 - |G_B|^2) / (1 - 1/B)
-
-and the noise scale B_simple = tr(S) / |G|^2 are computed offline by gns-analysis.py, after
-smoothing numerator and denominator separately. What is logged per parameter and step is only the
-raw |G_B| ("norm"), |G_1| ("pegn", per-example gradient norm) and B ("batch_size").
-
-Usage in a training loop:
-
-    gns_logs = AccumulateMeasurements(prefix="train/gns/")
-    gns_tracker = MeasurementTracker.from_model(model, callback=gns_logs, scaler=scaler)
-    ...  # micro-steps: scaler.scale(loss / grad_accum_steps).backward()
-    gns_tracker.step(batch_size=B)     # reads, then zeroes, every per-example-norm buffer
-    ...  # scaler.unscale_, clipping, scaler.step, scaler.update
-    logger.log(gns_logs.pop())
+    estimators = estimators_for(raw_model, ddp_model=model if ddp else None, world_size=W,
+                                hooks='none', microbatch=False)
+    ... micro-steps: scaler.scale(loss / grad_accum_steps).backward()
+    row = measure_all(estimators, iter_num, B, scaler)   # every rank, before scaler.unscale_
+    ... scaler.unscale_, clipping, scaler.step, scaler.update, zero_grad
+    reset_all(estimators)
+    ... logger.log(row); print(f"... {status_line(estimators)}")
 """
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
-from buffered import find_sqgradnorm_buffers, sum_of_squares
+from buffered import find_sqgradnorm_buffers, sum_of_squares, zero_sqgradnorm_buffers
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
+# ---------------------------------------------------------------------------------------------
+# The maths: the unbiased estimates and their bias-corrected EMA (McCandlish et al. 2018, App. A)
+
+# the default smoothing: gns-analysis.py's --alpha, and the exact estimator's live GNS on the
+# status line, whose last value is therefore the analysis' total GNS
+EMA_BETA = 0.99
+
+
+def unbiased_estimates(big_sq, small_sq, B, b=1):
+    """
+    (|G|^2, tr(S)) from |G_B|^2 and |G_b|^2 (McCandlish et al. 2018, App. A, B_big = B, B_small = b):
+        |G|^2 ~ (B |G_B|^2 - b |G_b|^2) / (B - b),    tr(S) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B).
+    Floats or arrays, elementwise; NaN where B <= b or b < 1 (nothing to estimate from).
+    """
+    B, b = np.asarray(B, dtype=float), np.asarray(b, dtype=float)
+    ok = (b >= 1) & (B > b)
+    B, b = np.where(ok, B, np.nan), np.where(ok, b, np.nan)
+    with np.errstate(invalid="ignore"):  # inf - inf: a step that overflowed, NaN like any unmeasured one
+        sq_norm = (B * big_sq - b * small_sq) / (B - b)
+        trace = (small_sq - big_sq) / (1 / b - 1 / B)
+    return sq_norm, trace
+
+
+class GradientNoiseScale:
+    """
+    The simple gradient noise scale B_simple = tr(S) / |G|^2, online: an exponential moving average
+    of each unbiased estimate (ema = beta * ema + (1 - beta) * estimate, from 0), debiased like
+    Adam's by 1 - beta^updates, and the GNS the ratio of the two averages (as k-diffusion does).
+    debiased_ema() is the same average over a log's columns.
+
+    ema_sq_norm, ema_var: the EMAs of |G|^2 and tr(S), not debiased; beta_cumprod: beta^updates;
+    gradient_noise_scale: the GNS after the last update (NaN before the first). The GNS clamps each
+    (biased) average to eps first, so a GNS of ~0 or ~1/eps flags one that dipped below zero.
+    """
+
+    def __init__(self, beta=0.995, eps=1e-8):
+        self.beta = beta
+        self.eps = eps
+        self.ema_sq_norm = 0.0
+        self.ema_var = 0.0
+        self.beta_cumprod = 1.0
+        self.gradient_noise_scale = float('nan')
+
+    def update(self, sq_small, sq_big, n_small, n_big):
+        """
+        Add one step: sq_small is the mean squared norm of gradients over n_small examples each,
+        sq_big the squared norm of their mean over n_big examples. A non-finite input (a float16
+        overflow step, which GradScaler skips too) is ignored. Returns the current GNS.
+        """
+        if not 0 < n_small < n_big:
+            raise ValueError(f"GradientNoiseScale needs 0 < n_small < n_big, got {n_small} and {n_big}")
+        if not (math.isfinite(sq_small) and math.isfinite(sq_big)):
+            return self.gradient_noise_scale
+        sq_norm, var = map(float, unbiased_estimates(sq_big, sq_small, n_big, n_small))
+        self.ema_sq_norm = self.beta * self.ema_sq_norm + (1 - self.beta) * sq_norm
+        self.ema_var = self.beta * self.ema_var + (1 - self.beta) * var
+        self.beta_cumprod *= self.beta
+        self.gradient_noise_scale = self._ratio()
+        return self.gradient_noise_scale
+
+    def _ratio(self):
+        return max(self.ema_var, self.eps) / max(self.ema_sq_norm, self.eps)
+
+    def get_stats(self):
+        """(|G|^2, tr(S)): the debiased EMAs; NaN before the first update."""
+        if self.beta_cumprod == 1.0:
+            return float('nan'), float('nan')
+        debias = 1 - self.beta_cumprod
+        return self.ema_sq_norm / debias, self.ema_var / debias
+
+    def get_gns(self):
+        """EMA(tr(S)) / EMA(|G|^2), each clamped to eps; NaN before the first update."""
+        return self.gradient_noise_scale
+
+    def get_msg(self, prefix=''):
+        """{prefix}gtg, {prefix}trsigma (the debiased EMAs) and {prefix}gns, for a logger row."""
+        gtg, trsigma = self.get_stats()
+        return {f'{prefix}gtg': gtg, f'{prefix}trsigma': trsigma, f'{prefix}gns': self.get_gns()}
+
+    def state_dict(self):
+        return dict(beta=self.beta, eps=self.eps, ema_sq_norm=self.ema_sq_norm, ema_var=self.ema_var,
+                    beta_cumprod=self.beta_cumprod, gradient_noise_scale=self.gradient_noise_scale)
+
+    def load_state_dict(self, state):
+        """Loads state_dict()'s dict, or that of this fork's older checkpoints (ema_gtg, ema_trsigma)."""
+        state = dict(state)
+        for old, new in (('ema_gtg', 'ema_sq_norm'), ('ema_trsigma', 'ema_var')):
+            if old in state:
+                state[new] = state.pop(old)
+        unknown = set(state) - set(self.state_dict())
+        if unknown:
+            raise ValueError(f"GradientNoiseScale.load_state_dict: unknown keys {sorted(unknown)}")
+        # beta comes back too: beta_cumprod only debiases the EMAs for the beta that made them
+        for key, value in state.items():
+            setattr(self, key, value)
+        if 'gradient_noise_scale' not in state:  # older checkpoints did not store it
+            self.gradient_noise_scale = float('nan') if self.beta_cumprod == 1.0 else self._ratio()
+
+
+def debiased_ema(x, alpha):
+    """
+    (EMA, estimates seen) of the series x at every step: GradientNoiseScale's debiased average with
+    beta = alpha over x's finite entries; the others carry the previous EMA forward (NaN before the first).
+    """
+    import pandas as pd  # the analysis' dependency, not training's
+    x = pd.Series(np.where(np.isfinite(x), x, np.nan))
+    # pandas' adjusted EWM is exactly sum_i alpha^i x_{t-i} / sum_i alpha^i = the debiased EMA
+    ema = x.ewm(alpha=1 - alpha, adjust=True, ignore_na=True).mean().to_numpy()
+    seen = np.cumsum(x.notna().to_numpy())
+    return np.where(seen > 0, ema, np.nan), seen
+
+
+# ---------------------------------------------------------------------------------------------
+# log.csv's GNS columns, named here only. A per-parameter estimator logs for each parameter, under
+# its prefix, PREFIX/<name>/norm (|G_B|), /pegn (|G_b|), /batch_size (B) and, where b > 1,
+# /small_batch_size (b; absent: b = 1). The DDP estimator logs model totals under ddp/, named after
+# Measurement's fields (the reference's columns): ddp/big_batch_norm, ...
+
+PREFIXES = dict(exact="train/gns", hooks_exact="train/hooks_gns", hooks_sogns="train/sogns",
+                microbatch="train/microbatch_gns", ddp="ddp")
+# the kind of a cell -> the Measurement field it holds
+KINDS = {"norm": "big_batch_norm", "pegn": "small_batch_norm", "batch_size": "big_batch_size",
+         "small_batch_size": "small_batch_size"}
+
+
+def column(prefix, name, kind):
+    """PREFIX/<name>/<kind>; a prefix that is empty or ends in '/' is used as it is."""
+    return f"{prefix}{'' if prefix == '' or prefix.endswith('/') else '/'}{name}/{kind}"
+
+
+def parameter_columns(prefix, name, norm, pegn, batch_size, small_batch_size=None):
+    """One parameter's cells of one step; small_batch_size where given (b = 1 without it)."""
+    cells = {column(prefix, name, "norm"): norm, column(prefix, name, "pegn"): pegn,
+             column(prefix, name, "batch_size"): batch_size}
+    if small_batch_size is not None:
+        cells[column(prefix, name, "small_batch_size")] = small_batch_size
+    return cells
+
+
+def parse_column(col):
+    """(prefix, parameter name, kind) of a per-parameter column PREFIX/<name>/<kind>, else None."""
+    parts = col.rsplit("/", 2)
+    if len(parts) == 3 and all(parts) and parts[2] in KINDS:
+        return tuple(parts)
+    return None
+
+
+def total_columns(prefix):
+    """{kind: column} of an estimator logging model totals, e.g. ddp/big_batch_norm for 'norm'."""
+    return {kind: f"{prefix}/{field}" for kind, field in KINDS.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# What every estimator reads from the run besides the gradients: the loss scale, the processes
+
+def current_scale(scaler):
+    """The GradScaler's current scale s (gradients carry s, per-example sums s^2): a device tensor
+    when possible, so dividing it out costs no host sync; 1.0 for none or a disabled one."""
+    if scaler is None or not scaler.is_enabled():
+        return 1.0
+    # GradScaler keeps its scale as a device tensor, created by the first scaler.scale();
+    # get_scale() would call .item() on it, a second host-device sync per step.
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else float(scaler.get_scale())
+
+
+def distributed_world_size():
+    """The processes of the default process group; 1 without torch.distributed."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The exact per-example estimator's measurements
 
 @dataclasses.dataclass
 class Measurement:
@@ -52,7 +220,7 @@ class Measurement:
 
     def msg(self, prefix=""):
         """The four numbers as a logger row, e.g. msg("ddp/") -> {"ddp/big_batch_norm": ..., ...}; no metadata."""
-        return {prefix + f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "metadata"}
+        return {prefix + field: getattr(self, field) for field in KINDS.values()}
 
     def __str__(self):
         meta = self.metadata or {}
@@ -146,15 +314,6 @@ class MeasurementTracker:
         """The tracked parameters' names, in model.named_parameters() order."""
         return [name for name, _, _, _ in self.entries]
 
-    def _scale(self):
-        """The GradScaler's current scale, as a device tensor when possible (no host sync), else a float."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return 1.0
-        # GradScaler keeps its scale as a device tensor, created by the first scaler.scale();
-        # get_scale() would call .item() on it, a second host-device sync per step.
-        scale = getattr(self.scaler, "_scale", None)
-        return scale if isinstance(scale, torch.Tensor) else float(self.scaler.get_scale())
-
     @torch.no_grad()
     def step(self, batch_size=None, step=None):
         """
@@ -181,7 +340,7 @@ class MeasurementTracker:
             return []
 
         # One host-device transfer for everything: stack on device, then a single .tolist().
-        scale = self._scale()
+        scale = current_scale(self.scaler)
         device = live[0][1].grad.device
         values = [sum_of_squares(p.grad).to(device) for _, p, _, _ in live]
         values += [sq.to(device) for _, _, sq, _ in live]
@@ -255,9 +414,10 @@ class AccumulateMeasurements:
         {prefix}{name}/norm        |G_B|, the big-batch gradient norm
         {prefix}{name}/pegn        |G_1| = sqrt(mean_b ||g_b||^2), the per-example gradient norm
         {prefix}{name}/batch_size  B
+        {prefix}{name}/small_batch_size  b, only where it is not 1
 
-    e.g. train/gns/transformer.h.0.ln_1.weight/norm, with a '/' added to a prefix that does not
-    end in one. pop() (or get_msg()) returns the dict `msg` and starts a new one; a measurement
+    e.g. train/gns/transformer.h.0.ln_1.weight/norm (column()), with a '/' added to a prefix that
+    does not end in one. pop() (or get_msg()) returns the dict `msg` and starts a new one; a measurement
     from a new step (its metadata "step", kept in `step`) also starts a new one, so a missed
     pop() never leaks stale values into the next step's row.
     """
@@ -271,11 +431,10 @@ class AccumulateMeasurements:
         step = m.metadata.get("step")
         if step != self.step:
             self.msg, self.step = {}, step
-        separator = "" if self.prefix == "" or self.prefix.endswith("/") else "/"
-        key = self.prefix + separator + m.metadata["name"]
-        self.msg[f"{key}/norm"] = m.big_batch_norm
-        self.msg[f"{key}/pegn"] = m.small_batch_norm
-        self.msg[f"{key}/batch_size"] = m.big_batch_size
+        # a small batch of b > 1 must be written down, or a reader takes the pegn for b = 1's
+        small = m.small_batch_size if m.small_batch_size != 1 else None
+        self.msg.update(parameter_columns(self.prefix, m.metadata["name"], m.big_batch_norm, m.small_batch_norm,
+                                          m.big_batch_size, small))
         return None
 
     def pop(self):
@@ -286,6 +445,160 @@ class AccumulateMeasurements:
     def get_msg(self):
         """pop(), under the reference implementation's name."""
         return self.pop()
+
+
+# ---------------------------------------------------------------------------------------------
+# One interface for every estimator, so that train.py's loop has no per-estimator branches
+
+class Estimator:
+    """
+    What train.py's loop calls on every estimator, on every rank:
+        measure(step, examples, scaler) -> dict   after the step's last backward (and DDP's
+            all-reduce), before scaler.unscale_ and clipping (it may run collectives); examples is
+            B, over all ranks and micro-steps; scaler the GradScaler (enabled or not), whose scale
+            the estimator divides out. Returns this step's log.csv columns, floats.
+        reset()              after the optimizer step: zero the step's sums
+        status() -> str      its part of the status line, e.g. "gns 12.3" ('' if none)
+        state_dict() / load_state_dict(state)   what a checkpoint keeps (a live EMA)
+    name is its CSV prefix and its key among a checkpoint's states (save_states); an estimator
+    with a live GNS keeps it in gns, a GradientNoiseScale, shown on the status line after label.
+    skipped_steps counts the steps it could not measure (non-finite gradients).
+    """
+    name = None
+    label = None
+    gns = None
+    skipped_steps = 0
+
+    def measure(self, step, examples, scaler):
+        raise NotImplementedError
+
+    def reset(self):
+        pass
+
+    def status(self):
+        return "" if self.gns is None else f"{self.label} {self.gns.get_gns():.4g}"
+
+    def state_dict(self):
+        return {} if self.gns is None else self.gns.state_dict()
+
+    def load_state_dict(self, state):
+        if self.gns is not None:
+            self.gns.load_state_dict(state)
+        elif state:
+            raise ValueError(f"the {self.name} estimator keeps no state, got {sorted(state)}")
+
+
+class ExactGNS(Estimator):
+    """
+    The exact per-example estimator (b = 1): every parameter whose layer keeps per-example-norm
+    buffers (buffered.py), read by a MeasurementTracker, the buffers first summed over the DDP
+    ranks when world_size > 1. Its live GNS, for the status line, is an EMA (beta EMA_BETA) of the
+    estimates from the totals over all measured parameters, carried across a resume.
+    """
+    name = PREFIXES["exact"]
+    label = "gns"
+
+    def __init__(self, model, world_size=1, beta=EMA_BETA):
+        self.model = _unwrap(model)
+        self.logs = AccumulateMeasurements(prefix=self.name)
+        self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
+        self.gns = GradientNoiseScale(beta=beta)
+
+    @property
+    def skipped_steps(self):
+        return self.tracker.skipped_steps
+
+    def measure(self, step, examples, scaler):
+        if self.tracker.world_size > 1:
+            from ddpgns import allreduce_sqgradnorm_buffers  # ddpgns imports this module
+            allreduce_sqgradnorm_buffers(self.model)  # the global batch's sums, not one rank's
+        self.tracker.scaler = scaler
+        measurements = self.tracker.step(batch_size=examples, step=step)
+        if measurements and examples > 1:  # one example: no small batch below it
+            self.gns.update(sum(m.small_batch_norm ** 2 for m in measurements),
+                            sum(m.big_batch_norm ** 2 for m in measurements), 1, examples)
+        return self.logs.pop()
+
+    def reset(self):
+        zero_sqgradnorm_buffers(self.model)
+
+
+def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False):
+    """
+    The estimators of a run, in the order their columns go into log.csv: the exact per-example one
+    whenever `model` (the plain model, or its DDP/compile wrapper) has per-example-norm layers; the
+    Linear hooks ('exact' or 'sogns', gnshooks.py) and the micro-batch one (microbatch_gns.py) when
+    asked; the DDP one (ddpgns.py, on ddp_model, the DistributedDataParallel wrapper) when
+    world_size > 1. Build it after the DDP wrapper, before the first forward; the hooks go on the
+    model's modules and parameters.
+    """
+    import ddpgns
+    import gnshooks
+    import microbatch_gns
+    choices = ("none", *gnshooks.ADD_HOOKS)
+    if hooks not in choices:
+        raise ValueError(f"hooks={hooks!r} is not one of {', '.join(choices)}")
+    if world_size > 1 and ddp_model is None:
+        raise ValueError(f"world_size={world_size}: the DDP estimator needs the DistributedDataParallel model "
+                         f"(ddp_model=...)")
+    model = _unwrap(model)
+    estimators = []
+    if find_sqgradnorm_buffers(model):
+        estimators.append(ExactGNS(model, world_size))
+    if hooks != "none":
+        estimators.append(gnshooks.HooksEstimator(model, hooks))
+    if microbatch:
+        estimators.append(microbatch_gns.MicrobatchEstimator(model))
+    if world_size > 1:
+        estimators.append(ddpgns.DDPGNS(ddp_model))
+    return estimators
+
+
+def measure_all(estimators, step, examples, scaler):
+    """Every estimator's measure() (see Estimator), their columns in one dict, in order."""
+    row = {}
+    for e in estimators:
+        row.update(e.measure(step, examples, scaler))
+    return row
+
+
+def reset_all(estimators):
+    for e in estimators:
+        e.reset()
+
+
+def status_line(estimators):
+    """The estimators' parts of the status line, e.g. 'gns 12.3, ddp gns 11.9' ('' if none)."""
+    return ", ".join(s for s in (e.status() for e in estimators) if s)
+
+
+def skipped_steps(estimators):
+    """The most steps any estimator could not measure (they all see the same non-finite steps)."""
+    return max((e.skipped_steps for e in estimators), default=0)
+
+
+# the checkpoint key of the estimators' states, and this fork's older keys of single ones
+CHECKPOINT_KEY = "gns_estimators"
+OLDER_CHECKPOINT_KEYS = {"live_gns": PREFIXES["exact"], "ddp_gns": PREFIXES["ddp"]}
+
+
+def save_states(estimators, checkpoint):
+    """Put the estimators' states (those that keep one) into the checkpoint dict, under CHECKPOINT_KEY."""
+    checkpoint[CHECKPOINT_KEY] = {e.name: e.state_dict() for e in estimators if e.state_dict()}
+
+
+def load_states(estimators, checkpoint):
+    """
+    Restore the estimators' states from a checkpoint dict: save_states()'s, or this fork's older
+    'live_gns' (the exact estimator's) and 'ddp_gns'. An estimator without a state there starts afresh
+    (nanoGPT's and the reference's checkpoints have none); a state without its estimator is ignored.
+    """
+    states = checkpoint.get(CHECKPOINT_KEY)
+    if states is None:
+        states = {name: checkpoint[old] for old, name in OLDER_CHECKPOINT_KEYS.items() if old in checkpoint}
+    for e in estimators:
+        if e.name in states:
+            e.load_state_dict(states[e.name])
 
 
 # ---------------------------------------------------------------------------------------------

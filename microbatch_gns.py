@@ -1,33 +1,18 @@
 """
-Gradient noise scale from micro-batches, the estimator of GPT-NeoX and others: the small batch
-is one gradient-accumulation micro-step (on one process), the big batch the accumulated gradient
-of the optimizer step (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training",
-App. A, with B_small = the micro-batch size instead of 1). Kept to compare with the exact
-per-example estimator in the same run.
+Gradient noise scale from micro-batches, the estimator of GPT-NeoX and others: the small batch is
+one gradient-accumulation micro-step of b examples on one process, the big batch the optimizer
+step's B (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A, with
+B_small = b). Kept to compare with the exact per-example estimator in the same run.
 
-How, exactly and without a copy of the gradients: a tensor hook on a parameter (p.register_hook)
-is called with the gradient arriving from this backward pass *before* it is added into p.grad,
-i.e. with the micro-step's own gradient d_k, not the running sum. So sum_k ||d_k||^2 is exact
-from one squared-norm reduction per parameter per micro-step. A parameter used twice in the
-forward (GPT's tied wte/lm_head weight) gets its hook called once per backward with the summed
-gradient, which is what we want. Under DDP the hook sees the process's local gradient (the
-all-reduce acts on p.grad after accumulation), with or without no_sync. The hooks sit on the
-parameters' gradient accumulation, outside any compiled graph, so torch.compile is unaffected.
-Memory: one float32 scalar per parameter tensor. Cost: one extra read of every gradient per
-micro-step (about what clip_grad_norm_ costs, once per micro-step instead of once per step).
-
-Scaling: the loss of a micro-step is its mean over b examples divided by m = grad_accum_steps,
-so d_k = g_k / m with g_k the micro-batch's mean gradient, and under a float16 GradScaler with
-scale s the hooks see s * d_k. With W processes there are M = m W micro-batches of b examples,
-the big batch is B = m W b, and
-    |G_small|^2 = (1/M) sum_{ranks, k} ||g_k||^2 = (m / W) sum_{ranks, k} ||d_k||^2 / s^2,
-    |G_big|^2   = ||p.grad||^2  (after the all-reduce and unscale_, before clipping).
-The estimators with B_small = b (McCandlish App. A):
-    |G|^2  ~ (B |G_big|^2 - b |G_small|^2) / (B - b),
-    tr(S)  ~ (|G_small|^2 - |G_big|^2) / (1/b - 1/B),
-undefined when B = b (one micro-step on one process): then the small batch is the big batch.
+A tensor hook on each parameter sees the micro-step's own gradient d_k before it is added into
+p.grad (a tied weight's once, summed), so sum_k ||d_k||^2 costs one squared norm per parameter and
+micro-step, and no copy. With m micro-steps per process (the loss divided by m), W processes and a
+GradScaler scale s, the mean squared norm of the micro-batch mean gradients is
+|G_b|^2 = (m / W) sum_{ranks, k} ||d_k||^2 / s^2. Undefined where B = b (one micro-step, one process).
 """
 import torch
+
+from gnstracking import PREFIXES, Estimator, current_scale, distributed_world_size, parameter_columns
 
 
 class MicrobatchGNS:
@@ -38,6 +23,7 @@ class MicrobatchGNS:
     log.update(mb.measurements(micro_batch_size=batch_size, loss_scale=scaler.get_scale()))
     ... clip, optimizer step, zero_grad ...
     mb.zero()
+    (MicrobatchEstimator below does the same behind gnstracking's interface, before unscale_.)
     """
 
     def __init__(self, model):
@@ -62,17 +48,17 @@ class MicrobatchGNS:
                 if s is not None]
 
     @torch.no_grad()
-    def measurements(self, micro_batch_size, loss_scale=1.0, prefix='train/microbatch_gns'):
+    def measurements(self, micro_batch_size, loss_scale=1.0, prefix=PREFIXES['microbatch'], grad_scale=1.0):
         """
-        The step's measurements in the tracker's CSV schema, a dict of floats:
+        The step's measurements in the tracker's CSV schema (gnstracking.parameter_columns), floats:
           {prefix}/{name}/norm              |G_big| = ||p.grad||
           {prefix}/{name}/pegn              |G_small|, the RMS norm of the micro-batch mean gradients
           {prefix}/{name}/batch_size        B, examples of the optimizer step over all processes
           {prefix}/{name}/small_batch_size  b = micro_batch_size (per process), the small batch
-        The analysis must use small_batch_size as B_small (the exact trackers' columns have
-        B_small = 1 and no such column). Call after the last backward and scaler.unscale_, before
-        clipping; loss_scale = the GradScaler scale of this step (scaler.get_scale()). Under DDP
-        call it on every rank (one all-reduce). One host transfer.
+        Call after the last backward, before clipping. loss_scale: the GradScaler scale s of this
+        step's backward (a float, or the scaler's device tensor); grad_scale: the scale p.grad still
+        carries, 1.0 after scaler.unscale_, s before it. Under DDP call it on every rank (one
+        all-reduce). One host transfer.
         """
         kept = [i for i, s in enumerate(self.sqnorm_sums) if s is not None]
         if not kept:
@@ -80,25 +66,20 @@ class MicrobatchGNS:
         m = max(self.micro_steps)  # the loss divisor: every micro-step reaches nearly every parameter
         device = self.sqnorm_sums[kept[0]].device
         sums = torch.stack([self.sqnorm_sums[i].to(device) for i in kept])
-        dist = torch.distributed
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world_size = distributed_world_size()
         if world_size > 1:
-            dist.all_reduce(sums)
+            torch.distributed.all_reduce(sums)
         small_sq = sums * m / world_size / loss_scale ** 2
         norms = []
         for i in kept:
             grad = self.named_params[i][1].grad
             norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32).to(device) if grad is not None
                          else torch.zeros((), dtype=torch.float32, device=device))
-        norms, small = torch.stack([torch.stack(norms), small_sq.sqrt()]).tolist()
+        norms, small = torch.stack([torch.stack(norms) / grad_scale, small_sq.sqrt()]).tolist()
         big_batch = m * world_size * micro_batch_size
         out = {}
         for i, norm, pegn in zip(kept, norms, small):
-            name = self.named_params[i][0]
-            out[f"{prefix}/{name}/norm"] = norm
-            out[f"{prefix}/{name}/pegn"] = pegn
-            out[f"{prefix}/{name}/batch_size"] = big_batch
-            out[f"{prefix}/{name}/small_batch_size"] = micro_batch_size
+            out.update(parameter_columns(prefix, self.named_params[i][0], norm, pegn, big_batch, micro_batch_size))
         return out
 
     def zero(self):
@@ -111,3 +92,22 @@ class MicrobatchGNS:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class MicrobatchEstimator(Estimator):
+    """The micro-batch estimator behind gnstracking's interface: b = B / (micro-steps * processes)."""
+    name = PREFIXES['microbatch']
+
+    def __init__(self, model):
+        self.mb = MicrobatchGNS(model)
+
+    def measure(self, step, examples, scaler):
+        micro_steps = max(self.mb.micro_steps, default=0)
+        if micro_steps == 0:
+            return {}
+        scale = current_scale(scaler)  # p.grad is not unscaled yet: it carries the scale too
+        micro_batch_size = examples // (micro_steps * distributed_world_size())
+        return self.mb.measurements(micro_batch_size, loss_scale=scale, grad_scale=scale)
+
+    def reset(self):
+        self.mb.zero()

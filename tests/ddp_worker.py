@@ -17,7 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddpgns  # noqa: E402
-from buffered import register_sqgradnorm_buffers  # noqa: E402
+import gnstracking  # noqa: E402
+import layer_config  # noqa: E402
+from buffered import (PEGradNormEmbedding, PEGradNormSeparatedLayerNorm, PEGradNormShimLinear,  # noqa: E402
+                      register_sqgradnorm_buffers)
 from model import GPT, GPTConfig  # noqa: E402
 
 MICRO_STEPS = 2
@@ -151,6 +154,49 @@ def known_noise_scale(rank, world, steps=400, batch=8, dim=4, noise=1.0):
                 log=ddpgns.ddp_gns_log(gns, *raw[-1], batch, world * batch))
 
 
+def measured_gpt():
+    """A tiny GPT whose every layer measures per-example norms, the same weights on every rank."""
+    torch.manual_seed(0)
+    with layer_config.set_contextual_config(Linear=PEGradNormShimLinear, Embedding=PEGradNormEmbedding,
+                                            LayerNorm=PEGradNormSeparatedLayerNorm):
+        return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+
+
+def interface_batch(step, micro_step, rank):
+    """Rank `rank`'s micro-batch: the test builds one process's global batch from the same calls."""
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro_step + rank)
+    return torch.randint(0, 32, (MICRO_BATCH, 8), generator=g), torch.randint(0, 32, (MICRO_BATCH, 8), generator=g)
+
+
+INTERFACE_STEPS = 2
+
+
+def every_estimator(rank, world):
+    """train.py's loop through gnstracking's interface: a measuring GPT under DDP with the Linear
+    hooks, the micro-batch estimator and a GradScaler, each step's columns and status lines."""
+    raw = measured_gpt()
+    model = DDP(raw, broadcast_buffers=False)
+    estimators = gnstracking.estimators_for(raw, ddp_model=model, world_size=world, hooks='exact', microbatch=True)
+    scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    steps = []
+    for step in range(INTERFACE_STEPS):
+        for micro_step in range(MICRO_STEPS):
+            model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
+            _, loss = model(*interface_batch(step, micro_step, rank))
+            scaler.scale(loss / MICRO_STEPS).backward()
+        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * world, scaler)
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        steps.append(dict(row=row, status=[e.status() for e in estimators], line=gnstracking.status_line(estimators)))
+    states = {}
+    gnstracking.save_states(estimators, states)
+    return dict(names=[e.name for e in estimators], steps=steps, states=states[gnstracking.CHECKPOINT_KEY])
+
+
 def main():
     out_dir = sys.argv[1]
     # train.py keeps broadcast_buffers=False (rank-local per-example buffers); so do we
@@ -161,7 +207,8 @@ def main():
                   float32=hook_vs_brute_force(rank, world, torch.float32),
                   bfloat16=hook_vs_brute_force(rank, world, torch.bfloat16),
                   buffers=buffers_allreduce(rank, world),
-                  known=known_noise_scale(rank, world))
+                  known=known_noise_scale(rank, world),
+                  interface=every_estimator(rank, world))
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
         json.dump(result, f)
     dist.barrier()  # leave together (see test_microbatch_gns._ddp_worker)

@@ -163,6 +163,49 @@ def test_automatic_choice_follows_the_shapes():
         buffered._use_ghost(1, 2, 2, True, "sometimes")
 
 
+# T = 4, K = L = 4: the shim materialises (T (K+L) >= K L) where the fused rule would take the ghost
+# norm; T = 1: the ghost norm
+@pytest.mark.parametrize("shape", [(3, 4, 4), (5, 4), (2, 2, 2, 4)], ids=["materialise", "ghost-2d", "materialise-4d"])
+@pytest.mark.parametrize("dy_dtype", [torch.float32, torch.bfloat16])
+def test_linear_sqnorms_are_the_shim_layers_own(shape, dy_dtype, monkeypatch):
+    """What gnshooks.py computes beside torch's backward: the shim layer's numbers to the bit (its
+    ghost/materialise choice and chunks), from an input in another dtype than the output gradient
+    (autocast), and against brute force."""
+    monkeypatch.setattr(PEGradNormShimLinear, "max_chunk_numel", 40)  # a few examples per chunk
+    torch.manual_seed(3)
+    layer = PEGradNormShimLinear(4, 4)
+    x = torch.randn(shape)
+    dy = torch.randn(*shape[:-1], 4).to(dy_dtype)
+    ran = []
+    for name in ("_weight_sqnorm_ghost", "_weight_sqnorm_materialised"):
+        fn = getattr(buffered, name)
+        monkeypatch.setattr(buffered, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
+    w_sq, b_sq = buffered.linear_sqnorms(x, dy)
+    assert w_sq.dtype == b_sq.dtype == torch.float32
+    assert set(ran) == {"_weight_sqnorm_ghost" if len(shape) == 2 else "_weight_sqnorm_materialised"}
+    layer.to(dy_dtype)(x.to(dy_dtype)).backward(dy)
+    assert torch.equal(w_sq, layer.weight_sqgradnorm) and torch.equal(b_sq, layer.bias_sqgradnorm)
+    x3, dy3 = x.to(dy_dtype).double().reshape(shape[0], -1, 4), dy.double().reshape(shape[0], -1, 4)
+    rtol = 1e-5 if dy_dtype == torch.float32 else 1e-2  # bfloat16 W_b, as the layer's
+    torch.testing.assert_close(w_sq.double(), torch.einsum("btk,btl->bkl", x3, dy3).square().sum(), rtol=rtol, atol=0)
+    torch.testing.assert_close(b_sq.double(), dy3.sum(1).square().sum(), rtol=1e-5, atol=0)
+    assert buffered.linear_sqnorms(x, dy, weight=False)[0] is None and buffered.linear_sqnorms(x, dy, bias=False)[1] is None
+
+
+def test_all_sqgradnorm_buffers_lists_each_norm_buffer_once():
+    torch.manual_seed(4)
+    model = nn.Sequential(PEGradNormLinear(3, 4), nn.Linear(4, 4), PEGradNormSeparatedLayerNorm(4, bias=False))
+    model[1].register_buffer("running", torch.ones(()))  # not a norm buffer
+    model[0].register_buffer("shared_sqgradnorm", model[2].weight_sqgradnorm)  # one tensor in two modules
+    bufs = buffered.all_sqgradnorm_buffers(model)
+    want = [model[0].weight_sqgradnorm, model[0].bias_sqgradnorm, model[0].example_count,
+            model[2].weight_sqgradnorm, model[2].example_count]
+    assert len(bufs) == len(want) and all(b is w for b, w in zip(bufs, want))
+    model(torch.randn(2, 3)).sum().backward()
+    zero_sqgradnorm_buffers(model)
+    assert all(float(b) == 0 for b in bufs) and float(model[1].running) == 1.0
+
+
 @pytest.mark.parametrize("cls", LINEARS)
 @pytest.mark.parametrize("mode", ["ghost", "materialise"])
 def test_linear_noncontiguous_output_gradient(cls, mode):

@@ -235,3 +235,68 @@ def test_ddp_gns_matches_a_problem_with_known_noise_scale(ranks):
     assert k['trsigma'] == pytest.approx(k['true_trsigma'], rel=0.15)
     assert k['gns'] == pytest.approx(k['true_trsigma'] / k['true_gtg'], rel=0.2)
     assert k['log']['ddp/gns'] == k['gns'] and k['log']['ddp/big_batch_size'] == WORLD * k['batch']
+
+
+def one_process_reference(ddp_worker):
+    """The two ranks' steps on one process: every micro-batch of the global batch, the exact, hook
+    and micro-batch estimators through the interface, and each rank's own gradient (a plain GPT
+    at the same weights) for the DDP estimator's brute force."""
+    import gnstracking
+    from model import GPT
+    raw = ddp_worker.measured_gpt()
+    estimators = gnstracking.estimators_for(raw, hooks='exact', microbatch=True)
+    plain = GPT(raw.config)
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    m = ddp_worker.MICRO_STEPS
+    steps = []
+    for step in range(ddp_worker.INTERFACE_STEPS):
+        plain.load_state_dict(raw.state_dict())
+        rank_grads = []
+        for rank in range(WORLD):
+            plain.zero_grad()
+            for k in range(m):
+                (plain(*ddp_worker.interface_batch(step, k, rank))[1] / m).backward()
+            rank_grads.append(torch.cat([p.grad.flatten() for p in plain.parameters()]).double())
+        for k in range(m):
+            for rank in range(WORLD):
+                (raw(*ddp_worker.interface_batch(step, k, rank))[1] / (m * WORLD)).backward()
+        row = gnstracking.measure_all(estimators, step, m * ddp_worker.MICRO_BATCH * WORLD, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        sq_small = sum(g.square().sum().item() for g in rank_grads) / WORLD
+        sq_big = (sum(rank_grads) / WORLD).square().sum().item()
+        steps.append(dict(row=row, sq_small=sq_small, sq_big=sq_big))
+    return steps, estimators[0].state_dict()
+
+
+@pytest.mark.slow
+def test_every_estimator_through_the_interface_on_two_ranks_equals_one_process(ranks):
+    """train.py's loop through gnstracking's interface under DDP and a GradScaler: the exact
+    (buffers all-reduced), hook and micro-batch estimators log what one process logs on the same
+    global batch, and the DDP estimator the brute-force norms of each rank's own gradient."""
+    import ddp_worker
+    got = [r['interface'] for r in ranks]
+    assert got[0]['names'] == ['train/gns', 'train/hooks_gns', 'train/microbatch_gns', 'ddp']
+    assert got[0]['steps'] == got[1]['steps'] and got[0]['states'] == got[1]['states']  # every rank alike
+    want, exact_state = one_process_reference(ddp_worker)
+    replay = GradientNoiseScale()
+    n_small, n_big = ddp_worker.MICRO_STEPS * ddp_worker.MICRO_BATCH, ddp_worker.MICRO_STEPS * ddp_worker.MICRO_BATCH * WORLD
+    for g, w in zip(got[0]['steps'], want):
+        per_parameter = {c: v for c, v in g['row'].items() if not c.startswith('ddp/')}
+        assert per_parameter.keys() == w['row'].keys()
+        assert {c.split('/')[1] for c in per_parameter} == {'gns', 'hooks_gns', 'microbatch_gns'}
+        for c, v in w['row'].items():
+            assert per_parameter[c] == pytest.approx(v, rel=1e-4), c
+        replay.update(w['sq_small'], w['sq_big'], n_small, n_big)
+        assert g['row']['ddp/small_batch_norm'] == pytest.approx(math.sqrt(w['sq_small']), rel=1e-4)
+        assert g['row']['ddp/big_batch_norm'] == pytest.approx(math.sqrt(w['sq_big']), rel=1e-4)
+        assert (g['row']['ddp/small_batch_size'], g['row']['ddp/big_batch_size']) == (n_small, n_big)
+        assert g['row']['ddp/gns'] == pytest.approx(replay.get_gns(), rel=1e-3)
+        exact, hooks, microbatch, ddp = g['status']
+        assert exact.startswith('gns ') and hooks == microbatch == '' and ddp == f"ddp gns {g['row']['ddp/gns']:.4g}"
+        assert g['line'] == f"{exact}, {ddp}"
+    states = got[0]['states']
+    assert set(states) == {'train/gns', 'ddp'} and states['ddp']['beta'] == 0.995
+    assert states['train/gns'] == pytest.approx(exact_state, rel=1e-4)
+

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import gnshooks
+import buffered
 from gnshooks import (add_exact_hooks, add_hooks_to_model, add_sogns_hooks, exact_linear_sqnorms,
                       gather_hook_results, hook_measurements, zero_hook_results)
 from model import GPT, GPTConfig
@@ -46,11 +46,13 @@ def train_step(model, xs, ys, scaler=None, ctx=None):
 
 
 # T=3, K=8, H=16, L=2: the first layer takes the ghost path, the second materialises W_b
+# (buffered.py's shim rule and chunk bound, which the hooks share)
 @pytest.mark.parametrize("inner", [(), (3,), (2, 3)], ids=["2d", "3d", "4d"])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("chunk_elements", [gnshooks.CHUNK_ELEMENTS, 1], ids=["one-chunk", "per-example"])
+@pytest.mark.parametrize("chunk_elements", [buffered.PEGradNormShimLinear.max_chunk_numel, 1],
+                         ids=["one-chunk", "per-example"])
 def test_exact_hooks_match_vmap_brute_force(inner, bias, chunk_elements, monkeypatch):
-    monkeypatch.setattr(gnshooks, "CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(buffered.PEGradNormShimLinear, "max_chunk_numel", chunk_elements)
     torch.manual_seed(0)
     K, H, L, b, micro_steps = 8, 16, 2, 3, 2
     model = mlp(K, H, L, bias)

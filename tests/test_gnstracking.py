@@ -583,3 +583,251 @@ def test_a_script_written_for_the_reference_runs_unchanged(tmp_path):
     # logf got the rows without a "step" key, as many as the CSV has
     assert len(ran["rows"]) == 4 and all("step" not in r for r in ran["rows"])
     assert [r["iter_num"] for r in ran["rows"]] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- the maths and the column names, one home
+
+def test_unbiased_estimates_take_floats_and_arrays_alike():
+    B, b = np.array([16, 16, 8, 4]), np.array([1, 4, 8, 1])
+    big, small = np.array([1.0, 2.0, 3.0, 0.5]), np.array([9.0, 4.0, 5.0, 2.5])
+    sq_norms, traces = gnstracking.unbiased_estimates(big, small, B, b)
+    for i in range(len(B)):
+        sq_norm, trace = gnstracking.unbiased_estimates(float(big[i]), float(small[i]), int(B[i]), int(b[i]))
+        assert np.array_equal(sq_norm, sq_norms[i], equal_nan=True) and np.array_equal(trace, traces[i], equal_nan=True)
+    # E|G_n|^2 = |G|^2 + tr(S)/n at n = b and n = B, solved by hand; B == b: nothing to estimate
+    assert traces[1] == pytest.approx((4.0 - 2.0) / (1 / 4 - 1 / 16)) and sq_norms[1] == pytest.approx(2.0 - traces[1] / 16)
+    assert np.isnan(sq_norms[2]) and np.isnan(traces[2])
+
+
+def test_online_and_vectorised_ema_are_the_same_average_step_by_step():
+    """GradientNoiseScale (train.py's status line, the DDP columns) and debiased_ema (gns-analysis.py)."""
+    rng = np.random.default_rng(4)
+    n, beta, B, b = 40, 0.9, 32, 4
+    sq_big = rng.uniform(1, 2, n)
+    sq_small = sq_big * rng.uniform(2, 6, n)  # both estimates positive: the GNS is their plain ratio
+    sq_small[[3, 17]] = np.inf  # overflow steps: skipped by both
+    sq_big[25] = np.nan
+    online = gnstracking.GradientNoiseScale(beta=beta)
+    sq_norm, trace = gnstracking.unbiased_estimates(sq_big, sq_small, B, b)
+    sq_norm_ema, seen = gnstracking.debiased_ema(sq_norm, beta)
+    trace_ema, _ = gnstracking.debiased_ema(trace, beta)
+    for t in range(n):
+        online.update(sq_small[t], sq_big[t], b, B)
+        gtg, trsigma = online.get_stats()
+        assert gtg == pytest.approx(sq_norm_ema[t], rel=1e-12) and trsigma == pytest.approx(trace_ema[t], rel=1e-12)
+        assert online.get_gns() == pytest.approx(trace_ema[t] / sq_norm_ema[t], rel=1e-12)
+    assert seen[-1] == n - 3 and online.beta_cumprod == pytest.approx(beta ** (n - 3))
+    assert all(type(v) is float for v in online.state_dict().values()), "plain floats: a weights_only checkpoint"
+
+
+def test_ddpgns_keeps_the_same_gradient_noise_scale_class():
+    assert ddpgns.GradientNoiseScale is gnstracking.GradientNoiseScale
+
+
+def test_column_names():
+    name = "transformer.h.0.ln_1.weight"
+    assert gnstracking.column("train/gns", name, "pegn") == f"train/gns/{name}/pegn"
+    assert gnstracking.column("train/gns/", name, "norm") == gnstracking.column("train/gns", name, "norm")
+    assert gnstracking.parameter_columns("train/microbatch_gns", "w", 1.0, 2.0, 16, 4) == {
+        "train/microbatch_gns/w/norm": 1.0, "train/microbatch_gns/w/pegn": 2.0,
+        "train/microbatch_gns/w/batch_size": 16, "train/microbatch_gns/w/small_batch_size": 4}
+    assert list(gnstracking.parameter_columns("p", "w", 1.0, 2.0, 16)) == ["p/w/norm", "p/w/pegn", "p/w/batch_size"]
+    for col in gnstracking.parameter_columns("train/hooks_gns", name, 1.0, 2.0, 16, 4):
+        assert gnstracking.parse_column(col) == ("train/hooks_gns", name, col.rsplit("/", 1)[1])
+    assert gnstracking.parse_column("train/lossf") is None and gnstracking.parse_column("a/b/gns") is None
+    # the DDP estimator's totals: Measurement's fields, as ddp_gns_log writes them
+    totals = gnstracking.total_columns("ddp")
+    gns = gnstracking.GradientNoiseScale()
+    gns.update(4.0, 1.0, 2, 8)
+    assert list(totals.values()) == list(ddpgns.ddp_gns_log(gns, 4.0, 1.0, 2, 8))[:4]
+    assert totals["pegn"] == "ddp/small_batch_norm"
+
+
+def test_accumulate_measurements_writes_a_small_batch_above_one():
+    """Else a reader takes a micro-batch's norm for a per-example one (b = 1) and gets the GNS b times off."""
+    logs = AccumulateMeasurements(prefix="x")
+    logs(Measurement(1.0, 2.0, 16, 4, {"name": "w", "step": 0}))
+    assert logs.pop() == {"x/w/norm": 1.0, "x/w/pegn": 2.0, "x/w/batch_size": 16, "x/w/small_batch_size": 4}
+
+
+# ---------------------------------------------------------------- every estimator behind one interface
+
+def tiny_measured_gpt(seed=0):
+    """A GPT with every layer measuring (shim Linear, fused Embedding, separated LayerNorm)."""
+    import layer_config
+    from model import GPT, GPTConfig
+    torch.manual_seed(seed)
+    with layer_config.set_contextual_config(Linear=buffered.PEGradNormShimLinear, Embedding=buffered.PEGradNormEmbedding,
+                                            LayerNorm=buffered.PEGradNormSeparatedLayerNorm):
+        return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+
+
+def gpt_micro_batches(steps, m, b, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randint(0, 32, (b, 8), generator=g), torch.randint(0, 32, (b, 8), generator=g)) for _ in range(m)]
+            for _ in range(steps)]
+
+
+def backward(model, micro_batches, scaler):
+    for X, Y in micro_batches:
+        scaler.scale(model(X, Y)[1] / len(micro_batches)).backward()
+
+
+def todays_run(model, steps, hooks, scaler):
+    """The loop as train.py ran each estimator before the interface: the exact tracker before
+    scaler.unscale_, the hooks and micro-batch ones after it, each zeroed its own way."""
+    import gnshooks
+    from microbatch_gns import MicrobatchGNS
+    logs = AccumulateMeasurements(prefix="train/gns")
+    tracker = MeasurementTracker.from_model(model, callback=logs, scaler=scaler)
+    live_gns = gnstracking.GradientNoiseScale(beta=0.99)
+    gnshooks.add_hooks_to_model(model, {"exact": gnshooks.add_exact_hooks, "sogns": gnshooks.add_sogns_hooks}[hooks])
+    microbatch = MicrobatchGNS(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = []
+    for step, micro_batches in enumerate(steps):
+        backward(model, micro_batches, scaler)
+        B = sum(len(X) for X, _ in micro_batches)
+        measurements = tracker.step(batch_size=B, step=step)
+        live_gns.update(sum(m.small_batch_norm ** 2 for m in measurements),
+                        sum(m.big_batch_norm ** 2 for m in measurements), 1, B)
+        row = logs.pop()
+        scaler.unscale_(opt)
+        row.update(gnshooks.hook_measurements(model, hooks, loss_scale=scaler.get_scale()))
+        row.update(microbatch.measurements(len(micro_batches[0][0]), loss_scale=scaler.get_scale()))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        buffered.zero_sqgradnorm_buffers(model)
+        gnshooks.zero_hook_results(model)
+        microbatch.zero()
+        rows.append((row, f"gns {live_gns.get_gns():.4g}"))
+    return rows, live_gns.state_dict()
+
+
+def interface_run(model, steps, hooks, scaler):
+    estimators = gnstracking.estimators_for(model, hooks=hooks, microbatch=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = []
+    for step, micro_batches in enumerate(steps):
+        backward(model, micro_batches, scaler)
+        row = gnstracking.measure_all(estimators, step, sum(len(X) for X, _ in micro_batches), scaler)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        rows.append((row, gnstracking.status_line(estimators)))
+    return rows, estimators
+
+
+@pytest.mark.parametrize("hooks", ["exact", "sogns"])
+@pytest.mark.parametrize("scale", [None, 2.0 ** 12], ids=["no-scaler", "grad-scaler"])
+def test_the_interface_logs_what_todays_functions_log(hooks, scale):
+    """Three steps of two micro-steps: the same columns, in the same order, with the same numbers,
+    to the bit (the hooks and micro-batch estimators now read p.grad before unscale_ and divide the
+    scale out: a power of two, as GradScaler's always is, divides exactly)."""
+    steps = gpt_micro_batches(3, 2, 3)
+    make_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=scale or 1.0, enabled=scale is not None)
+    want, live_state = todays_run(tiny_measured_gpt(), steps, hooks, make_scaler())
+    got, estimators = interface_run(tiny_measured_gpt(), steps, hooks, make_scaler())
+    assert [e.name for e in estimators] == ["train/gns", f"train/{'hooks_gns' if hooks == 'exact' else 'sogns'}",
+                                            "train/microbatch_gns"]
+    for (want_row, want_status), (got_row, got_status) in zip(want, got):
+        assert list(got_row) == list(want_row)
+        assert {c.split("/")[1] for c in got_row} == {"gns", "microbatch_gns", "hooks_gns" if hooks == "exact" else "sogns"}
+        assert got_row == want_row
+        assert got_status == want_status and got_status.startswith("gns ")
+    assert estimators[0].state_dict() == live_state
+
+
+def test_the_interface_reads_p_grad_before_unscale_and_divides_the_scale_out():
+    """Against a run without a scaler, on the same batches: a scale left in would be off 4096x."""
+    steps = gpt_micro_batches(1, 2, 3)
+    plain, _ = interface_run(tiny_measured_gpt(), steps, "exact", torch.amp.GradScaler("cpu", enabled=False))
+    scaled, _ = interface_run(tiny_measured_gpt(), steps, "exact", torch.amp.GradScaler("cpu", init_scale=2.0 ** 12))
+    assert plain[0][0].keys() == scaled[0][0].keys()
+    for c, v in plain[0][0].items():
+        assert scaled[0][0][c] == pytest.approx(v, rel=1e-5), c
+
+
+def test_estimators_for_builds_what_the_model_and_flags_ask_for():
+    plain = torch.nn.Linear(3, 2)
+    assert gnstracking.estimators_for(plain) == [] and gnstracking.skipped_steps([]) == 0
+    assert gnstracking.status_line([]) == "" and gnstracking.measure_all([], 0, 4, None) == {}
+    names = [e.name for e in gnstracking.estimators_for(torch.compile(make_model()), microbatch=True)]
+    assert names == ["train/gns", "train/microbatch_gns"]
+    assert [e.name for e in gnstracking.estimators_for(torch.nn.Linear(3, 2), hooks="sogns")] == ["train/sogns"]
+    with pytest.raises(ValueError, match=r"^hooks='ghost' is not one of none, exact, sogns$"):
+        gnstracking.estimators_for(plain, hooks="ghost")
+    with pytest.raises(ValueError, match=r"world_size=2: the DDP estimator needs the DistributedDataParallel model"):
+        gnstracking.estimators_for(plain, world_size=2)
+    # nothing to measure, nothing to keep, nothing to say
+    hooks, = gnstracking.estimators_for(torch.nn.Linear(3, 2), hooks="exact")
+    assert hooks.status() == "" and hooks.state_dict() == {} and hooks.skipped_steps == 0
+    with pytest.raises(ValueError, match="keeps no state"):
+        hooks.load_state_dict({"beta": 0.9})
+
+
+def test_the_exact_estimator_counts_skipped_steps_and_takes_one_example():
+    model = make_model()
+    exact, = gnstracking.estimators_for(model)
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    model.head.weight.grad.fill_(float("inf"))
+    row = exact.measure(0, 4, None)
+    assert exact.skipped_steps == gnstracking.skipped_steps([exact]) == 1 and all(v == math.inf for k, v in row.items() if not k.endswith("batch_size"))
+    model.zero_grad()
+    exact.reset()
+    train_step(model, [(x[:1], y[:1])])
+    row = exact.measure(1, 1, None)  # B = 1: measured, but no small batch for the live GNS
+    assert row["train/gns/head.weight/batch_size"] == 1 and exact.status() == "gns nan"
+
+
+def test_reset_zeroes_the_buffers():
+    model = make_model()
+    exact, = gnstracking.estimators_for(model)
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    assert not buffers_are_zero(model)
+    exact.reset()  # a step where measure() was not called
+    assert buffers_are_zero(model)
+
+
+def run_exact(model, steps=3):
+    exact, = gnstracking.estimators_for(model)
+    for step in range(steps):
+        x, y = make_batch(6, seed=step)
+        train_step(model, [(x, y)])
+        exact.measure(step, 6, None)
+        model.zero_grad()
+    return exact
+
+
+def test_checkpoint_states_round_trip_and_older_checkpoints_load(tmp_path):
+    exact = run_exact(make_model())
+    ddp = object.__new__(ddpgns.DDPGNS)  # its state alone (the hook needs a process group)
+    ddp.gns = gnstracking.GradientNoiseScale()
+    ddp.gns.update(5.0, 1.0, 4, 8)
+    checkpoint = {"model": {}}
+    gnstracking.save_states([exact, ddp], checkpoint)
+    assert set(checkpoint["gns_estimators"]) == {"train/gns", "ddp"}
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    fresh_exact, fresh_ddp = gnstracking.estimators_for(make_model())[0], object.__new__(ddpgns.DDPGNS)
+    fresh_ddp.gns = gnstracking.GradientNoiseScale()
+    gnstracking.load_states([fresh_exact, fresh_ddp], loaded)
+    assert fresh_exact.state_dict() == exact.state_dict() and fresh_ddp.state_dict() == ddp.state_dict()
+    assert fresh_exact.gns.beta == 0.99 and fresh_ddp.gns.beta == 0.995
+    assert fresh_exact.status() == exact.status() != "gns nan"
+    # this fork's older checkpoints: the two states under keys of their own
+    older = {"live_gns": exact.state_dict(), "ddp_gns": ddp.state_dict()}
+    again, again_ddp = gnstracking.estimators_for(make_model())[0], object.__new__(ddpgns.DDPGNS)
+    again_ddp.gns = gnstracking.GradientNoiseScale()
+    gnstracking.load_states([again, again_ddp], older)
+    assert again.state_dict() == exact.state_dict() and again_ddp.state_dict() == ddp.state_dict()
+    # nanoGPT's and the reference's checkpoints have none: fresh; a state without its estimator: ignored
+    nothing = gnstracking.estimators_for(make_model())
+    gnstracking.load_states(nothing, {"model": {}, "iter_num": 3})
+    gnstracking.load_states(nothing, {"ddp_gns": ddp.state_dict()})
+    assert nothing[0].status() == "gns nan"
