@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import gnstracking
 from configurator import ConfigError, check_device, check_number, configure, die
 from layer_config import set_contextual_config
 from model import GPT, GPTConfig, CheckpointError, load_weights, read_checkpoint, write_checkpoint
@@ -311,15 +312,6 @@ model.to(device)
 batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
 eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
 
-import gnshooks  # noqa: E402
-from microbatch_gns import MicrobatchGNS  # noqa: E402
-hooks_kind = {'none': None, 'sogns': gnshooks.add_sogns_hooks, 'exact': gnshooks.add_exact_hooks}[gns_hooks]
-if hooks_kind is not None:
-    gnshooks.add_hooks_to_model(model, hooks_kind)
-    if compile:
-        print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
-microbatch = MicrobatchGNS(model) if microbatch_gns else None
-
 scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
@@ -340,29 +332,14 @@ if ddp:
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None,
                 broadcast_buffers=False)
 
-from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers  # noqa: E402
-from gnstracking import AccumulateMeasurements, MeasurementTracker  # noqa: E402
-import ddpgns  # noqa: E402
-
-# GNS from exact per-example norms: every parameter whose layer measures it
-gns_logs = AccumulateMeasurements(prefix='train/gns')
-gns_tracker = None
-if find_sqgradnorm_buffers(raw_model):
-    gns_tracker = MeasurementTracker.from_model(raw_model, callback=gns_logs, scaler=scaler,
-                                                world_size=ddp_world_size)
-# a live estimate for the status line only (gns-analysis.py re-derives everything from the CSV),
-# smoothed as gns-analysis.py smooths by default (alpha 0.99) and carried across a resume, so
-# its last value is the analysis' total GNS
-live_gns = ddpgns.GradientNoiseScale(beta=0.99)
-if checkpoint is not None and 'live_gns' in checkpoint:
-    live_gns.load_state_dict(checkpoint['live_gns'])
-# the cheap DDP estimator (small batch = one rank's batch), beside the per-example one
-ddp_gns = None
-if ddp and ddp_world_size > 1:
-    ddp_gns_hook = ddpgns.DDPGradientStatsHook(model)
-    ddp_gns = ddpgns.GradientNoiseScale()
-    if checkpoint is not None and 'ddp_gns' in checkpoint:
-        ddp_gns.load_state_dict(checkpoint['ddp_gns'])
+# the GNS estimators (gnstracking.py): the exact per-example one whenever a layer measures, the DDP
+# one under DDP, the Linear hooks and the micro-batch one when asked; their live EMAs resume
+estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp else None, world_size=ddp_world_size,
+                                        hooks=gns_hooks, microbatch=microbatch_gns)
+if checkpoint is not None:
+    gnstracking.load_states(estimators, checkpoint)
+if gns_hooks != 'none' and compile:
+    print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
 
 schedule = None
 if bs_schedule:
@@ -413,10 +390,8 @@ def save_checkpoint():
         'iter_num': iter_num,
         'best_val_loss': best_val_loss,
         'config': config,
-        'live_gns': live_gns.state_dict(),
     }
-    if ddp_gns is not None:
-        ckpt['ddp_gns'] = ddp_gns.state_dict()
+    gnstracking.save_states(estimators, ckpt)
     print(f"saving checkpoint to {out_dir}")
     try:
         write_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
@@ -533,27 +508,11 @@ while eval_only or not finished(tokens_processed, iter_num):
         X, Y = get_batch('train')  # prefetch the next batch while the GPU works
         scaler.scale(loss).backward()
 
-    # GNS measurements: after the last micro-step, before unscaling and clipping (the tracker
-    # divides the loss scale out of gradients and buffers itself)
+    # GNS: after the last micro-step (and DDP's all-reduce), before unscaling and clipping, on every
+    # rank; the estimators divide the loss scale out themselves
     examples_this_step = gradient_accumulation_steps * batch_size * ddp_world_size
-    if ddp_gns is not None:  # every rank: one collective
-        n_small = gradient_accumulation_steps * batch_size
-        sq_small, sq_big = ddp_gns_hook.get_sq_norms(loss_scale=scaler.get_scale())
-        ddp_gns.update(sq_small, sq_big, n_small, examples_this_step)
-    if gns_tracker is not None:
-        if ddp:  # per-example sums over the global batch, not one rank's
-            ddpgns.allreduce_sqgradnorm_buffers(raw_model)
-        measurements = gns_tracker.step(batch_size=examples_this_step, step=iter_num)
-        if measurements:
-            live_gns.update(sum(m.small_batch_norm ** 2 for m in measurements),
-                            sum(m.big_batch_norm ** 2 for m in measurements), 1, examples_this_step)
-
+    gns_row = gnstracking.measure_all(estimators, iter_num, examples_this_step, scaler)
     scaler.unscale_(optimizer)
-    approx_logs = {}  # the approximate estimators read unscaled gradients; every rank calls them
-    if hooks_kind is not None:
-        approx_logs.update(gnshooks.hook_measurements(raw_model, gns_hooks, loss_scale=scaler.get_scale()))
-    if microbatch is not None:
-        approx_logs.update(microbatch.measurements(batch_size, loss_scale=scaler.get_scale()))
     # the norm is computed (and logged) whether or not it clips
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0.0 else float('inf'))
     grad_normf = grad_norm.item()  # the same on every rank: DDP has averaged the gradients
@@ -564,11 +523,7 @@ while eval_only or not finished(tokens_processed, iter_num):
         nonfinite_steps += 1
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    zero_sqgradnorm_buffers(raw_model)
-    if hooks_kind is not None:
-        gnshooks.zero_hook_results(raw_model)
-    if microbatch is not None:
-        microbatch.zero()
+    gnstracking.reset_all(estimators)
     raw_model.tokens_processed += tokens_this_step
     tokens_processed += tokens_this_step
 
@@ -584,16 +539,11 @@ while eval_only or not finished(tokens_processed, iter_num):
                     'tokens_per_sec': tokens_this_step / dt, 'mfu': running_mfu, 'lr': lr,
                     'grad_norm': grad_normf, 'gradient_accumulation_steps': gradient_accumulation_steps,
                     'train/lossf': lossf})
-        logger.log(gns_logs.pop())
-        logger.log(approx_logs)
-        if ddp_gns is not None:
-            logger.log(ddpgns.ddp_gns_log(ddp_gns, sq_small, sq_big, n_small, examples_this_step))
+        logger.log(gns_row)
         if (iter_num + 1) % log_interval == 0:
-            gns_msg = f", gns {live_gns.get_gns():.4g}" if gns_tracker is not None else ""
-            if ddp_gns is not None:
-                gns_msg += f", ddp gns {ddp_gns.get_gns():.4g}"
+            gns = gnstracking.status_line(estimators)
             print(f"iter {iter_num + 1}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
-                  f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}{gns_msg}")
+                  f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}" + (f", {gns}" if gns else ""))
     iter_num += 1
     local_iter_num += 1
     if master_process:
@@ -617,10 +567,10 @@ while eval_only or not finished(tokens_processed, iter_num):
 
 if master_process:
     logger.close()
-    if gns_tracker is not None and gns_tracker.skipped_steps:
+    if gnstracking.skipped_steps(estimators):
         why = ("float16 overflow: GradScaler skipped them" if scaler.is_enabled()
                else "non-finite gradients: the optimizer skipped them")
-        print(f"GNS: {gns_tracker.skipped_steps} step(s) were not measured ({why})")
+        print(f"GNS: {gnstracking.skipped_steps(estimators)} step(s) were not measured ({why})")
     if not eval_only:
         out_dir_lock.truncate(0)  # a clean end: the next run finds no holder to take over from
 if ddp:
