@@ -580,3 +580,16 @@ def test_resume_on_a_log_that_is_not_one_is_one_line_and_leaves_it_alone(tiny_da
     err = stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "log.csv" in err[0], stderr
     assert (out / "log.csv").read_bytes() == garbage
+
+
+def test_training_imports_no_analysis_library(tiny_dataset, tmp_path):
+    """pandas and the plotting libraries are the offline analysis' (gns-analysis.py, plot.py), not training's."""
+    code = ("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
+            "print([m for m in ('pandas', 'matplotlib', 'plotille', 'csv_tools') if m in sys.modules])")
+    p = subprocess.run([sys.executable, "-c", code, os.path.join(REPO, "train.py"), *TINY,
+                        f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--max_iters=2",
+                        "--linearclass=gns", "--embeddingclass=gns", "--lnclass=fused", "--gns_hooks=exact",
+                        "--microbatch_gns=True", "--gradient_accumulation_steps=2"],
+                       cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]"
