@@ -83,7 +83,7 @@ microbatch_gns = False
 # training and of decay, and 2000 of warmup
 learning_rate = 6e-4
 max_tokens = None
-max_iters = None  # iterations; the run also stops here when both limits are in force
+max_iters = None  # nanoGPT's: iterations (they also stop a run whose batch-size schedule shortens them)
 weight_decay = 1e-1
 beta1 = 0.9
 beta2 = 0.95
