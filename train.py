@@ -32,9 +32,9 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.nn as nn
 
 from configurator import ConfigError, configure
+from layer_config import FLAG_CLASSES, classes_for_flags
 
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on OpenWebText, as in nanoGPT
@@ -127,9 +127,9 @@ globals().update(config)
 
 # every value is checked here, before anything runs: bad input is one line and exit code 2
 CHOICES = {
-    'linearclass': ('nn', 'gns', 'shim'),
-    'embeddingclass': ('nn', 'gns', 'shim'),
-    'lnclass': ('nn', 'shim', 'fused'),
+    'linearclass': tuple(FLAG_CLASSES['linearclass']),
+    'embeddingclass': tuple(FLAG_CLASSES['embeddingclass']),
+    'lnclass': tuple(FLAG_CLASSES['lnclass']),
     'gns_hooks': ('none', 'sogns', 'exact'),
     'dtype': ('float32', 'bfloat16', 'float16'),
     'lr_decay_shape': ('linear', 'cosine'),
@@ -195,14 +195,7 @@ max_tokens, warmup_tokens, lr_decay_tokens = config['max_tokens'], config['warmu
 
 def layer_classes():
     """The Linear / Embedding / LayerNorm classes chosen on the command line."""
-    import buffered
-    linear = {'nn': nn.Linear, 'gns': 'PEGradNormLinear', 'shim': 'PEGradNormShimLinear'}[linearclass]
-    embedding = {'nn': nn.Embedding, 'gns': 'PEGradNormEmbedding', 'shim': 'PEGradNormShimEmbedding'}[embeddingclass]
-    layernorm = {'nn': nn.LayerNorm, 'shim': 'PEGradNormSeparatedLayerNorm'}.get(lnclass)
-    if lnclass == 'fused':
-        from fused_gns import PEGradNormFusedLayerNorm as layernorm
-    resolve = lambda c: getattr(buffered, c) if isinstance(c, str) else c
-    return dict(Linear=resolve(linear), Embedding=resolve(embedding), LayerNorm=resolve(layernorm))
+    return classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
 
 
 # DDP: a torchrun launch sets RANK
