@@ -1,6 +1,9 @@
 """layer_config.py: the classes in force, as the namedtuple the reference's model reads and as our
 dict; the one table from train.py's layer flags to classes, which a new class reaches train.py, the
 bench and the whole-model check through."""
+import csv
+import os
+
 import pytest
 import torch.nn as nn
 
@@ -9,6 +12,7 @@ from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparated
                       PEGradNormShimLinear)
 from conftest import REPO, TINY
 from fused_gns import PEGradNormFusedLayerNorm
+from test_bench_throughput import TINY as BENCH_TINY, load_bench
 from test_model_gns import check_gpt_against_brute_force
 from test_train import train_until_exit
 
@@ -120,7 +124,8 @@ def probe_in_the_table(monkeypatch):
 
 
 def test_a_class_added_to_the_table_is_a_train_py_flag(tiny_dataset, tmp_path, monkeypatch):
-    run = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--max_iters=1", "--linearclass=probe"]
+    run = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--max_iters=1", "--linearclass=probe",
+           "--embeddingclass=shim"]  # both sides of the tied weight measure
     code, err = train_until_exit(*run)
     assert code == 2 and "--linearclass='probe' is not one of nn, gns, shim" in err, err
     register_probe(monkeypatch)
@@ -137,3 +142,36 @@ def test_a_class_added_to_the_table_passes_the_whole_model_check(probe_in_the_ta
     classes = lc.classes_for_flags(linearclass="probe", embeddingclass="shim", lnclass="shim")
     check_gpt_against_brute_force(classes, bias=True)
     assert ProbeLinear.built == 2 * 4 + 1
+
+
+# in the bench's train.py processes: the same registration, made as Python starts
+SITECUSTOMIZE = """
+import sys
+sys.path.insert(0, {root!r})
+import layer_config
+from buffered import PEGradNormShimLinear
+
+
+class ProbeLinear(PEGradNormShimLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with open({marker!r}, "a") as f:
+            f.write("built\\n")
+
+
+layer_config.FLAG_CLASSES["linearclass"]["probe"] = ProbeLinear
+"""
+
+
+@pytest.mark.slow
+def test_a_class_added_to_the_table_is_a_bench_setting(tmp_path, monkeypatch):
+    site, marker, out = tmp_path / "site", tmp_path / "built", tmp_path / "bench.csv"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(root=REPO, marker=str(marker)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert load_bench().main([*BENCH_TINY, "--settings", "linearclass=probe", "--csv", str(out)]) == 0
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["setting"], r["flags"]) for r in rows] == [("nn", "(plain nn)"), ("linearclass=probe", "--linearclass=probe")]
+    assert marker.read_text() == "built\n" * 2 * (1 * 4 + 1)  # timed and for memory, each a 1-block GPT
