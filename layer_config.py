@@ -14,11 +14,24 @@ nn.LayerNorm accepts.
 The classes in force are the namedtuple `config` (fields Embedding, Linear, LayerNorm), which
 set_contextual_config rebinds and restores: a model written for the reference implementation
 (`import layer_config as lc` ... `lc.config.Linear(...)` in its __init__) reads it the same way.
+
+FLAG_CLASSES is the one table from train.py's --linearclass / --embeddingclass / --lnclass values
+to classes; train.py, bench/ and the tests read it, so a new layer class is its code plus one
+entry there:
+
+    with set_contextual_config(**classes_for_flags(linearclass='gns', lnclass='fused')):
+        model = GPT(config)
 """
 from collections import namedtuple
 from contextlib import contextmanager
 
 import torch.nn as nn
+
+from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormShimEmbedding,
+                      PEGradNormShimLinear)
+# model.py ties wte to lm_head through here, so that only buffered.py knows how measured layers link
+from buffered import tie_weights  # noqa: F401
+from fused_gns import PEGradNormFusedLayerNorm
 
 LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm"])
 
@@ -53,3 +66,31 @@ def set_contextual_config(**classes):
         yield config
     finally:
         config = saved
+
+
+# train.py's flag for each kind of layer, and the class each of its values builds: nn is torch's
+# (not measured), gns computes gradient and norms in one backward, shim keeps torch's backward and
+# adds the norms beside it, fused is the normgnorm kernel (buffered.py, fused_gns.py)
+FLAG_KINDS = {'linearclass': 'Linear', 'embeddingclass': 'Embedding', 'lnclass': 'LayerNorm'}
+FLAG_CLASSES = {
+    'linearclass': {'nn': nn.Linear, 'gns': PEGradNormLinear, 'shim': PEGradNormShimLinear},
+    'embeddingclass': {'nn': nn.Embedding, 'gns': PEGradNormEmbedding, 'shim': PEGradNormShimEmbedding},
+    'lnclass': {'nn': nn.LayerNorm, 'shim': PEGradNormSeparatedLayerNorm, 'fused': PEGradNormFusedLayerNorm},
+}
+
+
+def classes_for_flags(**flags):
+    """
+    set_contextual_config's keyword arguments (Linear=..., Embedding=..., LayerNorm=...) for
+    train.py's flag values, e.g. classes_for_flags(lnclass='shim'); a flag not given is 'nn'.
+    """
+    unknown = set(flags) - set(FLAG_CLASSES)
+    if unknown:
+        raise ValueError(f"unknown layer flag(s) {sorted(unknown)}; choose from {', '.join(FLAG_CLASSES)}")
+    classes = {}
+    for flag, values in FLAG_CLASSES.items():
+        value = flags.get(flag, 'nn')
+        if value not in values:
+            raise ValueError(f"--{flag}={value!r} is not one of {', '.join(values)}")
+        classes[FLAG_KINDS[flag]] = values[value]
+    return classes

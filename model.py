@@ -19,8 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from buffered import tie_weights
-from layer_config import get_contextual_config
+from layer_config import get_contextual_config, tie_weights
 
 # Peak dense FLOP/s used as the MFU denominator. The first entries are datasheet bfloat16
 # numbers; the *_eflops entries are empirically reachable ceilings for devices whose datasheet
@@ -150,8 +149,8 @@ class GPT(nn.Module):
             ln_f=layers['LayerNorm'](config.n_embd, bias=config.bias),
         ))
         self.lm_head = layers['Linear'](config.n_embd, config.vocab_size, bias=False)
-        # weight tying (Press & Wolf 2017); buffered.tie_weights also links the per-example
-        # norm bookkeeping of the two layers so the shared parameter is measured exactly
+        # weight tying (Press & Wolf 2017), nanoGPT's wte.weight = lm_head.weight; when both layers
+        # measure, tie_weights also links them so the shared weight's per-example norm is exact
         tie_weights(self.transformer.wte, self.lm_head)
         # tokens seen in training, checkpointed with the weights (the LR schedule is in tokens)
         self.register_buffer('tokens_processed', torch.zeros((), dtype=torch.int64))

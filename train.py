@@ -31,11 +31,10 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.nn as nn
 
 import gnstracking
 from configurator import ConfigError, check_device, check_number, configure, die
-from layer_config import set_contextual_config
+from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config
 from model import GPT, GPTConfig, CheckpointError, load_weights, read_checkpoint, write_checkpoint
 from schedules import GradAccumSchedule, lr_at, max_accumulation_steps
 from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
@@ -69,10 +68,12 @@ cos_attn = []  # block indices with cosine attention
 spectral_c_attn = []  # block indices with spectral-normalised Q/K/V
 fp32_attention_layers = []  # block indices whose attention runs in float32
 device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
-# per-example gradient norm layers: nn (plain torch, not measured), gns (fused), shim
+# per-example gradient norm layers, by flag value (layer_config.FLAG_CLASSES): nn (plain torch,
+# not measured), gns (norms in the layer's own backward), shim (torch's backward, norms beside it),
+# fused (the LayerNorm kernel)
 linearclass = 'nn'
 embeddingclass = 'nn'
-lnclass = 'nn'  # nn, shim (separated LayerNorm) or fused (fused kernel)
+lnclass = 'nn'
 # the earlier approximate estimators, logged beside the exact one for comparison (gnshooks.py,
 # microbatch_gns.py): hooks on plain nn.Linear layers ('exact' ghost norms or the 'sogns'
 # approximation), and the micro-batch estimator (small batch = one micro-step's gradient)
@@ -125,9 +126,9 @@ globals().update(config)
 
 # every value is checked here, before anything runs: bad input is one line and exit code 2
 CHOICES = {
-    'linearclass': ('nn', 'gns', 'shim'),
-    'embeddingclass': ('nn', 'gns', 'shim'),
-    'lnclass': ('nn', 'shim', 'fused'),
+    'linearclass': tuple(FLAG_CLASSES['linearclass']),
+    'embeddingclass': tuple(FLAG_CLASSES['embeddingclass']),
+    'lnclass': tuple(FLAG_CLASSES['lnclass']),
     'gns_hooks': ('none', 'sogns', 'exact'),
     'dtype': ('float32', 'bfloat16', 'float16'),
     'lr_decay_shape': ('linear', 'cosine'),
@@ -166,18 +167,6 @@ for key, default_iters in (('max', 600000), ('warmup', 2000), ('lr_decay', 60000
         die(f"--{key}_tokens and --{key}_iters set the same length twice; set one of them")
     config[f'{key}_tokens'] = tokens if tokens is not None else (iters if iters is not None else default_iters) * tokens_per_iter
 max_tokens, warmup_tokens, lr_decay_tokens = config['max_tokens'], config['warmup_tokens'], config['lr_decay_tokens']
-
-
-def layer_classes():
-    """The Linear / Embedding / LayerNorm classes chosen on the command line."""
-    import buffered
-    linear = {'nn': nn.Linear, 'gns': 'PEGradNormLinear', 'shim': 'PEGradNormShimLinear'}[linearclass]
-    embedding = {'nn': nn.Embedding, 'gns': 'PEGradNormEmbedding', 'shim': 'PEGradNormShimEmbedding'}[embeddingclass]
-    layernorm = {'nn': nn.LayerNorm, 'shim': 'PEGradNormSeparatedLayerNorm'}.get(lnclass)
-    if lnclass == 'fused':
-        from fused_gns import PEGradNormFusedLayerNorm as layernorm
-    resolve = lambda c: getattr(buffered, c) if isinstance(c, str) else c
-    return dict(Linear=resolve(linear), Embedding=resolve(embedding), LayerNorm=resolve(layernorm))
 
 
 # DDP: a torchrun launch sets RANK
@@ -265,7 +254,7 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
                   vocab_size=None, dropout=dropout, cos_attn=cos_attn, spectral_c_attn=spectral_c_attn,
                   fp32_attention_layers=fp32_attention_layers, device_name=device_name)
 checkpoint = None
-with set_contextual_config(**layer_classes()):
+with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
     if init_from == 'scratch':
         print("Initializing a new model from scratch")
         model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304

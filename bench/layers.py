@@ -27,13 +27,14 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import buffered  # noqa: E402
+from csv_tools import ToolParser  # noqa: E402
+from layer_config import classes_for_flags, set_contextual_config  # noqa: E402
 
+# train.py's layer flags of each setting; LayerNorm has no gns class, its separated one serves both
 SETTINGS = {
-    "nn": dict(Linear=nn.Linear, Embedding=nn.Embedding, LayerNorm=nn.LayerNorm),
-    "gns": dict(Linear=buffered.PEGradNormLinear, Embedding=buffered.PEGradNormEmbedding,
-                LayerNorm=buffered.PEGradNormSeparatedLayerNorm),
-    "shim": dict(Linear=buffered.PEGradNormShimLinear, Embedding=buffered.PEGradNormShimEmbedding,
-                 LayerNorm=buffered.PEGradNormSeparatedLayerNorm),
+    "nn": {},
+    "gns": dict(linearclass="gns", embeddingclass="gns", lnclass="shim"),
+    "shim": dict(linearclass="shim", embeddingclass="shim", lnclass="shim"),
 }
 
 
@@ -43,11 +44,10 @@ def maxrss_mib():
 
 def child(args):
     """One setting, in this process: time training iterations, report JSON on stdout."""
-    from layer_config import set_contextual_config
     from model import GPT, GPTConfig
     torch.manual_seed(0)
     config = GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65, dropout=0.0, bias=False)
-    with set_contextual_config(**SETTINGS[args.child]):
+    with set_contextual_config(**classes_for_flags(**SETTINGS[args.child])):
         model = GPT(config)
     optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
     x = torch.randint(0, 65, (args.batch_size, 256))
@@ -94,7 +94,7 @@ def sweep(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ToolParser(prog="bench/layers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -103,7 +103,7 @@ def main():
     parser.add_argument("--child", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.batch_size < 1 or args.iters < 1 or args.rounds < 1 or args.warmup < 0:
-        parser.exit(2, "error: --batch_size, --iters and --rounds must be positive, --warmup non-negative\n")
+        parser.error("--batch_size, --iters and --rounds must be positive, --warmup non-negative")
     if args.child:
         return child(args)
     if args.sweep:

@@ -1,15 +1,13 @@
 """
-What per-example gradient norms cost in training: the same GPT trained under each setting, in
-one invocation, interleaved round by round (nn, ln-shim, ..., nn, ln-shim, ...) so that drift of
-a shared machine hits every setting alike.
+What per-example gradient norms cost in training: train.py itself, timed under each setting. Every
+(setting, round) is a fresh `python train.py` with the setting's flags on a synthetic dataset of
+random tokens, evaluation and logging at the least train.py allows; each iteration's time is the
+`dt` train.py logs in out_dir/log.csv (everything of its step: data, forward, backward, the GNS
+tracker, clipping, AdamW, the log row), of the iterations after --warmup. Settings take turns
+round by round (nn, ln-shim, ..., nn, ln-shim, ...) so that drift of a shared machine hits every
+setting alike.
 
-Each step is train.py's: forward (under autocast unless float32), backward through a GradScaler,
-the GNS tracker read (gnstracking.MeasurementTracker.step, which also zeroes the buffers), the
-approximate hooks' measurements where they are on, clipping, AdamW, zero_grad, the buffers
-zeroed, and the two host syncs of the log line (loss.item(), grad_norm.item()). Not counted:
-data loading (a few random-token batches made up front) and writing log.csv.
-
-Settings (train.py's flags for each):
+Settings (train.py's flags for each; any `flag=value[+flag=value...]` is one too):
     nn           plain torch layers, no measurement: the baseline
     ln-shim      --lnclass=shim                          LayerNorm only, separated LayerNorm
     ln-fused     --lnclass=fused                         LayerNorm only, fused kernel
@@ -21,47 +19,43 @@ Settings (train.py's flags for each):
 Reported per setting: median milliseconds per iteration over all timed iterations, tokens/s,
 their ratio to the nn baseline (tokens/s over tokens/s), the same ratio taken round by round
 (each round's median against that round's baseline: the median of those cancels drift between
-rounds, and their range says how noisy the machine was), and peak memory. Peak memory is measured for each setting in a fresh subprocess that builds the
-model and trains a few steps: on CUDA torch.cuda.max_memory_allocated (everything: weights,
-optimizer state, activations, buffers); on CPU the peak resident set size above the one before
-the model was built (VmHWM after resetting it through /proc/self/clear_refs). A fresh process
-is needed because RSS peaks are process-global and the allocator keeps freed memory, so in one
-process the settings would see each other's memory.
+rounds, and their range says how noisy the machine was), and peak memory. Peak memory is that of
+one more run of train.py per setting, inside a small wrapper process that has imported torch and
+what train.py imports: on CUDA torch.cuda.max_memory_allocated (weights, optimizer state,
+activations, buffers), on CPU the peak resident memory above the wrapper's (VmHWM after resetting
+it through /proc/self/clear_refs), under a fixed glibc mmap threshold so that it follows the live
+tensors rather than the heap's leftovers.
+
+--repo DIR (repeatable) times another checkout's train.py in the same rounds, each (repo, setting)
+a row with its ratios against the same repo's nn: how a change is shown to cost nothing.
 
     python bench/throughput.py --quick
     python bench/throughput.py --rounds 10 --csv small.csv
     python bench/throughput.py --n_layer 6 --n_embd 384 --n_head 6 --block_size 256 --batch_size 16
-    python bench/throughput.py --settings nn,all-gns --profile all-gns
+    python bench/throughput.py --settings nn,all-gns,lnclass=fused+linearclass=shim --profile all-gns
+    git worktree add /tmp/before HEAD~1 && python bench/throughput.py --quick --repo . --repo /tmp/before
 """
 import argparse
-import contextlib
 import csv
-import gc
-import importlib
-import io
 import json
 import os
+import pickle
 import re
-import resource
+import shutil
 import statistics
 import subprocess
 import sys
-import time
-from contextlib import nullcontext
+import tempfile
 
+import numpy as np
 import torch
-import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import gnshooks  # noqa: E402
-from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers  # noqa: E402
 from csv_tools import ToolParser  # noqa: E402
-from gnstracking import AccumulateMeasurements, MeasurementTracker  # noqa: E402
-from layer_config import set_contextual_config  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
 
-# setting -> train.py flags that differ from the plain model
+# setting -> train.py flags that differ from the plain model (layer_config.FLAG_CLASSES maps the
+# layer flags' values to classes)
 SETTINGS = {
     'nn': {},
     'ln-shim': dict(lnclass='shim'),
@@ -72,213 +66,200 @@ SETTINGS = {
     'hooks-exact': dict(gns_hooks='exact'),
 }
 BASELINE = 'nn'
-# train.py's class for each flag value, as module.attribute (imported when a setting needs it)
-LAYER_CLASSES = {
-    'linearclass': {'gns': 'buffered.PEGradNormLinear', 'shim': 'buffered.PEGradNormShimLinear'},
-    'embeddingclass': {'gns': 'buffered.PEGradNormEmbedding', 'shim': 'buffered.PEGradNormShimEmbedding'},
-    'lnclass': {'shim': 'buffered.PEGradNormSeparatedLayerNorm', 'fused': 'fused_gns.PEGradNormFusedLayerNorm'},
-}
-LAYER_KINDS = {'linearclass': 'Linear', 'embeddingclass': 'Embedding', 'lnclass': 'LayerNorm'}
-DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+DTYPES = ('float32', 'bfloat16', 'float16')
+GPT2_VOCAB = 50304  # train.py's vocabulary for a dataset without meta.pkl
 # (normal, --quick) defaults of the flags --quick changes; a flag given explicitly wins
 SIZES = dict(n_layer=(4, 2), n_embd=(128, 64), n_head=(4, 2), block_size=(64, 32), batch_size=(32, 8),
              iters=(10, 4), rounds=(5, 3), warmup=(3, 2))
-MEMORY_STEPS = 3  # the optimizer state exists from the first step on, so the third backward sees it all
+MEMORY_ITERS = 3  # the optimizer state exists from the first step on, so the third backward sees it all
+PROFILE_PASSES = 3  # interleaved, like the timing rounds, so that drift does not land on one setting
+
+# `python -c WRAPPER OPTIONS_JSON train.py FLAGS...` in the checkout: runs train.py as `python
+# train.py FLAGS...` would and prints, as its last line, the JSON of its peak memory above what
+# the process held once torch and train.py's imports were loaded. With options["profile"] it also
+# profiles the iterations after the first options["warmup"] optimizer steps, into that file.
+WRAPPER = r'''
+import ast, importlib, json, os, re, resource, runpy, sys, time
+options, script = json.loads(sys.argv[1]), sys.argv[2]
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+import torch
+import torch._dynamo  # loaded by the first AdamW step (and --compile): ~140 MiB that is no setting's
+if options["threads"]:
+    torch.set_num_threads(options["threads"])
+for node in ast.walk(ast.parse(open(script).read())):
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+        [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1)) * 1024
+
+cuda = options["device"].startswith("cuda")
+if cuda:
+    torch.cuda.init()
+    torch.cuda.reset_peak_memory_stats(options["device"])
+    peak = lambda: torch.cuda.max_memory_allocated(options["device"])
+else:
+    try:
+        before = status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        peak = lambda: status_bytes("VmHWM") - before
+    except OSError:  # no /proc: the lifetime peak (ru_maxrss is in bytes on macOS, KiB elsewhere)
+        unit = 1 if sys.platform == "darwin" else 1024
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+        peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit - before
+
+if options["profile"]:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile
+    prof = profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+    window = {"steps": 0, "on": False}
+
+    def after_step(optimizer, args, kwargs):
+        window["steps"] += 1
+        if window["steps"] == options["warmup"]:
+            prof.start()
+            window.update(on=True, t0=time.perf_counter())
+        elif window["on"] and window["steps"] == options["warmup"] + options["iters"]:
+            prof.stop()
+            window.update(on=False, wall_s=time.perf_counter() - window["t0"])
+
+    register_optimizer_step_post_hook(after_step)
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as e:
+    if e.code not in (None, 0):
+        raise
+if options["profile"]:
+    if window["on"]:
+        prof.stop()
+        window["wall_s"] = time.perf_counter() - window["t0"]
+    events = prof.key_averages()
+    node = "autograd::engine::evaluate_function: "
+    with open(options["profile"], "w") as f:
+        json.dump(dict(wall_s=window.get("wall_s", 0.0), self_us={e.key: e.self_cpu_time_total for e in events},
+                       node_us={e.key[len(node):]: e.cpu_time_total for e in events if e.key.startswith(node)},
+                       table=events.table(sort_by="self_cpu_time_total", row_limit=options["rows"])), f)
+print(json.dumps({"peak_bytes": peak()}))
+'''
 
 
 class BenchError(Exception):
-    """Bad input or a setting this checkout cannot build; the message is one line for the user."""
+    """A run of train.py that failed; the message is one line for the user, `code` the exit code."""
+
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
 
 
-def flags_text(setting):
-    flags = SETTINGS[setting]
+def flags_text(flags):
     return ' '.join(f'--{k}={v}' for k, v in flags.items()) or '(plain nn)'
 
 
-def layer_classes(setting):
-    """The set_contextual_config(...) keyword arguments of a setting."""
-    classes = {}
-    for flag, kind in LAYER_KINDS.items():
-        value = SETTINGS[setting].get(flag, 'nn')
-        if value == 'nn':
-            continue
-        module_name, attr = LAYER_CLASSES[flag][value].split('.')
-        cls = getattr(importlib.import_module(module_name), attr, None)
-        if cls is None:
-            raise BenchError(f"setting {setting} needs {module_name}.{attr}, which this checkout does not have")
-        classes[kind] = cls
-    return classes
+def train_flags(args, dataset, out_dir, iters):
+    """train.py's flags of every run: the model, the device, and the least evaluation and logging
+    train.py allows (it evaluates before the first step and after the last)."""
+    return dict(device=args.device, dtype=args.dtype, compile=args.compile, n_layer=args.n_layer,
+                n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, batch_size=args.batch_size,
+                bias=args.bias, dropout=0.0, seed=args.seed, gradient_accumulation_steps=1, dataset=dataset,
+                out_dir=out_dir, max_iters=iters, eval_interval=iters + 1, eval_iters=1, log_interval=iters + 1,
+                always_save_checkpoint=False, wandb_log=False)
 
 
-class Run:
-    """One setting's model, optimizer and GNS readers, stepping as train.py's loop does."""
-
-    def __init__(self, setting, args):
-        self.setting = setting
-        self.device = torch.device(args.device)
-        self.batch_size = args.batch_size
-        torch.manual_seed(args.seed)  # every setting starts from the same weights and data
-        config = GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                           block_size=args.block_size, vocab_size=args.vocab_size, bias=args.bias, dropout=0.0)
-        with contextlib.redirect_stdout(io.StringIO()), set_contextual_config(**layer_classes(setting)):
-            self.raw_model = GPT(config).to(self.device)
-            self.optimizer = self.raw_model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), self.device.type)
-        self.hooks = SETTINGS[setting].get('gns_hooks')
-        if self.hooks is not None:
-            add = {'sogns': gnshooks.add_sogns_hooks, 'exact': gnshooks.add_exact_hooks}[self.hooks]
-            gnshooks.add_hooks_to_model(self.raw_model, add)
-        self.model = torch.compile(self.raw_model) if args.compile else self.raw_model
-        self.params = [p for p in self.raw_model.parameters() if p.requires_grad]
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=(args.dtype == 'float16'))
-        self.ctx = nullcontext() if args.dtype == 'float32' else \
-            torch.autocast(device_type=self.device.type, dtype=DTYPES[args.dtype])
-        self.gns_logs = AccumulateMeasurements(prefix='train/gns')
-        self.tracker = None
-        if find_sqgradnorm_buffers(self.raw_model):  # as train.py: whenever some layer measures
-            self.tracker = MeasurementTracker.from_model(self.raw_model, callback=self.gns_logs, scaler=self.scaler)
-        ids = torch.randint(args.vocab_size, (4, args.batch_size, args.block_size + 1),
-                            generator=torch.Generator().manual_seed(args.seed))
-        self.batches = [(b[:, :-1].contiguous().to(self.device), b[:, 1:].contiguous().to(self.device)) for b in ids]
-        self.steps = 0
-
-    def step(self):
-        X, Y = self.batches[self.steps % len(self.batches)]
-        with self.ctx:
-            _, loss = self.model(X, Y)
-        self.scaler.scale(loss).backward()
-        if self.tracker is not None:
-            self.tracker.step(batch_size=self.batch_size, step=self.steps)
-            self.gns_logs.pop()
-        self.scaler.unscale_(self.optimizer)
-        if self.hooks is not None:
-            gnshooks.hook_measurements(self.raw_model, self.hooks, loss_scale=self.scaler.get_scale())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        zero_sqgradnorm_buffers(self.raw_model)
-        if self.hooks is not None:
-            gnshooks.zero_hook_results(self.raw_model)
-        loss.item(), grad_norm.item()  # train.py's log line: the step's host syncs
-        self.steps += 1
-
-    def timed_steps(self, n):
-        """Seconds of each of n steps."""
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            self.step()
-            if self.device.type == 'cuda':
-                torch.cuda.synchronize(self.device)
-            times.append(time.perf_counter() - t0)
-        return times
+def write_dataset(folder, vocab_size, block_size, seed):
+    """train.bin / val.bin of random uint16 tokens, and meta.pkl with the vocabulary unless it
+    is GPT-2's padded one, which train.py takes when there is no meta.pkl."""
+    tokens = max(1 << 16, 4 * block_size)
+    rng = np.random.default_rng(seed)
+    for split in ('train', 'val'):
+        rng.integers(vocab_size, size=tokens, dtype=np.uint16).tofile(os.path.join(folder, f'{split}.bin'))
+    if vocab_size != GPT2_VOCAB:
+        with open(os.path.join(folder, 'meta.pkl'), 'wb') as f:
+            pickle.dump({'vocab_size': vocab_size}, f)
 
 
-# -- peak memory, one fresh process per setting -------------------------------------------------
-
-def _proc_status_kib(field):
-    with open('/proc/self/status') as f:
-        m = re.search(rf'^{field}:\s+(\d+) kB', f.read(), re.MULTILINE)
-    return int(m.group(1)) if m else None
-
-
-def measure_memory(setting, args):
-    """Peak bytes of building `setting` and training MEMORY_STEPS steps, in this (fresh) process."""
-    device = torch.device(args.device)
-    # torch's one-time allocations (kernel libraries, thread pools, autograd engine) are no
-    # setting's cost: run a throwaway one-layer copy of the setting first
-    tiny = argparse.Namespace(**{**vars(args), 'n_layer': 1, 'n_embd': args.n_head * 8, 'batch_size': 2, 'block_size': 8})
-    warm = Run(setting, tiny)
-    for _ in range(2):
-        warm.step()
-    del warm
-    gc.collect()
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run = Run(setting, args)
-        for _ in range(MEMORY_STEPS):
-            run.step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    try:  # Linux: reset the high-water mark to the current RSS, then read it back afterwards
-        before = _proc_status_kib('VmRSS') * 1024
-        with open('/proc/self/clear_refs', 'w') as f:
-            f.write('5')
-        peak = lambda: _proc_status_kib('VmHWM') * 1024
-    except (OSError, TypeError):  # elsewhere: the lifetime peak (bytes on macOS, KiB on Linux)
-        unit = 1 if sys.platform == 'darwin' else 1024
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-        peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    run = Run(setting, args)
-    for _ in range(MEMORY_STEPS):
-        run.step()
-    return peak() - before
-
-
-def memory_in_subprocess(setting, args):
-    argv = [sys.executable, os.path.abspath(__file__), '--memory_of', setting, '--device', args.device,
-            '--dtype', args.dtype, '--vocab_size', str(args.vocab_size), '--seed', str(args.seed)]
-    argv += [f'--{k}={getattr(args, k)}' for k in ('n_layer', 'n_embd', 'n_head', 'block_size', 'batch_size')]
-    argv += ['--compile'] * args.compile + ['--bias'] * args.bias
-    argv += [f'--threads={args.threads}'] if args.threads else []
-    # glibc: a fixed mmap threshold (no dynamic raise) maps every tensor above 64 KiB on its own
-    # and unmaps it when freed, so RSS follows the live tensors rather than the heap's leftovers
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_='65536')
-    done = subprocess.run(argv, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise RuntimeError(f"memory measurement of {setting} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])['peak_bytes']
+def run_train(repo, setting, args, work, iters, memory=False, profile=None):
+    """
+    One fresh train.py of `repo` under `setting` for `iters` iterations: the seconds of each
+    iteration after the warmup ones (log.csv's dt), the peak memory in bytes, and train.py's output.
+    """
+    out_dir = tempfile.mkdtemp(prefix='run-', dir=work)
+    flags = {**train_flags(args, os.path.join(work, 'data'), out_dir, iters), **args.settings[setting]}
+    options = dict(device=args.device, threads=args.threads, warmup=args.warmup, iters=args.iters,
+                   profile=profile, rows=args.profile_rows)
+    env = dict(os.environ, WANDB_MODE='disabled')
+    if args.threads:
+        env['OMP_NUM_THREADS'] = str(args.threads)
+    if memory:  # glibc: each tensor above 64 KiB mapped on its own and unmapped when freed
+        env['MALLOC_MMAP_THRESHOLD_'] = '65536'
+    cmd = [sys.executable, '-c', WRAPPER, json.dumps(options), 'train.py'] + [f'--{k}={v}' for k, v in flags.items()]
+    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+    try:
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ['no output'])[-1]
+            raise BenchError(f"{setting} in {repo}: train.py exited with {done.returncode}: {last}",
+                             2 if done.returncode == 2 else 1)
+        with open(os.path.join(out_dir, 'log.csv'), newline='') as f:
+            dts = [float(r['dt']) for r in csv.DictReader(f) if r.get('dt') and int(r['iter_num']) >= args.warmup]
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)  # a checkpoint of a large model is large
+    return dict(dts=dts, peak=json.loads(done.stdout.strip().splitlines()[-1])['peak_bytes'], stdout=done.stdout)
 
 
 # -- profile ------------------------------------------------------------------------------------
 
-PROFILE_PASSES = 3  # interleaved, like the timing rounds, so that drift does not land on one setting
-
-
-def profile(runs, settings, iters, rows):
+def profile(repos, settings, args, work):
     """
-    torch.profiler over PROFILE_PASSES x `iters` steps of each setting and the baseline, the
-    settings taking turns. Prints, per setting: the top ops by self CPU time (last pass), the
+    torch.profiler over the timed iterations of PROFILE_PASSES runs of each setting and the
+    baseline, taking turns. Prints, per setting: the top ops by self CPU time (last pass), the
     backward nodes by total CPU time, and the ops whose self CPU time per iteration differs most
     from the baseline's: where a setting's extra time goes.
     """
-    from torch.profiler import ProfilerActivity, profile as torch_profile
     settings = [BASELINE] + [s for s in settings if s != BASELINE]
-    self_ms = {s: {} for s in settings}  # op -> self CPU ms per iteration
-    node_ms = {s: {} for s in settings}  # backward node -> total CPU ms per iteration
-    wall_ms = {s: 0.0 for s in settings}
+    keys = [(repo, s) for s in settings for repo in repos]
+    self_ms = {k: {} for k in keys}  # op -> self CPU ms per iteration
+    node_ms = {k: {} for k in keys}  # backward node -> total CPU ms per iteration
+    wall_ms = {k: 0.0 for k in keys}
     tables = {}
-    n = PROFILE_PASSES * iters
+    n = PROFILE_PASSES * args.iters
+    path = os.path.join(work, 'profile.json')
     for _ in range(PROFILE_PASSES):
-        for s in settings:
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runs[s].device.type == 'cuda' else [])
-            with torch_profile(activities=activities) as prof:
-                wall_ms[s] += sum(runs[s].timed_steps(iters)) * 1e3 / n
-            events = prof.key_averages()
-            for e in events:
-                self_ms[s][e.key] = self_ms[s].get(e.key, 0.0) + e.self_cpu_time_total / 1e3 / n
-                if e.key.startswith('autograd::engine::evaluate_function: '):
-                    name = e.key.split(': ', 1)[1]
-                    node_ms[s][name] = node_ms[s].get(name, 0.0) + e.cpu_time_total / 1e3 / n
-            tables[s] = events.table(sort_by='self_cpu_time_total', row_limit=rows)
-    base = self_ms[BASELINE]
-    for s in settings:
-        in_ops = sum(self_ms[s].values())
-        print(f"\nprofile of {s} ({flags_text(s)}), {PROFILE_PASSES} x {iters} iterations: {wall_ms[s]:.1f} ms per "
-              f"iteration under the profiler, {in_ops:.1f} ms of it inside ops; ops by self CPU time (last pass):")
-        print(tables[s])
-        print(f"backward nodes of {s}, total CPU time per iteration (the ops inside them included):")
-        for name, ms in sorted(node_ms[s].items(), key=lambda kv: -kv[1])[:rows]:
-            print(f"  {name:<56} {ms:9.2f} ms")
+        for repo, s in keys:
+            run_train(repo, s, args, work, args.warmup + args.iters, profile=path)
+            with open(path) as f:
+                result = json.load(f)
+            wall_ms[repo, s] += result['wall_s'] * 1e3 / n
+            for into, got in ((self_ms[repo, s], result['self_us']), (node_ms[repo, s], result['node_us'])):
+                for op, us in got.items():
+                    into[op] = into.get(op, 0.0) + us / 1e3 / n
+            tables[repo, s] = result['table']
+    rows = args.profile_rows
+    for repo, s in keys:
+        name = s if len(repos) == 1 else f"{s} in {repo}"
+        in_ops = sum(self_ms[repo, s].values())
+        print(f"\nprofile of {name} ({flags_text(args.settings[s])}), {PROFILE_PASSES} x {args.iters} iterations: "
+              f"{wall_ms[repo, s]:.1f} ms per iteration under the profiler, {in_ops:.1f} ms of it inside ops; "
+              f"ops by self CPU time (last pass):")
+        print(tables[repo, s])
+        print(f"backward nodes of {name}, total CPU time per iteration (the ops inside them included):")
+        for node, ms in sorted(node_ms[repo, s].items(), key=lambda kv: -kv[1])[:rows]:
+            print(f"  {node:<56} {ms:9.2f} ms")
         if s == BASELINE:
             continue
-        deltas = sorted(((ms - base.get(op, 0.0), op) for op, ms in self_ms[s].items()), reverse=True)
-        deltas += sorted((-ms, op) for op, ms in base.items() if op not in self_ms[s])
+        base = self_ms[repo, BASELINE]
+        deltas = sorted(((ms - base.get(op, 0.0), op) for op, ms in self_ms[repo, s].items()), reverse=True)
+        deltas += sorted((-ms, op) for op, ms in base.items() if op not in self_ms[repo, s])
         print(f"self CPU time per iteration against {BASELINE}'s ({in_ops - sum(base.values()):+.1f} ms inside ops, "
-              f"{wall_ms[s] - wall_ms[BASELINE]:+.1f} ms wall), the largest differences:")
+              f"{wall_ms[repo, s] - wall_ms[repo, BASELINE]:+.1f} ms wall), the largest differences:")
         for delta, op in sorted(deltas, key=lambda d: -abs(d[0]))[:rows]:
-            print(f"  {op:<56} {delta:+8.2f} ms  ({base.get(op, 0.0):.2f} -> {self_ms[s].get(op, 0.0):.2f})")
+            print(f"  {op:<56} {delta:+8.2f} ms  ({base.get(op, 0.0):.2f} -> {self_ms[repo, s].get(op, 0.0):.2f})")
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -294,46 +275,59 @@ def positive_int(text):
 
 
 def settings_list(text):
-    names = [s.strip() for s in text.split(',') if s.strip()]
-    unknown = [s for s in names if s not in SETTINGS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown setting(s) {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(SETTINGS)}")
-    return list(dict.fromkeys(names))
+    """{name: train.py flags} of a comma-separated list of named settings and flag=value[+flag=value...]."""
+    settings = {}
+    for name in (s.strip() for s in text.split(',')):
+        if name in SETTINGS:
+            settings[name] = SETTINGS[name]
+        elif '=' in name:
+            pairs = [p.split('=', 1) for p in name.split('+')]
+            if not all(len(p) == 2 and p[0].isidentifier() and p[1] for p in pairs):
+                raise argparse.ArgumentTypeError(f"{name!r} is not flag=value[+flag=value...]")
+            settings[name] = dict(pairs)
+        elif name:
+            raise argparse.ArgumentTypeError(f"unknown setting(s) {name}; choose from {', '.join(SETTINGS)} "
+                                             f"or give train.py flags as flag=value[+flag=value...]")
+    if not settings:
+        raise argparse.ArgumentTypeError(f"no setting in {text!r}")
+    return settings
 
 
 def parse_args(argv):
     parser = ToolParser(prog='bench/throughput.py', description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--settings', type=settings_list, default=list(SETTINGS),
-                        help=f"comma-separated subset of {','.join(SETTINGS)} (default: all); "
-                             f"{BASELINE} is always run as the baseline")
+    parser.add_argument('--settings', type=settings_list, default=dict(SETTINGS),
+                        help=f"comma-separated settings: any of {','.join(SETTINGS)} (default: all) and "
+                             f"flag=value[+flag=value...] of train.py; {BASELINE} is always run as the baseline")
+    parser.add_argument('--repo', action='append', metavar='DIR',
+                        help="a checkout whose train.py to time, repeatable, in the same rounds (default: the "
+                             "one this bench is in)")
     parser.add_argument('--device', default='cpu', help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument('--dtype', choices=list(DTYPES), default='float32',
+    parser.add_argument('--dtype', choices=DTYPES, default='float32',
                         help="float32, or autocast to bfloat16/float16 as train.py does (default: float32)")
-    parser.add_argument('--compile', action='store_true', help="torch.compile every model (default: eager)")
+    parser.add_argument('--compile', action='store_true', help="train.py's --compile=True (default: eager)")
     quick = lambda k: f"(default: {SIZES[k][0]}, --quick: {SIZES[k][1]})"
     for k, what in (('n_layer', 'transformer blocks'), ('n_embd', 'model width'), ('n_head', 'attention heads'),
                     ('block_size', 'tokens per example'), ('batch_size', 'examples per step')):
         parser.add_argument(f'--{k}', type=positive_int, help=f"{what} {quick(k)}")
     parser.add_argument('--vocab_size', type=positive_int, default=65,
-                        help="vocabulary (default: 65, shakespeare_char's)")
+                        help=f"vocabulary of the random tokens (default: 65, shakespeare_char's; {GPT2_VOCAB}: GPT-2's)")
     parser.add_argument('--bias', action='store_true', help="biases in Linears and LayerNorms (train.py's default: none)")
-    parser.add_argument('--iters', type=positive_int, help=f"timed iterations per setting and round {quick('iters')}")
+    parser.add_argument('--iters', type=positive_int, help=f"timed iterations per run {quick('iters')}")
     parser.add_argument('--rounds', type=positive_int, help=f"rounds over all settings {quick('rounds')}")
     parser.add_argument('--warmup', type=positive_int,
-                        help=f"untimed iterations per setting before the first round {quick('warmup')}")
-    parser.add_argument('--quick', action='store_true', help="a small model and few iterations: about a minute on 2 CPU cores")
+                        help=f"untimed iterations at the start of every run, the first evaluation and any "
+                             f"compilation among them {quick('warmup')}")
+    parser.add_argument('--quick', action='store_true', help="a small model and few iterations: a few minutes on 2 CPU cores")
     parser.add_argument('--csv', metavar='PATH', help="also write the results to this CSV file")
     parser.add_argument('--profile', type=settings_list, metavar='SETTINGS',
-                        help=f"after timing, profile these settings and the baseline (torch.profiler, {PROFILE_PASSES} "
-                             f"interleaved passes of --iters iterations): top ops, backward nodes, and the ops whose "
-                             f"time differs most from the baseline's")
+                        help=f"after timing, profile these settings and the baseline (torch.profiler over the timed "
+                             f"iterations of {PROFILE_PASSES} interleaved runs): top ops, backward nodes, and the ops "
+                             f"whose time differs most from the baseline's")
     parser.add_argument('--profile_rows', type=positive_int, default=15, help="rows of each profile table (default: 15)")
     parser.add_argument('--threads', type=positive_int,
                         help="CPU threads for torch (default: torch's own choice); on a busy machine 1 is steadier")
     parser.add_argument('--seed', type=int, default=1337)
-    parser.add_argument('--memory_of', help=argparse.SUPPRESS)  # internal: one setting's peak memory, as JSON
     args = parser.parse_args(argv)
 
     for k, (normal, small) in SIZES.items():
@@ -341,6 +335,8 @@ def parse_args(argv):
             setattr(args, k, small if args.quick else normal)
     if args.n_embd % args.n_head:
         parser.error(f"--n_embd={args.n_embd} is not divisible by --n_head={args.n_head}")
+    if args.vocab_size > 1 << 16:
+        parser.error(f"--vocab_size={args.vocab_size}: train.bin holds uint16 tokens, at most {1 << 16}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -351,76 +347,81 @@ def parse_args(argv):
         parser.error(f"--device={args.device} but CUDA is not available here; use --device=cpu")
     if args.csv and not os.path.isdir(os.path.dirname(os.path.abspath(args.csv))):
         parser.error(f"--csv {args.csv}: the folder {os.path.dirname(os.path.abspath(args.csv))} does not exist")
-    if BASELINE not in args.settings:
-        args.settings.insert(0, BASELINE)
-    if args.profile:
-        args.settings += [s for s in args.profile if s not in args.settings]
+    args.repo = list(dict.fromkeys(args.repo or [os.path.relpath(ROOT)]))
+    for repo in args.repo:
+        if not os.path.isfile(os.path.join(repo, 'train.py')):
+            parser.error(f"--repo {repo}: there is no train.py in it")
+    args.settings = {BASELINE: SETTINGS[BASELINE], **args.settings, **(args.profile or {})}
+    for name, flags in args.settings.items():
+        taken = [k for k in flags if k in train_flags(args, '', '', 1)]
+        if taken:
+            parser.error(f"setting {name} sets --{taken[0]}, which the bench sets itself"
+                         f"{f'; use the bench flag --{taken[0]}' if taken[0] in vars(args) else ''}")
     return args
 
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.memory_of:
-        print(json.dumps({'peak_bytes': measure_memory(args.memory_of, args)}))
-        return 0
-    try:
-        runs = {s: Run(s, args) for s in args.settings}
-    except BenchError as e:
-        print(f"bench/throughput.py: error: {e}", file=sys.stderr)
-        return 2
+    repos, settings = args.repo, list(args.settings)
     tokens_per_iter = args.batch_size * args.block_size
-    n_params = runs[BASELINE].raw_model.get_num_params()
     where = torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else \
-        f"cpu, {torch.get_num_threads()} threads"
-    print(f"GPT {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads, block {args.block_size}, "
-          f"batch {args.batch_size} ({n_params / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens/iter); "
-          f"{args.dtype}, {'compiled' if args.compile else 'eager'}, {where}")
-    print(f"{len(args.settings)} settings x {args.rounds} rounds x {args.iters} iterations, "
-          f"after {args.warmup} warmup iterations each", flush=True)
+        f"cpu, {args.threads or torch.get_num_threads()} threads"
+    print(f"train.py's GPT {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads, block {args.block_size}, "
+          f"batch {args.batch_size} ({tokens_per_iter:,} tokens/iter), vocabulary {args.vocab_size}; {args.dtype}, "
+          f"{'compiled' if args.compile else 'eager'}, {where}")
+    print(f"{len(settings)} settings x {len(repos)} checkout(s) x {args.rounds} rounds, each a fresh train.py timing "
+          f"{args.iters} iterations after {args.warmup} warmup ones", flush=True)
+    keys = [(repo, s) for s in settings for repo in repos]  # a setting's checkouts side by side in each round
+    name = lambda repo, s: s if len(repos) == 1 else f"{s} in {repo}"
+    with tempfile.TemporaryDirectory(prefix='bench-throughput-') as work:
+        os.makedirs(os.path.join(work, 'data'))
+        write_dataset(os.path.join(work, 'data'), args.vocab_size, args.block_size, args.seed)
+        try:
+            times = {k: [] for k in keys}  # per (repo, setting), per round: seconds of each iteration
+            n_params = None  # as train.py prints it
+            for r in range(args.rounds):
+                for repo, s in keys:
+                    run = run_train(repo, s, args, work, args.warmup + args.iters)
+                    times[repo, s].append(run['dts'])
+                    n_params = n_params or re.search(r'number of parameters: (\S+)', run['stdout'])
+                print(f"  round {r + 1}/{args.rounds}: " + ', '.join(
+                    f"{name(*k)} {statistics.median(times[k][-1]) * 1e3:.1f}" for k in keys) + " ms/iter", flush=True)
+            if args.profile:
+                profile(repos, list(args.profile), args, work)
+            print("peak memory: one more run of each ...", flush=True)
+            memory = {k: run_train(*k, args, work, MEMORY_ITERS, memory=True)['peak'] for k in keys}
+        except BenchError as e:
+            print(f"bench/throughput.py: error: {e}", file=sys.stderr)
+            return e.code
 
-    for run in runs.values():
-        run.timed_steps(args.warmup)
-    times = {s: [] for s in args.settings}  # per setting, per round: seconds of each iteration
-    for r in range(args.rounds):
-        for s in args.settings:
-            times[s].append(runs[s].timed_steps(args.iters))
-        print(f"  round {r + 1}/{args.rounds}: " + ', '.join(
-            f"{s} {statistics.median(times[s][-1]) * 1e3:.1f}" for s in args.settings) + " ms/iter", flush=True)
-    if args.profile:
-        profile(runs, args.profile, args.iters, args.profile_rows)
-    del runs
-    gc.collect()
-
-    print("peak memory: one fresh process per setting ...", flush=True)
-    memory = {s: memory_in_subprocess(s, args) for s in args.settings}
     rows = []
-    base_ms = statistics.median(t for rnd in times[BASELINE] for t in rnd) * 1e3
-    for s in args.settings:
-        ms = statistics.median(t for rnd in times[s] for t in rnd) * 1e3
-        round_ratios = [statistics.median(b) / statistics.median(t) for b, t in zip(times[BASELINE], times[s])]
-        rows.append(dict(setting=s, flags=flags_text(s), ms_per_iter=ms, tokens_per_s=tokens_per_iter / ms * 1e3,
-                         ratio=base_ms / ms, ratio_rounds=statistics.median(round_ratios),
-                         ratio_min=min(round_ratios), ratio_max=max(round_ratios),
-                         peak_mem_mib=memory[s] / 2**20, mem_ratio=memory[s] / memory[BASELINE],
-                         device=args.device, dtype=args.dtype, compile=args.compile, n_layer=args.n_layer,
-                         n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size,
-                         batch_size=args.batch_size, iters=args.iters, rounds=args.rounds))
+    for repo, s in keys:
+        base, this = times[repo, BASELINE], times[repo, s]
+        base_ms = statistics.median(t for rnd in base for t in rnd) * 1e3
+        ms = statistics.median(t for rnd in this for t in rnd) * 1e3
+        round_ratios = [statistics.median(b) / statistics.median(t) for b, t in zip(base, this)]
+        rows.append(dict(setting=s, repo=repo, flags=flags_text(args.settings[s]), ms_per_iter=ms,
+                         tokens_per_s=tokens_per_iter / ms * 1e3, ratio=base_ms / ms,
+                         ratio_rounds=statistics.median(round_ratios), ratio_min=min(round_ratios),
+                         ratio_max=max(round_ratios), peak_mem_mib=memory[repo, s] / 2**20,
+                         mem_ratio=memory[repo, s] / memory[repo, BASELINE], device=args.device, dtype=args.dtype,
+                         compile=args.compile, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                         block_size=args.block_size, batch_size=args.batch_size, vocab_size=args.vocab_size,
+                         iters=args.iters, warmup=args.warmup, rounds=args.rounds))
     mem_what = 'max_memory_allocated' if args.device.startswith('cuda') else 'peak RSS increase'
-    print()
-    header = (f"{'setting':<12} {'ms/iter':>9} {'tokens/s':>10} {'vs nn':>7} {'by round (min-max)':>24} "
-              f"{'peak MiB':>9} {'vs nn':>6}  flags")
+    width = max(len(s) for s in settings + ['setting'])
+    print(f"\n{n_params.group(1) if n_params else '?'} parameters (train.py's count)")
+    header = (f"{'setting':<{width}} {'ms/iter':>9} {'tokens/s':>10} {'vs nn':>7} {'by round (min-max)':>24} "
+              f"{'peak MiB':>9} {'vs nn':>6}  {'checkout':<12} flags")
     print(header)
     print('-' * (len(header) + 40))
     for row in rows:
-        print(f"{row['setting']:<12} {row['ms_per_iter']:9.2f} {row['tokens_per_s']:10,.0f} {row['ratio']:6.3f}x "
+        print(f"{row['setting']:<{width}} {row['ms_per_iter']:9.2f} {row['tokens_per_s']:10,.0f} {row['ratio']:6.3f}x "
               f"{row['ratio_rounds']:9.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) "
-              f"{row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x  "
-              f"{row['flags']}")
-    print(f"(vs nn: tokens/s over the baseline's, from the medians over all timed iterations; by round: the "
-          f"median and range of each round's ratio to the same round's baseline, which cancels drift between "
-          f"rounds, a wide range says the machine was noisy; peak memory: {mem_what}, one process per setting)")
+              f"{row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x  {row['repo']:<12} {row['flags']}")
+    print(f"(vs nn: tokens/s over the same checkout's baseline, from the medians over all timed iterations; by "
+          f"round: the median and range of each round's ratio to the same round's baseline, which cancels drift "
+          f"between rounds, a wide range says the machine was noisy; peak memory: {mem_what}, one run each)")
     if args.csv:
         try:
             with open(args.csv, 'w', newline='') as f:

@@ -1,12 +1,18 @@
 """bench/throughput.py end to end on a tiny GPT: the table and the CSV hold every setting asked
-for with positive numbers, and bad input is one line. No timing assertions: this machine's
-speed is nobody's contract."""
+for with positive numbers, each run is train.py's own (its log's dt after the warmup, its peak
+memory, its profile), another checkout is timed beside this one, and bad input is one line. No
+timing assertions: this machine's speed is nobody's contract."""
+import argparse
 import csv
 import importlib.util
+import json
 import os
+import pickle
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,19 +53,95 @@ def test_settings_table_and_csv(tmp_path):
         assert float(table[r["setting"]][1]) == pytest.approx(float(r["ms_per_iter"]), abs=0.006)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--settings", "nn,bogus"], "unknown setting(s) bogus"),
-    (["--n_embd=30", "--n_head=4"], "is not divisible by --n_head=4"),
-    (["--iters=0"], "--iters: 0 is not positive"),
-    (["--dtype=float8"], "invalid choice"),
-    (["--csv", "/no/such/folder/x.csv"], "does not exist"),
-])
-def test_bad_input_is_one_line(args, message, capsys):
+def load_bench():
     spec = importlib.util.spec_from_file_location("throughput", BENCH)
     throughput = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(throughput)
+    return throughput
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--settings", "nn,bogus"], "unknown setting(s) bogus"),
+    (["--settings", "lnclass=shim+fused"], "is not flag=value[+flag=value...]"),
+    (["--settings", "lnclass=shim+n_layer=2"], "sets --n_layer, which the bench sets itself; use the bench flag --n_layer"),
+    (["--settings", "out_dir=x"], "sets --out_dir, which the bench sets itself"),
+    (["--n_embd=30", "--n_head=4"], "is not divisible by --n_head=4"),
+    (["--iters=0"], "--iters: 0 is not positive"),
+    (["--dtype=float8"], "invalid choice"),
+    (["--vocab_size=70000"], "uint16 tokens"),
+    (["--csv", "/no/such/folder/x.csv"], "does not exist"),
+    (["--repo", "/no/such/checkout"], "--repo /no/such/checkout: there is no train.py in it"),
+])
+def test_bad_input_is_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        throughput.main(args)
+        load_bench().main(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_value_train_py_refuses_is_its_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert load_bench().main([*TINY, "--settings", "lnclass=bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "lnclass=bogus" in err and "is not one of nn, shim, fused" in err, err
+
+
+def test_the_dataset_is_random_uint16_tokens_with_the_vocabulary_in_meta_pkl_but_gpt2s(tmp_path):
+    throughput = load_bench()
+    for vocab, folder in ((65, tmp_path / "char"), (throughput.GPT2_VOCAB, tmp_path / "gpt2")):
+        folder.mkdir()
+        throughput.write_dataset(str(folder), vocab, block_size=32, seed=0)
+        for split in ("train", "val"):
+            tokens = np.fromfile(folder / f"{split}.bin", dtype=np.uint16)
+            assert len(tokens) > 32 and tokens.max() < vocab and tokens.max() > vocab // 2
+    with open(tmp_path / "char" / "meta.pkl", "rb") as f:
+        assert pickle.load(f) == {"vocab_size": 65}
+    assert not (tmp_path / "gpt2" / "meta.pkl").exists()  # train.py then takes 50304
+
+
+def tiny_args(throughput, work, **changes):
+    args = throughput.parse_args([*TINY, "--warmup=2", "--iters=3"])
+    os.makedirs(os.path.join(work, "data"))
+    throughput.write_dataset(os.path.join(work, "data"), args.vocab_size, args.block_size, args.seed)
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def test_a_run_is_train_py_timed_by_its_log_after_the_warmup(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    throughput = load_bench()
+    args = tiny_args(throughput, str(tmp_path))
+    run = throughput.run_train(ROOT, "nn", args, str(tmp_path), args.warmup + args.iters)
+    assert len(run["dts"]) == 3 and all(dt > 0 for dt in run["dts"])  # iterations 2, 3, 4 of 0..4
+    assert run["peak"] > 0 and "number of parameters" in run["stdout"]
+    assert os.listdir(tmp_path) == ["data"]  # the run's out_dir is removed
+
+
+def test_a_profiled_run_profiles_the_iterations_after_the_warmup(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    throughput = load_bench()
+    args = tiny_args(throughput, str(tmp_path))
+    path = tmp_path / "profile.json"
+    throughput.run_train(ROOT, "nn", args, str(tmp_path), args.warmup + args.iters, profile=str(path))
+    result = json.loads(path.read_text())
+    assert result["wall_s"] > 0 and result["self_us"]["aten::mm"] > 0 and "MmBackward0" in result["node_us"]
+    step = next(line for line in result["table"].splitlines() if "Optimizer.step#AdamW.step" in line)
+    assert step.split()[-1] == "3"  # calls: the three timed iterations' steps
+
+
+@pytest.mark.slow
+def test_another_checkout_is_timed_in_the_same_rounds_against_its_own_baseline(tmp_path):
+    other = tmp_path / "before"
+    shutil.copytree(ROOT, other, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "out*"))
+    with open(other / "train.py", "a") as f:  # each run of the copy's train.py leaves a line
+        f.write("\nopen(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'ran'), 'a').write('ran\\n')\n")
+    out = tmp_path / "bench.csv"
+    done = bench(*TINY, "--settings", "nn", "--repo", ROOT, "--repo", str(other), "--csv", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["setting"], r["repo"]) for r in rows] == [("nn", ROOT), ("nn", str(other))]
+    for r in rows:  # each checkout's nn is its own baseline (the two runs' times differ)
+        assert float(r["ratio"]) == 1.0 and float(r["ratio_rounds"]) == 1.0 and float(r["mem_ratio"]) == 1.0
+    assert (other / "ran").read_text() == "ran\n" * 2  # timed, and for memory
+    assert not os.path.exists(os.path.join(ROOT, "ran"))

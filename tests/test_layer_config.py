@@ -1,10 +1,20 @@
-"""layer_config.py: the classes in force, as the namedtuple the reference's model reads and as our dict."""
+"""layer_config.py: the classes in force, as the namedtuple the reference's model reads and as our
+dict; the one table from train.py's layer flags to classes, which a new class reaches train.py, the
+bench and the whole-model check through."""
+import csv
+import os
+
 import pytest
 import torch.nn as nn
 
 import layer_config as lc
-from buffered import PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm
+from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormShimEmbedding,
+                      PEGradNormShimLinear)
+from conftest import REPO, TINY
 from fused_gns import PEGradNormFusedLayerNorm
+from test_bench_throughput import TINY as BENCH_TINY, load_bench
+from test_model_gns import check_gpt_against_brute_force
+from test_train import train_until_exit
 
 TORCH = dict(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm)
 
@@ -64,3 +74,104 @@ def test_init_contextual_config_goes_back_to_torchs_classes():
         with lc.set_contextual_config(Embedding=PEGradNormEmbedding):
             assert lc.config.Embedding is PEGradNormEmbedding
     assert lc.config._asdict() == TORCH
+
+
+# --------------------------------------------------------------------------------------------
+# The one table from train.py's layer flags to classes
+
+def test_the_table_keeps_train_pys_values_and_gives_set_contextual_configs_arguments():
+    assert lc.classes_for_flags() == TORCH  # a flag not given is nn
+    kept = {("linearclass", "gns"): PEGradNormLinear, ("linearclass", "shim"): PEGradNormShimLinear,
+            ("embeddingclass", "gns"): PEGradNormEmbedding, ("embeddingclass", "shim"): PEGradNormShimEmbedding,
+            ("lnclass", "shim"): PEGradNormSeparatedLayerNorm, ("lnclass", "fused"): PEGradNormFusedLayerNorm}
+    for (flag, value), cls in kept.items():
+        assert lc.FLAG_CLASSES[flag][value] is cls
+        assert lc.classes_for_flags(**{flag: value}) == dict(TORCH, **{lc.FLAG_KINDS[flag]: cls})
+    with lc.set_contextual_config(**lc.classes_for_flags(linearclass="shim", lnclass="fused")):
+        model = ReferenceStyleModel()
+    assert (type(model.wte), type(model.ln), type(model.fc)) == (nn.Embedding, PEGradNormFusedLayerNorm,
+                                                                 PEGradNormShimLinear)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(lnclass="gns"), "--lnclass='gns' is not one of nn, shim, fused"),
+    (dict(normclass="nn"), "unknown layer flag(s) ['normclass']"),
+])
+def test_a_value_or_flag_not_in_the_table_is_one_line(flags, message):
+    with pytest.raises(ValueError) as error:
+        lc.classes_for_flags(**flags)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+class ProbeLinear(PEGradNormShimLinear):
+    """A layer class that exists only in these tests: a measured Linear that counts its instances."""
+    built = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        ProbeLinear.built += 1
+
+
+def register_probe(monkeypatch):
+    """ProbeLinear registered as --linearclass=probe: one entry in the table, no other edit."""
+    monkeypatch.setitem(lc.FLAG_CLASSES["linearclass"], "probe", ProbeLinear)
+    monkeypatch.setattr(ProbeLinear, "built", 0)
+
+
+@pytest.fixture
+def probe_in_the_table(monkeypatch):
+    register_probe(monkeypatch)
+
+
+def test_a_class_added_to_the_table_is_a_train_py_flag(tiny_dataset, tmp_path, monkeypatch):
+    run = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--max_iters=1", "--linearclass=probe",
+           "--embeddingclass=shim"]  # both sides of the tied weight measure
+    code, err = train_until_exit(*run)
+    assert code == 2 and "--linearclass='probe' is not one of nn, gns, shim" in err, err
+    register_probe(monkeypatch)
+    code, err = train_until_exit(*run)
+    assert code == 0, err
+    assert ProbeLinear.built == 2 * 4 + 1  # every Linear of the 2-block GPT: 4 per block and lm_head
+    with open(tmp_path / "log.csv") as f:
+        header = f.readline()
+    assert "train/gns/transformer.h.1.mlp.c_fc.weight/norm" in header  # and they measure
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap's, of the brute force
+def test_a_class_added_to_the_table_passes_the_whole_model_check(probe_in_the_table):
+    classes = lc.classes_for_flags(linearclass="probe", embeddingclass="shim", lnclass="shim")
+    check_gpt_against_brute_force(classes, bias=True)
+    assert ProbeLinear.built == 2 * 4 + 1
+
+
+# in the bench's train.py processes: the same registration, made as Python starts
+SITECUSTOMIZE = """
+import sys
+sys.path.insert(0, {root!r})
+import layer_config
+from buffered import PEGradNormShimLinear
+
+
+class ProbeLinear(PEGradNormShimLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with open({marker!r}, "a") as f:
+            f.write("built\\n")
+
+
+layer_config.FLAG_CLASSES["linearclass"]["probe"] = ProbeLinear
+"""
+
+
+@pytest.mark.slow
+def test_a_class_added_to_the_table_is_a_bench_setting(tmp_path, monkeypatch):
+    site, marker, out = tmp_path / "site", tmp_path / "built", tmp_path / "bench.csv"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(root=REPO, marker=str(marker)))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert load_bench().main([*BENCH_TINY, "--settings", "linearclass=probe", "--csv", str(out)]) == 0
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["setting"], r["flags"]) for r in rows] == [("nn", "(plain nn)"), ("linearclass=probe", "--linearclass=probe")]
+    assert marker.read_text() == "built\n" * 2 * (1 * 4 + 1)  # timed and for memory, each a 1-block GPT

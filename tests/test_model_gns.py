@@ -15,15 +15,12 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
-                      PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers,
-                      zero_sqgradnorm_buffers)
-from layer_config import set_contextual_config  # noqa: E402
+from buffered import (PEGradNormEmbedding, PEGradNormShimEmbedding, PEGradNormShimLinear,  # noqa: E402
+                      find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
+from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-LINEAR = {"nn": nn.Linear, "gns": PEGradNormLinear, "shim": PEGradNormShimLinear}
-EMBEDDING = {"nn": nn.Embedding, "gns": PEGradNormEmbedding, "shim": PEGradNormShimEmbedding}
-LAYERNORM = {"nn": nn.LayerNorm, "shim": PEGradNormSeparatedLayerNorm}
+TORCH_CLASSES = (nn.Linear, nn.Embedding, nn.LayerNorm)  # not measured
 B, T, STEPS = 4, 16, 2
 
 pytestmark = [pytest.mark.filterwarnings("ignore:tied weight"),
@@ -34,9 +31,14 @@ def config(bias):
     return GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=65, dropout=0.0, bias=bias)
 
 
-def build(linear, embedding, layernorm, bias):
-    with set_contextual_config(Linear=LINEAR[linear], Embedding=EMBEDDING[embedding], LayerNorm=LAYERNORM[layernorm]):
+def build_with(classes, bias):
+    with set_contextual_config(**classes):
         return GPT(config(bias))
+
+
+def build(linear, embedding, layernorm, bias):
+    """A GPT with the classes of train.py's --linearclass, --embeddingclass, --lnclass values."""
+    return build_with(classes_for_flags(linearclass=linear, embeddingclass=embedding, lnclass=layernorm), bias)
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,17 +70,19 @@ def train(model, batches):
         (loss / len(batches)).backward()
 
 
-def measured_names(names, linear, embedding, layernorm):
-    """The trainable parameters whose layers measure, in named_parameters order."""
-    def measures(n):
+def measured_names(names, classes):
+    """The trainable parameters whose layers measure (every class but torch's), in named_parameters order."""
+    measures = {kind: cls not in TORCH_CLASSES for kind, cls in classes.items()}
+
+    def measured(n):
         if n == "transformer.wte.weight":  # tied to lm_head: needs both sides
-            return linear != "nn" and embedding != "nn"
+            return measures["Linear"] and measures["Embedding"]
         if n.startswith("transformer.wpe"):
-            return embedding != "nn"
+            return measures["Embedding"]
         if ".ln_" in n:
-            return layernorm != "nn"
-        return linear != "nn"
-    return [n for n in names if measures(n)]
+            return measures["LayerNorm"]
+        return measures["Linear"]
+    return [n for n in names if measured(n)]
 
 
 def check_against_brute_force(model, expected, names, rtol=1e-5):
@@ -89,20 +93,32 @@ def check_against_brute_force(model, expected, names, rtol=1e-5):
         torch.testing.assert_close(buf.item(), expected[n].item(), rtol=rtol, atol=1e-12, msg=n)
 
 
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("linear,embedding,layernorm", list(itertools.product(LINEAR, EMBEDDING, LAYERNORM)))
-def test_gpt_norms_match_brute_force(linear, embedding, layernorm, bias):
+def check_gpt_against_brute_force(classes, bias):
+    """
+    A GPT built with `classes` (set_contextual_config's keyword arguments: any classes) after two
+    micro-steps: every parameter its layers measure is found, each norm equal to brute force, and
+    .grad is the plain GPT's (bit for bit when every class keeps torch's own backward).
+    """
     state, batches, expected, plain_grads = reference(bias)
-    model = build(linear, embedding, layernorm, bias)
+    model = build_with(classes, bias)
     model.load_state_dict(state)
     train(model, batches)
-    check_against_brute_force(model, expected, measured_names(list(state_names(model)), linear, embedding, layernorm))
-    exact = layernorm == "nn" and "gns" not in (linear, embedding)  # shims keep torch's own backward
+    check_against_brute_force(model, expected, measured_names(list(state_names(model)), classes))
+    shims = (PEGradNormShimLinear, PEGradNormShimEmbedding)  # torch's backward, the norms beside it
+    exact = all(cls in TORCH_CLASSES or issubclass(cls, shims) for cls in classes.values())
     for n, p in model.named_parameters():
         if exact:
             assert torch.equal(p.grad, plain_grads[n]), n
         else:
             torch.testing.assert_close(p.grad, plain_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("linear,embedding,layernorm", list(itertools.product(*FLAG_CLASSES.values())))
+def test_gpt_norms_match_brute_force(linear, embedding, layernorm, bias):
+    """Every combination of train.py's layer flag values, from layer_config's table."""
+    check_gpt_against_brute_force(
+        classes_for_flags(linearclass=linear, embeddingclass=embedding, lnclass=layernorm), bias)
 
 
 def state_names(model):
