@@ -254,7 +254,8 @@ model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=bloc
                   vocab_size=None, dropout=dropout, cos_attn=cos_attn, spectral_c_attn=spectral_c_attn,
                   fp32_attention_layers=fp32_attention_layers, device_name=device_name)
 checkpoint = None
-with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
+layer_classes = classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
+with set_contextual_config(**layer_classes):
     if init_from == 'scratch':
         print("Initializing a new model from scratch")
         model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304

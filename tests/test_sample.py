@@ -15,13 +15,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn as nn
 
 from conftest import REPO, TINY, run_train
 from test_data import fallback_only, gpt2_ranks, pip_fails  # noqa: F401  (gpt2_ranks is a fixture)
-import buffered
-from fused_gns import PEGradNormFusedLayerNorm
-from layer_config import set_contextual_config
+from layer_config import classes_for_flags, set_contextual_config
 from model import GPT, GPTConfig
 
 SAMPLE = os.path.join(REPO, "sample.py")
@@ -29,12 +26,12 @@ SEPARATOR = "---------------"
 SEED, NUM_SAMPLES, MAX_NEW_TOKENS, TEMPERATURE, TOP_K = 7, 2, 12, 0.9, 5
 FLAGS = ["--device=cpu", "--dtype=float32", f"--seed={SEED}", f"--num_samples={NUM_SAMPLES}",
          f"--max_new_tokens={MAX_NEW_TOKENS}", f"--temperature={TEMPERATURE}", f"--top_k={TOP_K}"]
+# every class of layer_config's table: the measured Linears and Embeddings with the fused and the
+# separated LayerNorm
 LAYER_CLASSES = {
-    "nn": dict(Linear=nn.Linear, Embedding=nn.Embedding, LayerNorm=nn.LayerNorm),
-    "gns": dict(Linear=buffered.PEGradNormLinear, Embedding=buffered.PEGradNormEmbedding,
-                LayerNorm=PEGradNormFusedLayerNorm),
-    "shim": dict(Linear=buffered.PEGradNormShimLinear, Embedding=buffered.PEGradNormShimEmbedding,
-                 LayerNorm=buffered.PEGradNormSeparatedLayerNorm),
+    "nn": classes_for_flags(),
+    "gns": classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="fused"),
+    "shim": classes_for_flags(linearclass="shim", embeddingclass="shim", lnclass="shim"),
 }
 
 
