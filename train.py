@@ -1,28 +1,18 @@
 """
-Train a GPT and measure its gradient noise scale from exact per-example gradient norms.
+Train a GPT and measure its gradient noise scale from exact per-example gradient norms: nanoGPT's
+training script and flags, plus per-example-norm layers (--linearclass, --embeddingclass,
+--lnclass), GNS estimators logged to out_dir/log.csv, training counted in tokens (nanoGPT's
+iteration lengths are converted), and an optional batch-size schedule editable mid-run.
 
-nanoGPT's training script and flags, plus: training denominated in tokens (max_tokens,
-warmup_tokens, lr_decay_tokens), per-example-norm layers chosen with --linearclass,
---embeddingclass and --lnclass, GNS tracking into out_dir/log.csv, and an optional
-batch-size schedule read from out_dir/grad_accum_schedule.txt, editable mid-run.
-
-Single process, e.g. on CPU:
 $ python train.py config/train_shakespeare_char_cpu.py --lnclass=shim
-
-DDP on 4 GPUs of one node:
 $ torchrun --standalone --nproc_per_node=4 train.py config/train_cgpt_111M_owt.py
-
-DDP on CPU (2 processes):
 $ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu --backend=gloo \
       --gradient_accumulation_steps=2
-
-nanoGPT's config files work as they are: its max_iters, warmup_iters and lr_decay_iters are
-iterations, converted to tokens with one iteration's tokens (gradient_accumulation_steps *
-batch_size * block_size); set each length in one unit only.
 """
 import math
 import os
 import pickle
+import shlex
 import signal
 import sys
 import time
@@ -349,6 +339,17 @@ if bs_schedule:
         die(str(e))
 
 
+def scheduled_accumulation_steps(tokens):
+    """The schedule's accumulation steps per process at `tokens`; every rank takes rank 0's count
+    (ranks may read the file either side of an edit)."""
+    steps = schedule.steps_at(tokens, ddp_world_size)
+    if ddp:
+        count = torch.tensor([steps], device=device)
+        torch.distributed.broadcast(count, 0)
+        steps = int(count.item())
+    return steps
+
+
 @torch.no_grad()
 def estimate_loss():
     """Mean loss over eval_iters batches of each split."""
@@ -444,6 +445,27 @@ def on_signal(signum, frame):
 signal.signal(signal.SIGINT, on_signal)
 signal.signal(signal.SIGTERM, on_signal)
 
+
+def stop_if_asked():
+    """After a step: stop the run, with one line, after max_nonfinite_steps skipped steps in a row
+    or on a signal (every rank after the same step: the signal may reach them at different ones)."""
+    global stop_signal
+    if nonfinite_steps >= max_nonfinite_steps:
+        stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
+             f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
+    if ddp:
+        flag = torch.tensor([stop_signal], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        stop_signal = int(flag.item())
+    if stop_signal:
+        if master_process and always_save_checkpoint:
+            save_checkpoint()
+        command = ' '.join(shlex.quote(a) for a in sys.argv if not a.startswith('--init_from='))
+        resume = (f"the torchrun command that started it, with --init_from=resume" if ddp
+                  else f"python {command} --init_from=resume")
+        stop(f"stopped by {signal.Signals(stop_signal).name} after iter {iter_num} ({tokens_processed:,} tokens); "
+             f"ckpt.pt holds {last_checkpoint}; to go on: {resume}", code=128 + stop_signal)
+
 # out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for;
 # eval_only writes neither (it must not replace a training run's log or config)
 logger = None
@@ -466,11 +488,7 @@ running_mfu = -1.0
 nonfinite_steps = 0  # steps in a row whose gradient was not finite (float32/bfloat16: skipped)
 while eval_only or not finished(tokens_processed, iter_num):
     if schedule is not None:
-        gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
-        if ddp:  # ranks may read the file either side of an edit: rank 0's count rules
-            count = torch.tensor([gradient_accumulation_steps], device=device)
-            torch.distributed.broadcast(count, 0)
-            gradient_accumulation_steps = int(count.item())
+        gradient_accumulation_steps = scheduled_accumulation_steps(tokens_processed)
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
     lr = lr_at(tokens_processed + tokens_this_step, learning_rate, min_lr,
                warmup_tokens, lr_decay_tokens, decay_lr, lr_decay_shape)
@@ -540,20 +558,8 @@ while eval_only or not finished(tokens_processed, iter_num):
         if last_step:  # the final evaluation (and checkpoint), on the last step's row
             evaluate_and_checkpoint()
         log_step()
-    if nonfinite_steps >= max_nonfinite_steps:
-        stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
-             f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
-    if ddp:  # every rank must stop after the same step
-        flag = torch.tensor([stop_signal], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        stop_signal = int(flag.item())
-    if stop_signal and not last_step:
-        if master_process and always_save_checkpoint:
-            save_checkpoint()
-        resume = "the same command with --init_from=resume" if ddp or init_from == 'resume' else \
-            "python " + " ".join(sys.argv) + " --init_from=resume"
-        stop(f"stopped by {signal.Signals(stop_signal).name} after iter {iter_num} ({tokens_processed:,} tokens); "
-             f"ckpt.pt holds {last_checkpoint}; to go on: {resume}", code=128 + stop_signal)
+    if not last_step:
+        stop_if_asked()
 
 if master_process:
     logger.close()
