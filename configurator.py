@@ -94,7 +94,10 @@ def configure(argv, config, doc=""):
     applied = []
     for arg in argv:
         if arg in ("-h", "--help"):
-            print(help_text(config, doc))
+            try:
+                print(help_text(config, doc), flush=True)
+            except BrokenPipeError:  # --help | head: the reader has seen enough
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(0)
         if not arg.startswith("--"):
             if not os.path.isfile(arg):
