@@ -2,7 +2,8 @@
 Worker for tests/test_ddpgns.py, launched on CPU with gloo:
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_worker.py OUT_DIR
 Each rank runs every check and writes OUT_DIR/rank{r}.json; the test compares ranks and
-brute-force values there. Nothing is asserted here, so a failure shows up as a readable diff.
+brute-force values there (the shared oracle of tests/gns_fixtures.py). Nothing is asserted here,
+so a failure shows up as a readable diff.
 """
 import copy
 import json
@@ -18,10 +19,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddpgns  # noqa: E402
 import gnstracking  # noqa: E402
-import layer_config  # noqa: E402
-from buffered import (PEGradNormEmbedding, PEGradNormSeparatedLayerNorm, PEGradNormShimLinear,  # noqa: E402
-                      register_sqgradnorm_buffers)
-from model import GPT, GPTConfig  # noqa: E402
+from buffered import register_sqgradnorm_buffers  # noqa: E402
+from gns_fixtures import MEASURED, example_sqnorms, per_example_grads, tiny_gpt  # noqa: E402
 
 MICRO_STEPS = 2
 MICRO_BATCH = 3
@@ -34,9 +33,10 @@ def sq_norm(tensors):
 
 def hook_vs_brute_force(rank, world, dtype):
     """Two optimizer steps of 2 micro-steps each through a hooked DDP GPT, a plain DDP GPT and a
-    non-DDP copy of the same GPT, all on the same rank-dependent batches."""
-    torch.manual_seed(0)  # the same weights on every rank (DDP would broadcast them anyway)
-    base = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16)).to(dtype)
+    non-DDP copy of the same GPT, all on the same rank-dependent batches. The hook measures each
+    rank's own gradient, so its brute force is that copy's backward, in the model's dtype (bfloat16
+    too), not per-example gradients."""
+    base = tiny_gpt(0).to(dtype)  # the same weights on every rank (DDP would broadcast them anyway)
     local = copy.deepcopy(base)
     # small buckets, so that the stats must be summed over several of them
     hooked = DDP(copy.deepcopy(base), broadcast_buffers=False, bucket_cap_mb=0.002)
@@ -100,13 +100,8 @@ def buffers_allreduce(rank, world):
     batch = 4  # the same on every rank, as in train.py; the data differ
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, 5, generator=g), torch.randn(batch, 3, generator=g)
-    params = dict(mlp.named_parameters())
-
-    def example_loss(p, xb, yb):
-        return (torch.func.functional_call(mlp, p, (xb,)) - yb).pow(2).sum()
-
-    per_example = torch.func.vmap(torch.func.grad(example_loss), in_dims=(None, 0, 0))(params, x, y)
-    example_sq = {n: per_example[n].flatten(1).pow(2).sum(1).tolist() for n in params}  # ||g_b||^2
+    per_example = per_example_grads(mlp, lambda forward, xb, yb: (forward(xb) - yb).pow(2).sum(), x, y)
+    example_sq = {n: sq.tolist() for n, sq in example_sqnorms(per_example).items()}  # ||g_b||^2
     for layer, prefix in ((mlp[0], '0.'), (mlp[2], '2.')):
         for pname in ('weight', 'bias'):
             # what a layer sees on this rank: g_b / B_rank, squared and summed over the batch
@@ -154,14 +149,6 @@ def known_noise_scale(rank, world, steps=400, batch=8, dim=4, noise=1.0):
                 log=ddpgns.ddp_gns_log(gns, *raw[-1], batch, world * batch))
 
 
-def measured_gpt():
-    """A tiny GPT whose every layer measures per-example norms, the same weights on every rank."""
-    torch.manual_seed(0)
-    with layer_config.set_contextual_config(Linear=PEGradNormShimLinear, Embedding=PEGradNormEmbedding,
-                                            LayerNorm=PEGradNormSeparatedLayerNorm):
-        return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
-
-
 def interface_batch(step, micro_step, rank):
     """Rank `rank`'s micro-batch: the test builds one process's global batch from the same calls."""
     g = torch.Generator().manual_seed(1000 * step + 10 * micro_step + rank)
@@ -174,7 +161,7 @@ INTERFACE_STEPS = 2
 def every_estimator(rank, world):
     """train.py's loop through gnstracking's interface: a measuring GPT under DDP with the Linear
     hooks, the micro-batch estimator and a GradScaler, each step's columns and status lines."""
-    raw = measured_gpt()
+    raw = tiny_gpt(0, **MEASURED)  # every layer measures; the same weights on every rank
     model = DDP(raw, broadcast_buffers=False)
     estimators = gnstracking.estimators_for(raw, ddp_model=model, world_size=world, hooks='exact', microbatch=True)
     scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)

@@ -1,15 +1,108 @@
 """
-Test helpers: small models that follow buffered.py's buffer convention, with the buffers filled
-from brute-force per-example gradients (torch.func.vmap of torch.func.grad), exactly as a
-per-example-norm layer would fill them during backward: sum_b ||s * g_b / B||^2 per parameter and
-the example count, accumulated over micro-steps.
+Test helpers, first the one brute-force oracle every per-example-norm test uses: each example's
+gradient of its own loss by torch.func.vmap of torch.func.grad over the examples, and the float64
+sums of their squared norms as a layer sees them in backward, g_b / B times the loss scale
+(McCandlish et al. 2018, App. A; DESIGN.md §1). Then the tests' tiny GPT, and small models that
+follow buffered.py's buffer convention, with the buffers filled from the oracle as a
+per-example-norm layer would fill them.
 """
+import warnings
+
+import pytest
 import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
-from buffered import register_sqgradnorm_buffers
+from buffered import (PEGradNormEmbedding, PEGradNormSeparatedLayerNorm, PEGradNormShimLinear,
+                      register_sqgradnorm_buffers)
+from layer_config import set_contextual_config
+from model import GPT, GPTConfig
 
+# ---------------------------------------------------------------- the oracle
+
+def per_example_grads(module, loss, *batch):
+    """
+    {name: [n, *p.shape]}: each example's gradient of loss(forward, *example), where forward(*inputs)
+    runs the module at the parameters being differentiated and every tensor of the example keeps a
+    leading dimension of 1. vmap over the first dimension of every tensor in batch. Frozen parameters
+    are held fixed and left out; a tied weight is there once, under its first name.
+    """
+    params = {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+    def example_loss(params, *example):
+        forward = lambda *inputs: functional_call(module, params, inputs)  # noqa: E731
+        return loss(forward, *(t.unsqueeze(0) for t in example))
+
+    with warnings.catch_warnings():  # attention's backward has no batching rule: vmap loops, slower but exact
+        warnings.filterwarnings("ignore", "There is a performance drop")
+        return vmap(grad(example_loss), in_dims=(None,) + (0,) * len(batch))(params, *batch)
+
+
+def example_sqnorms(grads):
+    """{name: [n]}: ||g_b||^2 of each example's gradient, in float64."""
+    return {n: g.double().flatten(1).square().sum(1) for n, g in grads.items()}
+
+
+def sqgradnorm_sums(module, loss, batches, scale=1.0, mean=True):
+    """
+    {name: sum_b ||scale * g_b / B||^2} in float64 over every example of every micro-batch in batches
+    (B in all): what a per-example-norm layer's buffer holds after nanoGPT's micro-steps on the mean
+    loss times a loss scale. mean=False: the loss is the sum of the examples' losses (no 1 / B).
+    """
+    B = sum(batch[0].shape[0] for batch in batches) if mean else 1
+    sums = {}
+    for batch in batches:
+        for n, sq in example_sqnorms(per_example_grads(module, loss, *batch)).items():
+            sums[n] = sums.get(n, 0) + sq.sum() * (scale / B) ** 2
+    return sums
+
+
+def brute_force_norms(module, loss, *batch):
+    """{name: (|G_B|, |G_1|)}: the norm of the batch's mean gradient, the RMS per-example norm."""
+    grads = per_example_grads(module, loss, *batch)
+    sq = example_sqnorms(grads)
+    return {n: (g.double().mean(0).norm().item(), sq[n].mean().sqrt().item()) for n, g in grads.items()}
+
+
+def output_grad_loss(forward, x, dy):
+    """<forward(x), dy>: the loss whose gradient at the module's output is dy."""
+    return (forward(x) * dy).sum()
+
+
+def gpt_loss(forward, idx, targets):
+    """nanoGPT's loss of GPT(idx, targets): the mean cross-entropy over the tokens."""
+    return forward(idx, targets)[1]
+
+
+# ---------------------------------------------------------------- the tests' tiny GPT
+
+MEASURED = dict(Linear=PEGradNormShimLinear, Embedding=PEGradNormEmbedding, LayerNorm=PEGradNormSeparatedLayerNorm)
+
+
+def tiny_gpt(seed=0, **layers):
+    """One block, 16 features, 8 tokens of a 32-token vocabulary; layers: layer_config's classes."""
+    torch.manual_seed(seed)
+    with set_contextual_config(**layers):
+        return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+
+
+def gpt_batches(n, b, seed=5):
+    """n micro-batches of b examples for tiny_gpt: (ids, targets) pairs."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 32, (b, 8), generator=g), torch.randint(0, 32, (b, 8), generator=g))
+            for _ in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine (autouse where imported)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# ---------------------------------------------------------------- toy models with buffers
 
 def measure(module):
     """Give every submodule that owns parameters the per-example-norm buffers."""
@@ -52,30 +145,23 @@ def mse(pred, y):
     return 0.5 * (pred - y).pow(2).mean()
 
 
-def per_example_grads(model, x, y, loss_fn=mse):
-    """{name: [n, *shape]} gradients of each example's own loss."""
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def one(params, xb, yb):
-        return loss_fn(functional_call(model, params, (xb.unsqueeze(0),)), yb.unsqueeze(0))
-
-    return vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+def regression_loss(forward, x, y):
+    return mse(forward(x), y)
 
 
 @torch.no_grad()
-def fill_buffers(model, x, y, B, scale=1.0, loss_fn=mse, per_example=per_example_grads):
+def fill_buffers(model, x, y, B, scale=1.0, loss=regression_loss, per_example=per_example_grads):
     """Add this micro-batch's sum_b ||scale * g_b / B||^2 and its size to the buffers."""
-    grads = per_example(model, x, y, loss_fn)
+    sq = example_sqnorms(per_example(model, loss, x, y))
     for mname, m in model.named_modules():
         if "example_count" not in m._buffers:
             continue
         for pname, _ in m.named_parameters(recurse=False):
-            g = grads[f"{mname}.{pname}" if mname else pname]
-            m._buffers[f"{pname}_sqgradnorm"] += (g.flatten(1) * (scale / B)).pow(2).sum()
+            m._buffers[f"{pname}_sqgradnorm"] += sq[f"{mname}.{pname}" if mname else pname].sum() * (scale / B) ** 2
         m._buffers["example_count"] += x.shape[0]
 
 
-def train_step(model, micro_batches, scaler=None, loss_fn=mse, per_example=per_example_grads):
+def train_step(model, micro_batches, scaler=None, loss=regression_loss, per_example=per_example_grads):
     """
     nanoGPT's micro-step loop: each micro-batch loss is a mean divided by the number of micro-steps
     (so the gradient is that of L = (1/B) sum_b l_b), backward through the scaler if any, buffers
@@ -85,14 +171,7 @@ def train_step(model, micro_batches, scaler=None, loss_fn=mse, per_example=per_e
     B = sum(x.shape[0] for x, _ in micro_batches)
     scale = scaler.get_scale() if scaler is not None else 1.0
     for x, y in micro_batches:
-        loss = loss_fn(model(x), y) / len(micro_batches)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        fill_buffers(model, x, y, B, scale, loss_fn, per_example)
+        batch_loss = loss(model, x, y) / len(micro_batches)
+        (scaler.scale(batch_loss) if scaler is not None else batch_loss).backward()
+        fill_buffers(model, x, y, B, scale, loss, per_example)
     return B
-
-
-def brute_force_norms(model, x, y, loss_fn=mse):
-    """{name: (|G_B|, |G_1|)} over the whole batch, straight from the per-example gradients."""
-    grads = per_example_grads(model, x, y, loss_fn)
-    return {n: (g.mean(0).norm().item(), g.flatten(1).pow(2).sum(1).mean().sqrt().item())
-            for n, g in grads.items()}

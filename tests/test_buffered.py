@@ -1,6 +1,6 @@
 """
-buffered.py against brute force: per-example gradients of the plain torch layer by
-torch.func.vmap(grad(...)) over the examples, in float64 sums. A layer that sees the gradient of
+buffered.py against brute force: per-example gradients of the plain torch layer by the shared
+oracle (tests/gns_fixtures.py), in float64 sums. A layer that sees the gradient of
 L = (1/N) sum_b l_b over N examples (split into micro-steps) must hold sum_b ||g_b||^2 / N^2.
 """
 import os
@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
-from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import buffered  # noqa: E402
@@ -21,6 +20,7 @@ from reference_names import ReferenceNameError  # noqa: E402
 from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
                       PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers,
                       tie_weights, zero_sqgradnorm_buffers)
+from gns_fixtures import output_grad_loss, sqgradnorm_sums  # noqa: E402
 
 LINEARS = [PEGradNormLinear, PEGradNormShimLinear]
 EMBEDDINGS = [PEGradNormEmbedding, PEGradNormShimEmbedding]
@@ -34,23 +34,10 @@ def example_loss(y, r):
     return (torch.sin(y.float()) * r).sum()
 
 
-def brute_force(plain, batches):
+def brute_force(plain, batches, loss=lambda forward, x, r: example_loss(forward(x), r)):
     """{parameter name: sum_b ||g_b||^2 / N^2} over all examples of all micro-batches, from
-    per-example gradients of the plain torch module (vmap over the first dimension)."""
-    params = {n: p.detach() for n, p in plain.named_parameters() if p.requires_grad}
-    frozen = {n: p.detach() for n, p in plain.named_parameters() if not p.requires_grad}
-
-    def loss(p, x, r):
-        return example_loss(functional_call(plain, {**p, **frozen}, (x.unsqueeze(0),)), r.unsqueeze(0))
-
-    total = {n: torch.zeros((), dtype=torch.float64) for n in params}
-    N = 0
-    for x, r in batches:
-        g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, r)
-        for n in params:
-            total[n] += g[n].double().flatten(1).square().sum()
-        N += x.shape[0]
-    return {n: v / N ** 2 for n, v in total.items()}
+    per-example gradients of the plain torch module."""
+    return sqgradnorm_sums(plain, loss, batches)
 
 
 def run(layer, batches, scale=1.0, autocast=None):
@@ -185,10 +172,11 @@ def test_linear_sqnorms_are_the_shim_layers_own(shape, dy_dtype, monkeypatch):
     assert set(ran) == {"_weight_sqnorm_ghost" if len(shape) == 2 else "_weight_sqnorm_materialised"}
     layer.to(dy_dtype)(x.to(dy_dtype)).backward(dy)
     assert torch.equal(w_sq, layer.weight_sqgradnorm) and torch.equal(b_sq, layer.bias_sqgradnorm)
-    x3, dy3 = x.to(dy_dtype).double().reshape(shape[0], -1, 4), dy.double().reshape(shape[0], -1, 4)
+    brute = sqgradnorm_sums(nn.Linear(4, 4, dtype=torch.float64), output_grad_loss,
+                            [(x.to(dy_dtype).double(), dy.double())], mean=False)
     rtol = 1e-5 if dy_dtype == torch.float32 else 1e-2  # bfloat16 W_b, as the layer's
-    torch.testing.assert_close(w_sq.double(), torch.einsum("btk,btl->bkl", x3, dy3).square().sum(), rtol=rtol, atol=0)
-    torch.testing.assert_close(b_sq.double(), dy3.sum(1).square().sum(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(w_sq.double(), brute["weight"], rtol=rtol, atol=0)
+    torch.testing.assert_close(b_sq.double(), brute["bias"], rtol=1e-5, atol=0)
     assert buffered.linear_sqnorms(x, dy, weight=False)[0] is None and buffered.linear_sqnorms(x, dy, bias=False)[1] is None
 
 
@@ -206,6 +194,11 @@ def test_all_sqgradnorm_buffers_lists_each_norm_buffer_once():
     assert all(float(b) == 0 for b in bufs) and float(model[1].running) == 1.0
 
 
+def transposed_loss(forward, x, r):
+    """A loss of the output read transposed: its gradient arrives non-contiguous."""
+    return (torch.sin(forward(x).transpose(1, 2)) * r).sum()
+
+
 @pytest.mark.parametrize("cls", LINEARS)
 @pytest.mark.parametrize("mode", ["ghost", "materialise"])
 def test_linear_noncontiguous_output_gradient(cls, mode):
@@ -215,16 +208,11 @@ def test_linear_noncontiguous_output_gradient(cls, mode):
     layer.per_example_mode = mode
     x = torch.randn(5, 6, 4)
     r = torch.randn(5, 3, 6)
-
-    def loss(p, xb, rb):
-        return (torch.sin(functional_call(plain, p, (xb[None],)).transpose(1, 2)) * rb[None]).sum()
-
-    params = {n: p.detach() for n, p in plain.named_parameters()}
-    g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, r)
+    expected = brute_force(plain, [(x, r)], transposed_loss)
     for module in (layer, plain):
-        (torch.sin(module(x).transpose(1, 2)) * r).sum().div(5).backward()
+        transposed_loss(module, x, r).div(5).backward()
     for n, buf in measured(layer).items():
-        torch.testing.assert_close(buf, g[n].double().flatten(1).square().sum().item() / 25, rtol=1e-5, atol=0)
+        torch.testing.assert_close(buf, expected[n].item(), rtol=1e-5, atol=0)
     torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-5, atol=1e-6)
 
 
@@ -286,15 +274,10 @@ def test_embedding_noncontiguous_gradient_and_frozen(cls):
     layer, plain = twins(cls, 9, 4)
     ids = torch.randint(0, 9, (3, 5))
     r = torch.randn(3, 4, 5)
-
-    def loss(p, i, rb):
-        return (torch.sin(functional_call(plain, p, (i[None],)).transpose(1, 2)) * rb[None]).sum()
-
-    g = vmap(grad(loss), in_dims=(None, 0, 0))({"weight": plain.weight.detach()}, ids, r)["weight"]
+    expected = brute_force(plain, [(ids, r)], transposed_loss)["weight"].item()
     for module in (layer, plain):
-        (torch.sin(module(ids).transpose(1, 2)) * r).sum().div(3).backward()
-    torch.testing.assert_close(layer.weight_sqgradnorm.item(), g.double().flatten(1).square().sum().item() / 9,
-                               rtol=1e-5, atol=0)
+        transposed_loss(module, ids, r).div(3).backward()
+    torch.testing.assert_close(layer.weight_sqgradnorm.item(), expected, rtol=1e-5, atol=0)
     torch.testing.assert_close(layer.weight.grad, plain.weight.grad, rtol=1e-6, atol=1e-7)
     layer.weight.requires_grad_(False)
     zero_sqgradnorm_buffers(layer)
@@ -821,6 +804,7 @@ def test_reference_self_test_as_written_for_it(bias):
     x = torch.randn(2, 2, 3)
     g = torch.randn(2, 2, 4)
     shim(x).backward(g)
+    # the reference's own oracle, kept as it wrote it: single-example backward passes of torch's Linear
     want = dict(weight=0.0, bias=0.0)
     for i in range(2):
         linear.zero_grad()

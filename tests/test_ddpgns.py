@@ -11,6 +11,7 @@ import torch
 
 from conftest import REPO
 from ddpgns import DDPGradientStatsHook, GradientNoiseScale, ddp_gns_log
+from gns_fixtures import MEASURED, gpt_loss, per_example_grads, tiny_gpt
 from reference_names import ReferenceNameError
 
 WORLD = 2
@@ -239,11 +240,12 @@ def test_ddp_gns_matches_a_problem_with_known_noise_scale(ranks):
 
 def one_process_reference(ddp_worker):
     """The two ranks' steps on one process: every micro-batch of the global batch, the exact, hook
-    and micro-batch estimators through the interface, and each rank's own gradient (a plain GPT
-    at the same weights) for the DDP estimator's brute force."""
+    and micro-batch estimators through the interface, and each rank's own gradient (the mean of its
+    examples' gradients by the shared oracle, through a plain GPT at the same weights) for the DDP
+    estimator's brute force."""
     import gnstracking
     from model import GPT
-    raw = ddp_worker.measured_gpt()
+    raw = tiny_gpt(0, **MEASURED)
     estimators = gnstracking.estimators_for(raw, hooks='exact', microbatch=True)
     plain = GPT(raw.config)
     optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
@@ -253,10 +255,9 @@ def one_process_reference(ddp_worker):
         plain.load_state_dict(raw.state_dict())
         rank_grads = []
         for rank in range(WORLD):
-            plain.zero_grad()
-            for k in range(m):
-                (plain(*ddp_worker.interface_batch(step, k, rank))[1] / m).backward()
-            rank_grads.append(torch.cat([p.grad.flatten() for p in plain.parameters()]).double())
+            micro_batches = [ddp_worker.interface_batch(step, k, rank) for k in range(m)]
+            grads = per_example_grads(plain, gpt_loss, *(torch.cat(t) for t in zip(*micro_batches)))
+            rank_grads.append(torch.cat([g.double().mean(0).flatten() for g in grads.values()]))
         for k in range(m):
             for rank in range(WORLD):
                 (raw(*ddp_worker.interface_batch(step, k, rank))[1] / (m * WORLD)).backward()

@@ -1,7 +1,7 @@
 """
 PEGradNormFusedLayerNorm: a drop-in nn.LayerNorm whose backward accumulates Σ_b ||g_b / B||²
-of its gain and bias (buffered.py's buffer convention), checked against per-example backward
-loops, alone and inside a GPT, with gradient accumulation.
+of its gain and bias (buffered.py's buffer convention), checked against brute force (the shared
+oracle through nn.LayerNorm at the same weights), alone and inside a GPT, with gradient accumulation.
 """
 import pytest
 import torch
@@ -12,6 +12,7 @@ import buffered
 import fused_gns
 from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers
 from fused_gns import PEGradNormFusedLayerNorm
+from gns_fixtures import gpt_loss, sqgradnorm_sums
 from layer_config import set_contextual_config
 from model import GPT, GPTConfig
 from reference_names import ReferenceNameError
@@ -108,17 +109,11 @@ def per_example_loss(y, head):
     return (y @ head).square().mean(dim=-1)
 
 
-def brute_force_sqgradnorms(weight, bias, xs, head):
-    """Σ_b ||∇ l_b / B||² for weight and bias, one backward pass per example."""
-    B = sum(x.shape[0] for x in xs)
-    total_w = total_b = 0.0
-    for x in xs:
-        for x_b in x:
-            w, b = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
-            per_example_loss(F.layer_norm(x_b[None], (x.shape[-1],), w, b, 1e-5), head).sum().backward()
-            total_w += (w.grad.double() / B).square().sum()
-            total_b += (b.grad.double() / B).square().sum()
-    return total_w, total_b
+def brute_force_sqgradnorms(m, xs, head):
+    """{name: Σ_b ||∇ l_b / B||²} of torch's LayerNorm at m's weights, over the micro-batches xs."""
+    plain = nn.LayerNorm(m.normalized_shape, m.eps, bias=m.bias is not None)
+    plain.load_state_dict(m.state_dict())
+    return sqgradnorm_sums(plain, lambda forward, x: per_example_loss(forward(x), head).sum(), [(x,) for x in xs])
 
 
 def test_gradient_accumulation_matches_brute_force():
@@ -128,7 +123,8 @@ def test_gradient_accumulation_matches_brute_force():
     xs = [torch.randn(3, 5, D) * 3 + 1, torch.randn(3, 5, D)]  # two micro-steps of 3 examples: B = 6
     for x in xs:  # nanoGPT: each micro-step's loss is a mean, divided by the number of micro-steps
         (per_example_loss(m(x), head).mean() / len(xs)).backward()
-    want_w, want_b = brute_force_sqgradnorms(m.weight, m.bias, xs, head)
+    want = brute_force_sqgradnorms(m, xs, head)
+    want_w, want_b = want["weight"], want["bias"]
     assert m.example_count.item() == 6
     torch.testing.assert_close(m.weight_sqgradnorm.double(), want_w, rtol=1e-5, atol=0)
     torch.testing.assert_close(m.bias_sqgradnorm.double(), want_b, rtol=1e-5, atol=0)
@@ -166,7 +162,7 @@ def test_frozen_parameter_is_not_measured():
     head = torch.randn(12)
     x = torch.randn(4, 3, 12)
     per_example_loss(m(x), head).mean().backward()
-    _, want_b = brute_force_sqgradnorms(m.weight, m.bias, [x], head)
+    want_b = brute_force_sqgradnorms(m, [x], head)["bias"]
     assert m.weight.grad is None and m.weight_sqgradnorm.item() == 0
     torch.testing.assert_close(m.bias_sqgradnorm.double(), want_b, rtol=1e-5, atol=0)
     assert m.example_count.item() == 4
@@ -187,7 +183,7 @@ def tiny_gpt_pair():
     return fused, plain
 
 
-def test_gpt_layernorms_match_per_example_loop():
+def test_gpt_layernorms_match_brute_force():
     fused, plain = tiny_gpt_pair()
     g = torch.Generator().manual_seed(1)
     micro_batches = [(torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g))
@@ -196,15 +192,7 @@ def test_gpt_layernorms_match_per_example_loop():
     for idx, targets in micro_batches:
         _, loss = fused(idx, targets)
         (loss / len(micro_batches)).backward()
-    # brute force: one backward pass per example through the plain GPT
-    want = {}
-    for idx, targets in micro_batches:
-        for i in range(idx.shape[0]):
-            plain.zero_grad()
-            plain(idx[i:i + 1], targets[i:i + 1])[1].backward()
-            for name, p in plain.named_parameters():
-                if p.grad is not None:
-                    want[name] = want.get(name, 0) + (p.grad.double() / B).square().sum()
+    want = sqgradnorm_sums(plain, gpt_loss, micro_batches)
     layernorms = [(n, m) for n, m in fused.named_modules() if isinstance(m, PEGradNormFusedLayerNorm)]
     assert len(layernorms) == 5
     for name, m in layernorms:

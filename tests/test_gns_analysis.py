@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from csv_tools import load_log
-from gns_fixtures import ToyGPT, measure, mse, per_example_grads, train_step
+from gns_fixtures import ToyGPT, example_sqnorms, measure, mse, per_example_grads, regression_loss, train_step
 from gnstracking import AccumulateMeasurements, MeasurementTracker
 from tracker import LogWrapper
 
@@ -39,7 +39,7 @@ class LinearRegression(nn.Module):
         return self.fc(x).squeeze(-1)
 
 
-def linear_regression_grads(model, x, y, loss_fn):
+def linear_regression_grads(model, loss, x, y):
     """Per-example gradients of 0.5 (w.x - y)^2 in closed form, (w.x - y) x (the vmap oracle is slow here)."""
     return {"fc.weight": ((model(x) - y)[:, None] * x)[:, None, :]}
 
@@ -47,8 +47,8 @@ def linear_regression_grads(model, x, y, loss_fn):
 def test_closed_form_per_example_gradients_match_vmap():
     model = LinearRegression(3)
     x, y = torch.randn(5, 3), torch.randn(5)
-    assert torch.allclose(linear_regression_grads(model, x, y, mse)["fc.weight"],
-                          per_example_grads(model, x, y)["fc.weight"], atol=1e-6)
+    assert torch.allclose(linear_regression_grads(model, regression_loss, x, y)["fc.weight"],
+                          per_example_grads(model, regression_loss, x, y)["fc.weight"], atol=1e-6)
 
 
 def log_training(out_dir, model, make_batch, steps, batch_sizes, update=None, per_example=per_example_grads):
@@ -364,7 +364,6 @@ def multi_estimator_log(out_dir, steps=30, m=4, b=4, ranks=2, lr=0.2):
     from ddpgns import GradientNoiseScale, ddp_gns_log
     from gnshooks import add_exact_hooks, add_hooks_to_model, add_sogns_hooks, hook_measurements, zero_hook_results
     from microbatch_gns import MicrobatchGNS
-    from torch.func import functional_call, grad, vmap
 
     torch.manual_seed(0)
     model, oracle = LinearLayerNormNet(), LinearLayerNormNet()  # the oracle: no hooks inside vmap
@@ -383,14 +382,14 @@ def multi_estimator_log(out_dir, steps=30, m=4, b=4, ranks=2, lr=0.2):
         y = torch.tanh(x @ target).mean(1) + 0.3 * torch.randn(B, generator=g)
         for k in range(m):
             (mse(model(x[k * b:(k + 1) * b]), y[k * b:(k + 1) * b]) / m).backward()
-        params = {n: p.detach() for n, p in model.named_parameters()}
-        per_example = vmap(grad(lambda p, xb, yb: mse(functional_call(oracle, p, (xb[None],)), yb[None])),
-                           in_dims=(None, 0, 0))(params, x, y)
+        oracle.load_state_dict(model.state_dict())
+        per_example = per_example_grads(oracle, regression_loss, x, y)
+        sq = example_sqnorms(per_example)
         row = {"iter_num": step, "tokens_processed": (step + 1) * B * 3}
         for name, ge in per_example.items():
             assert torch.allclose(ge.mean(0), dict(model.named_parameters())[name].grad, atol=1e-6)
             row[f"train/gns/{name}/norm"] = ge.mean(0).norm().item()
-            row[f"train/gns/{name}/pegn"] = ge.flatten(1).pow(2).sum(1).mean().sqrt().item()
+            row[f"train/gns/{name}/pegn"] = sq[name].mean().sqrt().item()
             row[f"train/gns/{name}/batch_size"] = B
         flat = torch.cat([ge.flatten(1) for ge in per_example.values()], 1).double()  # [B, all parameters]
         sq_big = flat.mean(0).square().sum().item()

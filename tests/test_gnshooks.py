@@ -1,6 +1,7 @@
-"""gnshooks.py against brute force: torch.func per-example gradients for the exact hooks, the
-defining formula for SOGNS, and a per-example backward loop through a tiny GPT. The DDP rank
-rescaling is checked in tests/test_microbatch_gns.py (one 2-process run covers both files)."""
+"""gnshooks.py against brute force: the shared oracle's per-example gradients (tests/gns_fixtures.py)
+for the exact hooks, the defining formula for SOGNS, and a per-example backward loop through a tiny
+GPT. The DDP rank rescaling is checked in tests/test_microbatch_gns.py (one 2-process run covers
+both files)."""
 import copy
 import math
 
@@ -9,28 +10,15 @@ import torch
 import torch.nn as nn
 
 import buffered
+from gns_fixtures import one_thread  # noqa: F401  (an autouse fixture)
+from gns_fixtures import example_sqnorms, gpt_batches, output_grad_loss, per_example_grads, sqgradnorm_sums, tiny_gpt
 from gnshooks import (add_exact_hooks, add_hooks_to_model, add_sogns_hooks, exact_linear_sqnorms,
                       gather_hook_results, hook_measurements, zero_hook_results)
-from model import GPT, GPTConfig
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-def per_example_grads(model, x, y):
-    """torch.func: {name: [B, *p.shape]} gradients of l_b = mean((model(x_b) - y_b)^2)."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def loss_one(params, xb, yb):
-        out = torch.func.functional_call(model, params, (xb.unsqueeze(0),))
-        return (out - yb.unsqueeze(0)).square().mean()
-    return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+def squared_error(forward, x, y):
+    """l_b = mean((model(x_b) - y_b)^2), the loss of train_step below for one example."""
+    return (forward(x) - y).square().mean()
 
 
 def mlp(K, H, L, bias):
@@ -64,12 +52,12 @@ def test_exact_hooks_match_vmap_brute_force(inner, bias, chunk_elements, monkeyp
     train_step(model, xs, ys)
 
     B = b * micro_steps
-    grads = per_example_grads(oracle, torch.cat(xs), torch.cat(ys))
+    grads = per_example_grads(oracle, squared_error, torch.cat(xs), torch.cat(ys))
+    expected = sqgradnorm_sums(oracle, squared_error, list(zip(xs, ys)))  # sum_b ||g_b / B||^2
     results = gather_hook_results(model, 'exact')
     assert [r.name for r in results] == [n for n, _ in model.named_parameters()]
     for r in results:
-        expected = (grads[r.name] / B).square().sum()  # sum_b ||g_b / B||^2
-        torch.testing.assert_close(r.sqnorm_sum, expected, rtol=1e-5, atol=0)
+        torch.testing.assert_close(r.sqnorm_sum.double(), expected[r.name], rtol=1e-5, atol=0)
         assert r.example_count == B
         assert r.surrogate_grad is None
         # the real gradient is the mean of the per-example ones: the step is the one we think
@@ -80,7 +68,7 @@ def test_exact_hooks_match_vmap_brute_force(inner, bias, chunk_elements, monkeyp
         assert logged[f"train/hooks_gns/{n}/batch_size"] == B
         assert logged[f"train/hooks_gns/{n}/norm"] == pytest.approx(p.grad.norm().item(), rel=1e-5)
         assert logged[f"train/hooks_gns/{n}/pegn"] == pytest.approx(
-            math.sqrt(grads[n].square().sum().item() / B), rel=1e-5)
+            math.sqrt(example_sqnorms(grads)[n].mean().item()), rel=1e-5)
 
     zero_hook_results(model)
     assert hook_measurements(model, 'exact') == {}  # nothing seen since zeroing
@@ -94,13 +82,14 @@ def test_exact_linear_sqnorms_both_paths_agree():
     """Ghost form and materialised W_b give the same numbers on one case."""
     torch.manual_seed(1)
     x, dy = torch.randn(4, 5, 6, dtype=torch.float64), torch.randn(4, 5, 7, dtype=torch.float64)
-    brute = torch.einsum('btk,btl->bkl', x, dy).square().sum()
+    plain = nn.Linear(6, 7, dtype=torch.float64)
+    brute = sqgradnorm_sums(plain, output_grad_loss, [(x, dy)], mean=False)  # sum_b ||W_b||^2, sum_b ||b_b||^2
     w, bias = exact_linear_sqnorms(x, dy)
-    torch.testing.assert_close(w, brute.float())
-    torch.testing.assert_close(bias, dy.sum(1).square().sum().float())
+    torch.testing.assert_close(w, brute["weight"].float())
+    torch.testing.assert_close(bias, brute["bias"].float())
     xt, dyt = x[:, :1], dy[:, :1]  # T = 1 shortcut
     w1, _ = exact_linear_sqnorms(xt, dyt)
-    torch.testing.assert_close(w1, torch.einsum('btk,btl->bkl', xt, dyt).square().sum().float())
+    torch.testing.assert_close(w1, sqgradnorm_sums(plain, output_grad_loss, [(xt, dyt)], mean=False)["weight"].float())
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -208,17 +197,6 @@ def test_bad_usage_is_refused():
         gather_hook_results(layer, 'nonsense')
 
 
-def tiny_gpt(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
-
-
-def gpt_batches(n, b, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 32, (b, 8), generator=g), torch.randint(0, 32, (b, 8), generator=g))
-            for _ in range(n)]
-
-
 def test_exact_hooks_on_tiny_gpt_match_per_example_backward():
     model = tiny_gpt()
     oracle = copy.deepcopy(model)
@@ -228,6 +206,7 @@ def test_exact_hooks_on_tiny_gpt_match_per_example_backward():
         (model(X, Y)[1] / len(batches)).backward()
     B = sum(len(X) for X, _ in batches)
 
+    # a second oracle, kept apart from torch.func to catch a fault in the shared one: a backward per example
     expected = {}
     for X, Y in batches:
         for i in range(len(X)):

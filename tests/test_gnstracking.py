@@ -14,7 +14,8 @@ import ddpgns
 import gnstracking
 from conftest import REPO
 from csv_tools import load_log
-from gns_fixtures import ToyGPT, brute_force_norms, fill_buffers, measure, per_example_grads, train_step
+from gns_fixtures import (MEASURED, ToyGPT, brute_force_norms, fill_buffers, gpt_batches, measure, per_example_grads,
+                          regression_loss, tiny_gpt, train_step)
 from gnstracking import AccumulateMeasurements, Measurement, MeasurementTracker
 from reference_names import ReferenceNameError
 from tracker import LogWrapper
@@ -31,7 +32,7 @@ def make_batch(n, seed=1, T=5):
 
 
 def assert_matches_brute_force(measurements, model, x, y, B, rel=1e-5):
-    expected = brute_force_norms(model, x, y)
+    expected = brute_force_norms(model, regression_loss, x, y)
     assert [m.metadata["name"] for m in measurements] == [n for n, _ in model.named_parameters()]
     for m in measurements:
         big, small = expected[m.metadata["name"]]
@@ -68,7 +69,7 @@ def test_grad_scaler_scale_is_divided_out():
     x, y = make_batch(8)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
     B = train_step(model, [(x[:4], y[:4]), (x[4:], y[4:])], scaler=scaler)
-    assert model.head.weight.grad.norm() > 100 * brute_force_norms(model, x, y)["head.weight"][0]
+    assert model.head.weight.grad.norm() > 100 * brute_force_norms(model, regression_loss, x, y)["head.weight"][0]
     measurements = MeasurementTracker.from_model(model, scaler=scaler).step(batch_size=B)
     assert_matches_brute_force(measurements, model, x, y, B)
 
@@ -357,7 +358,7 @@ def test_formula_in_docstring_gives_unbiased_estimates():
     model = make_model()
     x, y = make_batch(10)
     train_step(model, [(x, y)])
-    grads = per_example_grads(model, x, y)
+    grads = per_example_grads(model, regression_loss, x, y)
     for m in MeasurementTracker.from_model(model).step(batch_size=10):
         g = grads[m.metadata["name"]].flatten(1).double()
         B = m.big_batch_size
@@ -652,20 +653,9 @@ def test_accumulate_measurements_writes_a_small_batch_above_one():
 
 # ---------------------------------------------------------------- every estimator behind one interface
 
-def tiny_measured_gpt(seed=0):
-    """A GPT with every layer measuring (shim Linear, fused Embedding, separated LayerNorm)."""
-    import layer_config
-    from model import GPT, GPTConfig
-    torch.manual_seed(seed)
-    with layer_config.set_contextual_config(Linear=buffered.PEGradNormShimLinear, Embedding=buffered.PEGradNormEmbedding,
-                                            LayerNorm=buffered.PEGradNormSeparatedLayerNorm):
-        return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
-
-
 def gpt_micro_batches(steps, m, b, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [[(torch.randint(0, 32, (b, 8), generator=g), torch.randint(0, 32, (b, 8), generator=g)) for _ in range(m)]
-            for _ in range(steps)]
+    batches = gpt_batches(steps * m, b, seed)
+    return [batches[k * m:(k + 1) * m] for k in range(steps)]
 
 
 def backward(model, micro_batches, scaler):
@@ -729,8 +719,8 @@ def test_the_interface_logs_what_todays_functions_log(hooks, scale):
     scale out: a power of two, as GradScaler's always is, divides exactly)."""
     steps = gpt_micro_batches(3, 2, 3)
     make_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=scale or 1.0, enabled=scale is not None)
-    want, live_state = todays_run(tiny_measured_gpt(), steps, hooks, make_scaler())
-    got, estimators = interface_run(tiny_measured_gpt(), steps, hooks, make_scaler())
+    want, live_state = todays_run(tiny_gpt(**MEASURED), steps, hooks, make_scaler())
+    got, estimators = interface_run(tiny_gpt(**MEASURED), steps, hooks, make_scaler())
     assert [e.name for e in estimators] == ["train/gns", f"train/{'hooks_gns' if hooks == 'exact' else 'sogns'}",
                                             "train/microbatch_gns"]
     for (want_row, want_status), (got_row, got_status) in zip(want, got):
@@ -744,8 +734,8 @@ def test_the_interface_logs_what_todays_functions_log(hooks, scale):
 def test_the_interface_reads_p_grad_before_unscale_and_divides_the_scale_out():
     """Against a run without a scaler, on the same batches: a scale left in would be off 4096x."""
     steps = gpt_micro_batches(1, 2, 3)
-    plain, _ = interface_run(tiny_measured_gpt(), steps, "exact", torch.amp.GradScaler("cpu", enabled=False))
-    scaled, _ = interface_run(tiny_measured_gpt(), steps, "exact", torch.amp.GradScaler("cpu", init_scale=2.0 ** 12))
+    plain, _ = interface_run(tiny_gpt(**MEASURED), steps, "exact", torch.amp.GradScaler("cpu", enabled=False))
+    scaled, _ = interface_run(tiny_gpt(**MEASURED), steps, "exact", torch.amp.GradScaler("cpu", init_scale=2.0 ** 12))
     assert plain[0][0].keys() == scaled[0][0].keys()
     for c, v in plain[0][0].items():
         assert scaled[0][0][c] == pytest.approx(v, rel=1e-5), c

@@ -1,4 +1,4 @@
-"""microbatch_gns.py against a direct computation: one separate backward per micro-batch."""
+"""microbatch_gns.py against brute force: each micro-batch's gradient, the mean of its examples' own."""
 import copy
 import math
 import time
@@ -6,38 +6,15 @@ import time
 import pytest
 import torch
 
+from gns_fixtures import one_thread  # noqa: F401  (an autouse fixture)
+from gns_fixtures import gpt_batches, gpt_loss, per_example_grads, tiny_gpt
 from microbatch_gns import MicrobatchGNS
-from model import GPT, GPTConfig
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to a loaded machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-def tiny_gpt(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
-
-
-def gpt_batches(n, b, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, 32, (b, 8), generator=g), torch.randint(0, 32, (b, 8), generator=g))
-            for _ in range(n)]
 
 
 def direct(model, batches):
     """Per parameter: (mean_k ||g_k||^2, ||mean_k g_k||), g_k the micro-batch k's mean gradient,
-    each from its own backward pass."""
-    grads = []
-    for X, Y in batches:
-        model.zero_grad()
-        model(X, Y)[1].backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    the mean of its examples' gradients by the shared oracle."""
+    grads = [{n: g.double().mean(0) for n, g in per_example_grads(model, gpt_loss, X, Y).items()} for X, Y in batches]
     return {n: (sum(g[n].square().sum() for g in grads).item() / len(grads),
                 (sum(g[n] for g in grads) / len(grads)).norm().item()) for n in grads[0]}
 

@@ -2,8 +2,8 @@
 normgnorm: LayerNorm whose backward also accumulates per-example Σ_b ||dγ_b||², Σ_b ||dβ_b||².
 
 Every implementation is checked against two oracles, both in float64 from the same inputs:
-F.layer_norm's autograd (output, dx, dγ, dβ) and torch.func.vmap of per-example gradients over
-the examples (the squared norms). The pure-PyTorch path runs here; the Triton kernels run on
+torch's LayerNorm autograd (output, dx, dγ, dβ) and the shared per-example oracle of
+tests/gns_fixtures.py (the squared norms). The pure-PyTorch path runs here; the Triton kernels run on
 CPU under the Triton interpreter (small shapes); the CUDA sources are compiled (no GPU here) and
 both GPU backends run against the oracles where a GPU exists.
 """
@@ -14,10 +14,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import grad, vmap
 
 import normgnorm
+from gns_fixtures import output_grad_loss, sqgradnorm_sums
 from normgnorm import cuda_ext
 
 EPS = 1e-5
@@ -34,24 +35,21 @@ BUFFER_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
 def oracle(x, weight, bias, dy):
-    """float64: y, dx, dw, db by F.layer_norm autograd; Σ_b ||dγ_b||², Σ_b ||dβ_b||² by vmap."""
+    """float64: y, dx, dw, db by torch's LayerNorm autograd; Σ_b ||dγ_b||², Σ_b ||dβ_b||² by the shared oracle."""
     D = x.shape[-1]
+    plain = nn.LayerNorm(D, EPS, bias=bias is not None, device=x.device, dtype=torch.float64)
+    with torch.no_grad():
+        plain.weight.copy_(weight)
+        if bias is not None:
+            plain.bias.copy_(bias)
     xd = x.detach().double().requires_grad_()
-    wd = weight.detach().double().requires_grad_()
-    bd = bias.detach().double().requires_grad_() if bias is not None else None
-    y = F.layer_norm(xd, (D,), wd, bd, EPS)
+    y = plain(xd)
     y.backward(dy.double())
     num_examples = x.shape[0] if x.dim() >= 2 else 1
-    x_examples = xd.detach().reshape(num_examples, -1, D)
-    dy_examples = dy.double().reshape(num_examples, -1, D)
-
-    def example_loss(w, b, x_b, dy_b):
-        return (F.layer_norm(x_b, (D,), w, b, EPS) * dy_b).sum()
-    b0 = bd.detach() if bias is not None else torch.zeros_like(wd)
-    g_w, g_b = vmap(grad(example_loss, argnums=(0, 1)), in_dims=(None, None, 0, 0))(wd.detach(), b0, x_examples, dy_examples)
-    return dict(y=y.detach(), dx=xd.grad, dw=wd.grad, db=bd.grad if bias is not None else None,
-                sq_w=g_w.square().sum(), sq_b=g_b.square().sum() if bias is not None else None,
-                count=num_examples)
+    examples = xd.detach().reshape(num_examples, -1, D), dy.double().reshape(num_examples, -1, D)
+    sq = sqgradnorm_sums(plain, output_grad_loss, [examples], mean=False)  # the layer sees dy: a sum, not a mean
+    return dict(y=y.detach(), dx=xd.grad, dw=plain.weight.grad, db=plain.bias.grad if bias is not None else None,
+                sq_w=sq["weight"], sq_b=sq.get("bias"), count=num_examples)
 
 
 def make_inputs(shape, dtype, bias, seed, device="cpu"):
@@ -280,7 +278,7 @@ def test_reference_names_not_kept_say_what_to_use(name, hint):
 
 
 def test_oracle_per_example_norms_by_loop():
-    # the vmap oracle itself against a loop of single-example backward passes
+    # the shared vmap oracle itself against a second, independent one: single-example backward passes
     x, dy, weight, b = make_inputs((3, 4, 10), torch.float64, True, seed=5)
     ref = oracle(x, weight, b, dy)
     sq_w = sq_b = 0
