@@ -12,19 +12,18 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from buffered import (PEGradNormEmbedding, PEGradNormShimEmbedding, PEGradNormShimLinear,  # noqa: E402
                       find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
 from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
+from gns_fixtures import gpt_loss, sqgradnorm_sums  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 TORCH_CLASSES = (nn.Linear, nn.Embedding, nn.LayerNorm)  # not measured
 B, T, STEPS = 4, 16, 2
 
-pytestmark = [pytest.mark.filterwarnings("ignore:tied weight"),
-              pytest.mark.filterwarnings("ignore:There is a performance drop")]
+pytestmark = [pytest.mark.filterwarnings("ignore:tied weight")]
 
 
 def config(bias):
@@ -47,17 +46,7 @@ def reference(bias, dtype=torch.float32):
     torch.manual_seed(0)
     plain = GPT(config(bias)).to(dtype)
     batches = [(torch.randint(0, 65, (B, T)), torch.randint(0, 65, (B, T))) for _ in range(STEPS)]
-    params = {n: p.detach() for n, p in plain.named_parameters()}
-
-    def loss(p, x, y):
-        return functional_call(plain, p, (x[None], y[None]))[1]
-
-    total = {n: torch.zeros((), dtype=torch.float64) for n in params}
-    for x, y in batches:
-        g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-        for n in params:
-            total[n] += g[n].double().flatten(1).square().sum()
-    expected = {n: v / (B * STEPS) ** 2 for n, v in total.items()}
+    expected = sqgradnorm_sums(plain, gpt_loss, batches)  # the shared brute-force oracle
     train(plain, batches)
     grads = {n: p.grad.clone() for n, p in plain.named_parameters()}
     return plain.state_dict(), batches, expected, grads
