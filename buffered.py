@@ -444,6 +444,12 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         register_sqgradnorm_buffers(self)
         self._tie = None  # set by tie_weights when this is a tied output head
 
+    def forward(self, x):
+        args = self._measurement_args(x)
+        if args is None:
+            return F.linear(x, self.weight, self.bias)
+        return self._measured(x, *args)
+
     def _measurement_args(self, x):
         """(ids, link_q, link_s, w_sq, b_sq, ghost) for this call, or None if nothing is measured."""
         link = self._tie.pop("link", None) if self._tie is not None else None
@@ -489,11 +495,7 @@ class PEGradNormLinear(_MeasuredLinear):
     """
     fused = True
 
-    def forward(self, x):
-        args = self._measurement_args(x)
-        if args is None:
-            return F.linear(x, self.weight, self.bias)
-        ids, link_q, link_s, w_sq, b_sq, ghost = args
+    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
         x, weight, bias = self._autocast(x)
         return _LinearFn.apply(x, weight, bias, w_sq, b_sq, self.example_count, ids, link_q, link_s,
                                ghost, self.max_chunk_numel)
@@ -507,11 +509,7 @@ class PEGradNormShimLinear(_MeasuredLinear):
     """
     fused = False
 
-    def forward(self, x):
-        args = self._measurement_args(x)
-        if args is None:
-            return F.linear(x, self.weight, self.bias)
-        ids, link_q, link_s, w_sq, b_sq, ghost = args
+    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
         if _autocast_dtype(x) is not None and x.is_floating_point():
             x = x.to(_autocast_dtype(x))  # the very tensor F.linear saves, so saved only once
         y = F.linear(x, self.weight, self.bias)
