@@ -54,6 +54,55 @@ def check_device(device):
     return kind
 
 
+def check_train_config(config):
+    """
+    train.py's values, all checked before anything runs (die() at the first bad one), then its
+    lengths made tokens: a length given in nanoGPT's iterations counts tokens of the configured
+    step; unset, they are nanoGPT's 600000 iterations of training and of decay, 2000 of warmup.
+    """
+    from layer_config import FLAG_CLASSES  # here: imports torch
+    choices = {**{flag: tuple(values) for flag, values in FLAG_CLASSES.items()},
+               'gns_hooks': ('none', 'sogns', 'exact'), 'dtype': ('float32', 'bfloat16', 'float16'),
+               'lr_decay_shape': ('linear', 'cosine')}
+    for key, allowed in choices.items():
+        if config[key] not in allowed:
+            die(f"--{key}={config[key]!r} is not one of {', '.join(allowed)}")
+    init_from = config['init_from']
+    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
+        die(f"--init_from={init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
+    for key in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
+                'eval_interval', 'log_interval', 'eval_iters', 'max_nonfinite_steps'):
+        check_number(config, key, 1, whole=True)
+    if config['n_embd'] % config['n_head']:
+        die(f"--n_embd={config['n_embd']} must be a multiple of --n_head={config['n_head']}")
+    for key, low, high in (('dropout', 0, 1), ('beta1', 0, 1), ('beta2', 0, 1), ('min_lr', 0, math.inf),
+                           ('weight_decay', 0, math.inf), ('grad_clip', 0, math.inf)):
+        check_number(config, key, low, high)
+    check_number(config, 'learning_rate', 0, low_ok=False)
+    n_layer = config['n_layer']
+    for key in ('cos_attn', 'spectral_c_attn', 'fp32_attention_layers'):
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in config[key]):
+            die(f"--{key}={config[key]!r} must list block indices 0..{n_layer - 1}")
+    world_size = int(os.environ.get('WORLD_SIZE', 1)) if 'RANK' in os.environ else 1  # torchrun's
+    gas = config['gradient_accumulation_steps']
+    if gas % world_size and not config['bs_schedule']:
+        die(f"gradient_accumulation_steps={gas} is not divisible by the {world_size} DDP processes (it counts "
+            f"micro-steps over all processes: use --gradient_accumulation_steps={world_size} or a multiple)")
+    out_dir = config['out_dir']
+    if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
+        die(f"--out_dir={out_dir!r} must name a directory")
+    tokens_per_iter = config['gradient_accumulation_steps'] * config['batch_size'] * config['block_size']
+    for key, default_iters in (('max', 600000), ('warmup', 2000), ('lr_decay', 600000)):
+        tokens, iters = config[f'{key}_tokens'], config[f'{key}_iters']
+        for given in (f'{key}_tokens', f'{key}_iters'):
+            if config[given] is not None:
+                check_number(config, given, 1 if key == 'max' else 0, whole=given.endswith('iters'))
+        if tokens is not None and iters is not None:
+            die(f"--{key}_tokens and --{key}_iters set the same length twice; set one of them")
+        if tokens is None:
+            config[f'{key}_tokens'] = (iters if iters is not None else default_iters) * tokens_per_iter
+
+
 def _checked(key, value, default, shown):
     """value if it fits the default's type (an int where a float is expected becomes a float),
     else ConfigError; a default of None takes anything (train.py checks those itself)."""

@@ -523,14 +523,14 @@ class ExactGNS(Estimator):
         zero_sqgradnorm_buffers(self.model)
 
 
-def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False):
+def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None):
     """
     The estimators of a run, in the order their columns go into log.csv: the exact per-example one
     whenever `model` (the plain model, or its DDP/compile wrapper) has per-example-norm layers; the
     Linear hooks ('exact' or 'sogns', gnshooks.py) and the micro-batch one (microbatch_gns.py) when
     asked; the DDP one (ddpgns.py, on ddp_model, the DistributedDataParallel wrapper) when
     world_size > 1. Build it after the DDP wrapper, before the first forward; the hooks go on the
-    model's modules and parameters.
+    model's modules and parameters. With a checkpoint dict, their states resume (load_states).
     """
     import ddpgns
     import gnshooks
@@ -551,6 +551,8 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
         estimators.append(microbatch_gns.MicrobatchEstimator(model))
     if world_size > 1:
         estimators.append(ddpgns.DDPGNS(ddp_model))
+    if checkpoint is not None:
+        load_states(estimators, checkpoint)
     return estimators
 
 
@@ -575,6 +577,13 @@ def status_line(estimators):
 def skipped_steps(estimators):
     """The most steps any estimator could not measure (they all see the same non-finite steps)."""
     return max((e.skipped_steps for e in estimators), default=0)
+
+
+def skipped_steps_line(estimators, float16):
+    """What a run says at its end about the steps its estimators could not measure, and why."""
+    why = ("float16 overflow: GradScaler skipped them" if float16
+           else "non-finite gradients: the optimizer skipped them")
+    return f"GNS: {skipped_steps(estimators)} step(s) were not measured ({why})"
 
 
 # the checkpoint key of the estimators' states, and this fork's older keys of single ones

@@ -210,7 +210,6 @@ class GPT(nn.Module):
         assert model_type in {'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'}
         override_args = override_args or {}
         assert all(k == 'dropout' for k in override_args)
-        from transformers import GPT2LMHeadModel
         print("loading weights from pretrained gpt: %s" % model_type)
         config_args = {
             'gpt2': dict(n_layer=12, n_head=12, n_embd=768),  # 124M params
@@ -221,7 +220,13 @@ class GPT(nn.Module):
         config_args.update(vocab_size=50257, block_size=1024, bias=True)
         if 'dropout' in override_args:
             config_args['dropout'] = override_args['dropout']
-        model_hf = GPT2LMHeadModel.from_pretrained(model_type)  # download first: fail before building
+        try:  # download first: fail before building
+            from transformers import GPT2LMHeadModel
+            model_hf = GPT2LMHeadModel.from_pretrained(model_type)
+        except Exception as e:  # no transformers package, or no network to the model hub
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            raise CheckpointError(f"needs the transformers package and network access to download the "
+                                  f"weights, and that failed: {why}") from None
         model = GPT(GPTConfig(**config_args))
         sd = model.state_dict()
         sd_hf = {k: v for k, v in model_hf.state_dict().items()
@@ -389,3 +394,40 @@ def load_weights(model, state_dict, tokens_processed=None):
         notes.append(f"checkpoint keys: {mapped} renamed from another layout (nanoGPT's or the reference's), "
                      f"{dropped} entries without weights dropped")
     return notes
+
+
+def load_optimizer_state(checkpoint, optimizer, scaler):
+    """A resumed run's AdamW (and GradScaler) state; CheckpointError if it does not fit the model."""
+    try:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"the optimizer state does not fit this model ({str(e)[:120]})") from None
+    if 'scaler' in checkpoint:
+        scaler.load_state_dict(checkpoint['scaler'])
+
+
+# the architecture of a resumed run is the checkpoint's; other settings may change on the command line
+ARCHITECTURE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size',
+                     'cos_attn', 'spectral_c_attn', 'fp32_attention_layers')
+
+
+def resume_model(path, model_args, config, device='cpu'):
+    """
+    --init_from=resume: (model, checkpoint) from the ckpt.pt at `path`, model_args updated in place
+    with the checkpoint's architecture (nanoGPT's and the reference's lack the newer fields, which
+    keep model_args' values). `config` is the run's, for nanoGPT's checkpoints, which count no
+    tokens: they get their iterations of the step they were configured with. Build it inside the
+    layer config the run measures with. Raises CheckpointError, one line.
+    """
+    checkpoint = read_checkpoint(path, device)
+    model_args.update({k: checkpoint['model_args'][k] for k in ARCHITECTURE_ARGS if k in checkpoint['model_args']})
+    model = GPT(GPTConfig(**model_args))
+    try:
+        then = {**config, **checkpoint.get('config', {})}
+        steps = int(checkpoint.get('iter_num', 0))
+        counted = steps * int(then['gradient_accumulation_steps'] * then['batch_size'] * then['block_size'])
+        for note in load_weights(model, checkpoint['model'], tokens_processed=counted):
+            print(f"note: {note}")
+    except (CheckpointError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return model, checkpoint

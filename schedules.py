@@ -155,8 +155,9 @@ class GradAccumSchedule:
     max_accumulation_steps) keeps the last good schedule and warns once per bad edit; a file
     that cannot be read (gone, not a regular file, too big) does too. It never stops the run."""
 
-    def __init__(self, path, default_points=None, *, max_steps, log=print):
+    def __init__(self, path, default_points=None, *, max_steps, log=print, ddp_device=None):
         self.path = path
+        self.ddp_device = ddp_device
         self.max_steps = max_steps
         self.log = log
         self._unreadable = None  # the warning about a file that could not be read, given once
@@ -204,6 +205,39 @@ class GradAccumSchedule:
         return points
 
     def steps_at(self, tokens, world_size=1):
-        """Accumulation steps per rank for the step starting now (call it at every step start)."""
+        """Accumulation steps per rank for the step starting now (call it at every step start);
+        under DDP, rank 0's on every rank."""
         self.reload()
-        return steps_at(self.points, tokens, world_size)
+        steps = steps_at(self.points, tokens, world_size)
+        if self.ddp_device is not None:
+            import torch
+            steps = torch.tensor([steps], device=self.ddp_device)
+            torch.distributed.broadcast(steps, 0)
+            steps = int(steps.item())
+        return steps
+
+
+def schedule_for_run(config, world_size, master_process, ddp_device=None):
+    """
+    train.py's --bs_schedule=True: the GradAccumSchedule in out_dir/grad_accum_schedule.txt, which
+    the master writes first if there is none (bs_schedule_points, or by default 2 steps at 0 tokens
+    to the configured accumulation at max_tokens); every rank then reads it, and under DDP
+    (ddp_device set) every rank takes rank 0's count: the ranks may read the file either side of an
+    edit. A step never takes more micro-steps than reach max_tokens: a larger count in the file is
+    refused. Raises ValueError.
+    """
+    batch_size, block_size = config['batch_size'], config['block_size']
+    max_steps = max_accumulation_steps(config['max_tokens'], batch_size, block_size, world_size)
+    end = min(config['gradient_accumulation_steps'], max_steps)  # the configured (global) accumulation
+    points = config['bs_schedule_points'] or [(0, min(2, end)), (config['max_tokens'], end)]
+    path = os.path.join(config['out_dir'], 'grad_accum_schedule.txt')
+    try:
+        if master_process:
+            GradAccumSchedule(path, points, max_steps=max_steps)
+        if ddp_device is not None:
+            import torch.distributed  # here: only DDP runs need torch in this module
+            torch.distributed.barrier()
+        return GradAccumSchedule(path, max_steps=max_steps, log=print if master_process else (lambda *a: None),
+                                 ddp_device=ddp_device)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None

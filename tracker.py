@@ -505,7 +505,8 @@ class LogWrapper:
 # The reference implementation's names (exact/tracker.py)
 
 class OutDirInUse(Exception):
-    """Another live process holds out_dir's lock; the message is one line naming it."""
+    """out_dir cannot be this run's: another live process holds its lock (the message, one line,
+    names it), or it cannot be created or written."""
 
 
 def lock_out_dir(out_dir):
@@ -514,12 +515,16 @@ def lock_out_dir(out_dir):
     relaunch while this one still runs, a typo in a sweep) stops at once instead of writing over
     this one's log and checkpoints. flock is released by the kernel when a process dies, however it
     dies, so a lock left by a killed run is simply taken over (the file names its last holder).
-    Returns (the open lock file: keep it, closing it releases the lock; the previous holder's line
-    or ''), or raises OutDirInUse.
+    Creates out_dir if need be. Returns (the open lock file: keep it, closing it releases the lock;
+    the previous holder's line or ''), or raises OutDirInUse, whose message is one line.
     """
     import fcntl
     import socket
-    f = open(os.path.join(out_dir, "train.lock"), "a+")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        f = open(os.path.join(out_dir, "train.lock"), "a+")
+    except OSError as e:
+        raise OutDirInUse(f"{out_dir}: cannot write there ({e.strerror or e})") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

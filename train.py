@@ -6,14 +6,10 @@ iteration lengths are converted), and an optional batch-size schedule editable m
 
 $ python train.py config/train_shakespeare_char_cpu.py --lnclass=shim
 $ torchrun --standalone --nproc_per_node=4 train.py config/train_cgpt_111M_owt.py
-$ torchrun --standalone --nproc_per_node=2 train.py config/train_shakespeare_char_cpu.py --device=cpu --backend=gloo \
-      --gradient_accumulation_steps=2
 """
 import math
 import os
 import pickle
-import shlex
-import signal
 import sys
 import time
 import warnings
@@ -23,10 +19,11 @@ import numpy as np
 import torch
 
 import gnstracking
-from configurator import ConfigError, check_device, check_number, configure, die
-from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config
-from model import GPT, GPTConfig, CheckpointError, load_weights, read_checkpoint, write_checkpoint
-from schedules import GradAccumSchedule, lr_at, max_accumulation_steps
+from configurator import ConfigError, check_device, check_train_config, configure, die
+from layer_config import classes_for_flags, set_contextual_config
+from model import GPT, GPTConfig, CheckpointError, load_optimizer_state, resume_model, write_checkpoint
+from schedules import lr_at, schedule_for_run
+from stopping import StopSignals, stopped_message
 from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
 
 # -----------------------------------------------------------------------------
@@ -58,20 +55,16 @@ cos_attn = []  # block indices with cosine attention
 spectral_c_attn = []  # block indices with spectral-normalised Q/K/V
 fp32_attention_layers = []  # block indices whose attention runs in float32
 device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
-# per-example gradient norm layers, by flag value (layer_config.FLAG_CLASSES): nn (plain torch,
-# not measured), gns (norms in the layer's own backward), shim (torch's backward, norms beside it),
-# fused (the LayerNorm kernel)
+# per-example-norm layers (layer_config.FLAG_CLASSES): nn (torch's, not measured), gns (norms in
+# the layer's own backward), shim (torch's backward, norms beside it), fused (the LayerNorm kernel)
 linearclass = 'nn'
 embeddingclass = 'nn'
 lnclass = 'nn'
-# the earlier approximate estimators, logged beside the exact one for comparison (gnshooks.py,
-# microbatch_gns.py): hooks on plain nn.Linear layers ('exact' ghost norms or the 'sogns'
-# approximation), and the micro-batch estimator (small batch = one micro-step's gradient)
+# earlier estimators, logged beside the exact one for comparison: hooks on nn.Linear layers
+# (gnshooks.py), the micro-batch estimator (microbatch_gns.py)
 gns_hooks = 'none'  # none, sogns or exact
 microbatch_gns = False
-# AdamW optimizer. The run's length and the learning-rate schedule are in tokens or, as in
-# nanoGPT, in iterations (one unit per length); unset, they are nanoGPT's 600000 iterations of
-# training and of decay, and 2000 of warmup
+# AdamW optimizer; lengths in tokens or, as in nanoGPT, iterations (unset: nanoGPT's)
 learning_rate = 6e-4
 max_tokens = None
 max_iters = None  # nanoGPT's: iterations (they also stop a run whose batch-size schedule shortens them)
@@ -93,8 +86,7 @@ bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 2 at
 # system
 backend = 'nccl'  # 'nccl' for GPUs, 'gloo' for CPU
 device = 'cuda'  # 'cpu', 'cuda', 'cuda:1', 'mps'
-# float32, bfloat16 or float16 (autocast, also on CPU); without CUDA the default is float32, as
-# nanoGPT trains on CPU (float16 autocast on a CPU is emulated and many times slower)
+# float32, bfloat16 or float16 (autocast); without CUDA float32 (float16 on a CPU is emulated, slow)
 dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'
 compile = True
 seed = 1337
@@ -102,62 +94,16 @@ seed = 1337
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 config = {k: globals()[k] for k in config_keys}
-
-
-# warnings (a resumed log's missing rows, a schedule edit refused) are one line each, like errors
-warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
-
-
+# -----------------------------------------------------------------------------
 try:
     configure(sys.argv[1:], config, __doc__)
 except ConfigError as e:
     die(str(e))
+check_train_config(config)  # every value, before anything runs: bad input is one line and exit 2
 globals().update(config)
-
-# every value is checked here, before anything runs: bad input is one line and exit code 2
-CHOICES = {
-    'linearclass': tuple(FLAG_CLASSES['linearclass']),
-    'embeddingclass': tuple(FLAG_CLASSES['embeddingclass']),
-    'lnclass': tuple(FLAG_CLASSES['lnclass']),
-    'gns_hooks': ('none', 'sogns', 'exact'),
-    'dtype': ('float32', 'bfloat16', 'float16'),
-    'lr_decay_shape': ('linear', 'cosine'),
-}
-for key, choices in CHOICES.items():
-    if config[key] not in choices:
-        die(f"--{key}={config[key]!r} is not one of {', '.join(choices)}")
-if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
-    die(f"--init_from={init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
-
-
-for key in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
-            'eval_interval', 'log_interval', 'eval_iters', 'max_nonfinite_steps'):
-    check_number(config, key, 1, whole=True)
-if n_embd % n_head:
-    die(f"--n_embd={n_embd} must be a multiple of --n_head={n_head}")
-for key, low, high in (('dropout', 0, 1), ('beta1', 0, 1), ('beta2', 0, 1), ('min_lr', 0, math.inf),
-                       ('weight_decay', 0, math.inf), ('grad_clip', 0, math.inf)):
-    check_number(config, key, low, high)
-check_number(config, 'learning_rate', 0, low_ok=False)
-for key in ('max_tokens', 'warmup_tokens', 'lr_decay_tokens', 'max_iters', 'warmup_iters', 'lr_decay_iters'):
-    if config[key] is not None:
-        check_number(config, key, 1 if key.startswith('max') else 0, whole=key.endswith('iters'))
-for key in ('cos_attn', 'spectral_c_attn', 'fp32_attention_layers'):
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in config[key]):
-        die(f"--{key}={config[key]!r} must list block indices 0..{n_layer - 1}")
-if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
-    die(f"--out_dir={out_dir!r} must name a directory")
 device_type = check_device(device)
-
-# lengths given in iterations (nanoGPT) become tokens of the configured step
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-for key, default_iters in (('max', 600000), ('warmup', 2000), ('lr_decay', 600000)):
-    tokens, iters = config[f'{key}_tokens'], config[f'{key}_iters']
-    if tokens is not None and iters is not None:
-        die(f"--{key}_tokens and --{key}_iters set the same length twice; set one of them")
-    config[f'{key}_tokens'] = tokens if tokens is not None else (iters if iters is not None else default_iters) * tokens_per_iter
-max_tokens, warmup_tokens, lr_decay_tokens = config['max_tokens'], config['warmup_tokens'], config['lr_decay_tokens']
-
+# warnings (a resumed log's missing rows, a schedule edit refused) are one line each, like errors
+warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
 
 # DDP: a torchrun launch sets RANK
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -173,10 +119,7 @@ if ddp:
         torch.cuda.set_device(device)
     master_process = ddp_rank == 0  # this process logs and checkpoints
     seed_offset = ddp_rank  # each process gets a different seed
-    if gradient_accumulation_steps % ddp_world_size != 0 and not bs_schedule:
-        die(f"gradient_accumulation_steps={gradient_accumulation_steps} is not divisible by the {ddp_world_size} DDP processes "
-            f"(it counts micro-steps over all processes: use --gradient_accumulation_steps={ddp_world_size} or a multiple)")
-    gradient_accumulation_steps //= ddp_world_size
+    gradient_accumulation_steps //= ddp_world_size  # global: check_train_config saw that it divides
 else:
     master_process = True
     seed_offset = 0
@@ -185,14 +128,9 @@ else:
 tokens_per_micro_step = ddp_world_size * batch_size * block_size
 print(f"tokens per iteration will be: {gradient_accumulation_steps * tokens_per_micro_step:,}")
 
-
-
 if master_process and not eval_only:  # out_dir is this run's alone (eval_only writes nothing there)
     try:
-        os.makedirs(out_dir, exist_ok=True)
         out_dir_lock, previous = lock_out_dir(out_dir)
-    except OSError as e:
-        die(f"cannot write in --out_dir={out_dir} ({e.strerror or e})")
     except OutDirInUse as e:
         die(f"--out_dir={e}")
     if previous:
@@ -230,7 +168,6 @@ def get_batch(split, rng=None):
 
 iter_num = 0
 best_val_loss = 1e9
-
 # vocab size from the dataset's meta.pkl (character-level datasets), else GPT-2's padded 50304
 meta_path = os.path.join(data_dir, 'meta.pkl')
 meta_vocab_size = None
@@ -238,7 +175,6 @@ if os.path.exists(meta_path):
     with open(meta_path, 'rb') as f:
         meta_vocab_size = pickle.load(f)['vocab_size']
     print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
-
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, cos_attn=cos_attn, spectral_c_attn=spectral_c_attn,
@@ -253,42 +189,26 @@ with set_contextual_config(**layer_classes):
     elif init_from == 'resume':
         ckpt_path = os.path.join(out_dir, 'ckpt.pt')
         print(f"Resuming training from {out_dir}")
-        try:
-            checkpoint = read_checkpoint(ckpt_path, device)
-        except CheckpointError as e:
-            die(f"--init_from=resume: {e}")
-        # the architecture is the checkpoint's (nanoGPT's and the reference's lack the newer
-        # fields, which keep the command line's values); the rest may change on the command line
-        for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size',
-                  'cos_attn', 'spectral_c_attn', 'fp32_attention_layers'):
-            model_args[k] = checkpoint['model_args'].get(k, model_args[k])
-        model = GPT(GPTConfig(**model_args))
-        try:
+        try:  # the checkpoint's architecture (and weights, from nanoGPT's and the reference's too)
+            model, checkpoint = resume_model(ckpt_path, model_args, config, device)
             iter_num = int(checkpoint.get('iter_num', 0))
             best_val_loss = float(checkpoint.get('best_val_loss', 1e9))
-            # nanoGPT's checkpoints count no tokens: its iterations of the step it was configured with
-            then = {**config, **checkpoint.get('config', {})}
-            counted = iter_num * int(then['gradient_accumulation_steps'] * then['batch_size'] * then['block_size'])
-            for note in load_weights(model, checkpoint['model'], tokens_processed=counted):
-                print(f"note: {note}")
         except (CheckpointError, TypeError, ValueError) as e:
-            die(f"--init_from=resume: {ckpt_path}: {e}")
+            die(f"--init_from=resume: {e}")
     else:
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         try:
             model = GPT.from_pretrained(init_from, dict(dropout=dropout))
-        except Exception as e:  # no transformers package, or no network to the model hub
-            die(f"--init_from={init_from} needs the transformers package and network access to "
-                f"download the weights, and that failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        except CheckpointError as e:
+            die(f"--init_from={init_from} {e}")
         for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
             model_args[k] = getattr(model.config, k)
 if block_size < model.config.block_size:
     model.crop_block_size(block_size)
     model_args['block_size'] = block_size
 model.to(device)
-# data order: seeded by the iteration we start from, so a resumed run does not replay the start
-# evaluation (on the master alone) draws from generators of its own, so the training batches of
-# all ranks stay in step
+# data order seeded by the iteration we start from (a resumed run does not replay the start);
+# evaluation, on the master alone, has generators of its own (the ranks' training batches stay in step)
 batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
 eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
 
@@ -296,11 +216,9 @@ scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
     try:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-    except (KeyError, ValueError, RuntimeError) as e:
-        die(f"--init_from=resume: the optimizer state in {ckpt_path} does not fit this model ({str(e)[:120]})")
-    if 'scaler' in checkpoint:
-        scaler.load_state_dict(checkpoint['scaler'])
+        load_optimizer_state(checkpoint, optimizer, scaler)
+    except CheckpointError as e:
+        die(f"--init_from=resume: {ckpt_path}: {e}")
 raw_model = model  # the module whose state is checkpointed, whatever wraps it below
 if compile:
     print("compiling the model... (takes a ~minute)")
@@ -315,39 +233,34 @@ if ddp:
 # the GNS estimators (gnstracking.py): the exact per-example one whenever a layer measures, the DDP
 # one under DDP, the Linear hooks and the micro-batch one when asked; their live EMAs resume
 estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp else None, world_size=ddp_world_size,
-                                        hooks=gns_hooks, microbatch=microbatch_gns)
-if checkpoint is not None:
-    gnstracking.load_states(estimators, checkpoint)
+                                        hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint)
 if gns_hooks != 'none' and compile:
     print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
 
-schedule = None
+schedule = None  # --bs_schedule=True: out_dir/grad_accum_schedule.txt, re-read at every step
 if bs_schedule:
-    # a step never takes more micro-steps than reach max_tokens: a larger count in the file is refused
-    max_steps = max_accumulation_steps(max_tokens, batch_size, block_size, ddp_world_size)
-    end = min(tokens_per_iter // (batch_size * block_size), max_steps)  # the configured (global) accumulation
-    points = bs_schedule_points or [(0, min(2, end)), (max_tokens, end)]
     try:
-        # every rank reads the file; only the master writes the default one
-        schedule_path = os.path.join(out_dir, 'grad_accum_schedule.txt')
-        if master_process:
-            GradAccumSchedule(schedule_path, points, max_steps=max_steps)
-        if ddp:
-            torch.distributed.barrier()
-        schedule = GradAccumSchedule(schedule_path, max_steps=max_steps, log=print if master_process else (lambda *a: None))
-    except (ValueError, FileNotFoundError) as e:
+        schedule = schedule_for_run(config, ddp_world_size, master_process, device if ddp else None)
+    except ValueError as e:
         die(str(e))
 
-
-def scheduled_accumulation_steps(tokens):
-    """The schedule's accumulation steps per process at `tokens`; every rank takes rank 0's count
-    (ranks may read the file either side of an edit)."""
-    steps = schedule.steps_at(tokens, ddp_world_size)
-    if ddp:
-        count = torch.tensor([steps], device=device)
-        torch.distributed.broadcast(count, 0)
-        steps = int(count.item())
-    return steps
+# out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for;
+# eval_only writes neither (it must not replace a training run's log or config)
+logger = None
+if master_process:
+    try:
+        logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
+                            resume_step=iter_num if init_from == 'resume' else None,
+                            wandb_project=wandb_project, wandb_run_name=wandb_run_name)
+    except (ValueError, OSError) as e:
+        die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
+params = [p for p in raw_model.parameters() if p.requires_grad]
+last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (none was written)"
+# a host copy of the model's tokens_processed buffer: reading the device buffer would sync
+tokens_processed = int(raw_model.tokens_processed)
+local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
+nonfinite_steps = 0  # steps in a row whose gradient was not finite (float32/bfloat16: skipped)
+signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint)
 
 
 @torch.no_grad()
@@ -367,21 +280,23 @@ def estimate_loss():
     return out
 
 
+def stop(message, code):
+    """End the run early with one line: the log is complete up to the last finished step."""
+    if master_process:
+        print(message, file=sys.stderr)
+        logger.log_dict.clear()  # the unfinished step's values: its row is redone on resume
+        logger.close()
+    sys.exit(code)
+
+
 def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
     if not torch.stack([torch.isfinite(p).all() for p in params]).all():
         print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
         return
-    ckpt = {
-        'model': raw_model.state_dict(),
-        'optimizer': optimizer.state_dict(),
-        'scaler': scaler.state_dict(),
-        'model_args': model_args,
-        'iter_num': iter_num,
-        'best_val_loss': best_val_loss,
-        'config': config,
-    }
+    ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+            'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
     gnstracking.save_states(estimators, ckpt)
     print(f"saving checkpoint to {out_dir}")
     try:
@@ -404,91 +319,23 @@ def evaluate_and_checkpoint():
             save_checkpoint()
 
 
+def log_step():  # a failed write (a full disk) ends the run: log.csv keeps its complete rows for resume
+    try:
+        logger.step()
+    except LogWriteError as e:
+        stop(f"error: {e}", code=1)
+
+
 def finished(tokens, iters):
     return tokens >= max_tokens or (max_iters is not None and iters >= max_iters)
 
 
-def stop(message, code):
-    """End the run early with one line: the log is complete up to the last finished step."""
-    if master_process:
-        print(message, file=sys.stderr)
-        logger.log_dict.clear()  # the unfinished step's values: its row is redone on resume
-        logger.close()
-    sys.exit(code)
-
-
-def log_step():
-    """Write this step's row; a full disk (or any failed write) ends the run with one line,
-    log.csv left with its complete rows for --init_from=resume."""
-    try:
-        logger.step()
-    except LogWriteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-
-
-# SIGINT (Ctrl-C) and SIGTERM (a cluster's preemption) end the run after the step under way, with
-# a checkpoint where the run saves them anyway; a second signal stops at once
-stop_signal = 0
-
-
-def on_signal(signum, frame):
-    global stop_signal
-    if stop_signal:
-        print(f"\n{signal.Signals(signum).name} again: stopping now; ckpt.pt keeps {last_checkpoint}", file=sys.stderr)
-        os._exit(128 + signum)
-    stop_signal = signum
-    if master_process:
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop now)", file=sys.stderr)
-
-
-signal.signal(signal.SIGINT, on_signal)
-signal.signal(signal.SIGTERM, on_signal)
-
-
-def stop_if_asked():
-    """After a step: stop the run, with one line, after max_nonfinite_steps skipped steps in a row
-    or on a signal (every rank after the same step: the signal may reach them at different ones)."""
-    global stop_signal
-    if nonfinite_steps >= max_nonfinite_steps:
-        stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
-             f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
-    if ddp:
-        flag = torch.tensor([stop_signal], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        stop_signal = int(flag.item())
-    if stop_signal:
-        if master_process and always_save_checkpoint:
-            save_checkpoint()
-        command = ' '.join(shlex.quote(a) for a in sys.argv if not a.startswith('--init_from='))
-        resume = (f"the torchrun command that started it, with --init_from=resume" if ddp
-                  else f"python {command} --init_from=resume")
-        stop(f"stopped by {signal.Signals(stop_signal).name} after iter {iter_num} ({tokens_processed:,} tokens); "
-             f"ckpt.pt holds {last_checkpoint}; to go on: {resume}", code=128 + stop_signal)
-
-# out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for;
-# eval_only writes neither (it must not replace a training run's log or config)
-logger = None
-if master_process:
-    try:
-        logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir,
-                            resume_step=iter_num if init_from == 'resume' else None,
-                            wandb_log=wandb_log, wandb_project=wandb_project, wandb_run_name=wandb_run_name)
-    except (ValueError, OSError) as e:
-        die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
-
-params = [p for p in raw_model.parameters() if p.requires_grad]
-last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (none was written)"
-# a host copy of the model's tokens_processed buffer: reading the device buffer would sync
-tokens_processed = int(raw_model.tokens_processed)
 X, Y = get_batch('train')
 t0 = time.time()
-local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
 running_mfu = -1.0
-nonfinite_steps = 0  # steps in a row whose gradient was not finite (float32/bfloat16: skipped)
 while eval_only or not finished(tokens_processed, iter_num):
     if schedule is not None:
-        gradient_accumulation_steps = scheduled_accumulation_steps(tokens_processed)
+        gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
     lr = lr_at(tokens_processed + tokens_this_step, learning_rate, min_lr,
                warmup_tokens, lr_decay_tokens, decay_lr, lr_decay_shape)
@@ -558,15 +405,19 @@ while eval_only or not finished(tokens_processed, iter_num):
         if last_step:  # the final evaluation (and checkpoint), on the last step's row
             evaluate_and_checkpoint()
         log_step()
-    if not last_step:
-        stop_if_asked()
+    if not last_step and nonfinite_steps >= max_nonfinite_steps:
+        stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
+             f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
+    if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
+        if master_process and always_save_checkpoint:
+            save_checkpoint()
+        stop(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp),
+             code=128 + signals.received)
 
 if master_process:
     logger.close()
     if gnstracking.skipped_steps(estimators):
-        why = ("float16 overflow: GradScaler skipped them" if scaler.is_enabled()
-               else "non-finite gradients: the optimizer skipped them")
-        print(f"GNS: {gnstracking.skipped_steps(estimators)} step(s) were not measured ({why})")
+        print(gnstracking.skipped_steps_line(estimators, float16=scaler.is_enabled()))
     if not eval_only:
         out_dir_lock.truncate(0)  # a clean end: the next run finds no holder to take over from
 if ddp:
