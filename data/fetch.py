@@ -151,3 +151,18 @@ def read_text(args):
         raise PrepareError(f"--input file {args.input} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
         raise PrepareError(f"cannot read --input file {args.input}: {e}") from None
+
+
+def run_prepare(args, build, errors=(PrepareError,)):
+    """A prepare script's main after parsing: the text (read_text), then build(text, source) writes the
+    files and returns the lines to report; a failure of either is one line and exit code 2."""
+    try:
+        text, source = read_text(args)
+        print(f"source: {source}")
+        report = build(text, source)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"length of dataset in characters: {len(text):,}")
+    print("\n".join(report))
+    return 0

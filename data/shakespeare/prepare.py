@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for the shared modules
-from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, read_text  # noqa: E402
+from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, run_prepare  # noqa: E402
 from gpt2_bpe import GPT2EncodingError, gpt2_encoding  # noqa: E402
 
 
@@ -45,21 +45,14 @@ def main(argv=None):
                     "else from the openai-whisper sdist on PyPI.")
     add_text_arguments(parser, os.path.dirname(os.path.abspath(__file__)), "input.txt, train.bin and val.bin")
     args = parser.parse_args(argv)
-    try:
-        text, source = read_text(args)
-        print(f"source: {source}")
+
+    def build(text, source):
         enc, encoding_source = gpt2_encoding()
         print(f"encoding: {encoding_source}")
         # encode_ordinary: "<|endoftext|>" in the text is plain text, not the special token
         n_train, n_val = encode_and_split(text, enc.encode_ordinary, args.out_dir)
-    except (PrepareError, GPT2EncodingError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"length of dataset in characters: {len(text):,}")
-    print(f"train has {n_train:,} tokens")
-    print(f"val has {n_val:,} tokens")
-    print(f"wrote train.bin, val.bin to {args.out_dir}")
-    return 0
+        return [f"train has {n_train:,} tokens", f"val has {n_val:,} tokens", f"wrote train.bin, val.bin to {args.out_dir}"]
+    return run_prepare(args, build, errors=(PrepareError, GPT2EncodingError))
 
 
 if __name__ == "__main__":

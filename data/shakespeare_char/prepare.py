@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for fetch.py
-from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, read_text  # noqa: E402
+from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, run_prepare  # noqa: E402
 
 
 def encode_and_split(text, out_dir):
@@ -42,22 +42,15 @@ def main(argv=None):
                     "90%/10% split) and meta.pkl. " + TEXT_SOURCES_HELP)
     add_text_arguments(parser, os.path.dirname(os.path.abspath(__file__)), "input.txt, train.bin, val.bin and meta.pkl")
     args = parser.parse_args(argv)
-    try:
-        text, source = read_text(args)
+
+    def build(text, source):
         if len(text) < 2:
             raise PrepareError(f"the text from {source} has {len(text)} characters; train and val need at least one each")
         meta, n_train, n_val = encode_and_split(text, args.out_dir)
-    except PrepareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"source: {source}")
-    print(f"length of dataset in characters: {len(text):,}")
-    print(f"all the unique characters: {''.join(meta['itos'][i] for i in range(meta['vocab_size']))!r}")
-    print(f"vocab size: {meta['vocab_size']:,}")
-    print(f"train has {n_train:,} tokens")
-    print(f"val has {n_val:,} tokens")
-    print(f"wrote train.bin, val.bin, meta.pkl to {args.out_dir}")
-    return 0
+        return [f"all the unique characters: {''.join(meta['itos'][i] for i in range(meta['vocab_size']))!r}",
+                f"vocab size: {meta['vocab_size']:,}", f"train has {n_train:,} tokens", f"val has {n_val:,} tokens",
+                f"wrote train.bin, val.bin, meta.pkl to {args.out_dir}"]
+    return run_prepare(args, build)
 
 
 if __name__ == "__main__":
