@@ -1,5 +1,5 @@
 """
-Which Linear / Embedding / LayerNorm classes model.py builds.
+Which Linear / Embedding / LayerNorm / RMSNorm classes model.py builds.
 
 The model reads the configuration when it is *constructed*, not when it is imported, so a
 script can build a plain GPT and a per-example-norm GPT side by side:
@@ -11,8 +11,11 @@ Every class must be a drop-in for the torch one: the same constructor arguments 
 parameter names. LayerNorm is called as LayerNorm(ndim, bias=bool), which torch's own
 nn.LayerNorm accepts.
 
-The classes in force are the namedtuple `config` (fields Embedding, Linear, LayerNorm), which
-set_contextual_config rebinds and restores: a model written for the reference implementation
+RMSNorm is called as RMSNorm(ndim, eps=...), torch's nn.RMSNorm's arguments (a model built with
+norm='rmsnorm' uses it where it would use LayerNorm).
+
+The classes in force are the namedtuple `config` (fields Embedding, Linear, LayerNorm, RMSNorm),
+which set_contextual_config rebinds and restores: a model written for the reference implementation
 (`import layer_config as lc` ... `lc.config.Linear(...)` in its __init__) reads it the same way.
 
 FLAG_CLASSES is the one table from train.py's --linearclass / --embeddingclass / --lnclass values
@@ -33,20 +36,21 @@ from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparated
 from buffered import tie_weights  # noqa: F401
 from fused_gns import PEGradNormFusedLayerNorm
 
-LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm"])
+# the reference's three fields first, in its order; RMSNorm is this fork's, torch's unless set
+LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm"], defaults=[nn.RMSNorm])
 
 
 def init_contextual_config():
     """Back to torch's classes."""
     global config
-    config = LayerClasses(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm)
+    config = LayerClasses(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
 
 
 init_contextual_config()
 
 
 def get_contextual_config():
-    """The classes in force now, as a dict with keys Embedding, Linear, LayerNorm."""
+    """The classes in force now, as a dict with keys Embedding, Linear, LayerNorm, RMSNorm."""
     return config._asdict()
 
 

@@ -16,7 +16,8 @@ from test_bench_throughput import TINY as BENCH_TINY, load_bench
 from test_model_gns import check_gpt_against_brute_force
 from test_train import train_until_exit
 
-TORCH = dict(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm)
+TORCH = dict(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
+FLAGGED = {kind: TORCH[kind] for kind in lc.FLAG_KINDS.values()}  # the kinds train.py's flags choose
 
 
 class ReferenceStyleModel(nn.Module):
@@ -41,7 +42,7 @@ def test_a_reference_style_model_gets_the_classes_in_force_then_torchs():
 
 
 def test_the_config_is_a_namedtuple_and_get_contextual_config_a_dict():
-    assert lc.config._fields == ("Embedding", "Linear", "LayerNorm")  # the reference's order
+    assert lc.config._fields[:3] == ("Embedding", "Linear", "LayerNorm")  # the reference's order
     assert lc.config._asdict() == TORCH and lc.get_contextual_config() == TORCH
     assert type(lc.get_contextual_config()) is dict
 
@@ -51,9 +52,9 @@ def test_unspecified_classes_stay_as_they_were_and_each_level_is_restored():
     # would have no Linear
     with lc.set_contextual_config(Linear=PEGradNormLinear):
         with lc.set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm, Embedding=None) as inner:
-            assert inner == (nn.Embedding, PEGradNormLinear, PEGradNormFusedLayerNorm)
+            assert inner == (nn.Embedding, PEGradNormLinear, PEGradNormFusedLayerNorm, nn.RMSNorm)
             assert lc.get_contextual_config() == dict(TORCH, Linear=PEGradNormLinear, LayerNorm=PEGradNormFusedLayerNorm)
-        assert lc.config == (nn.Embedding, PEGradNormLinear, nn.LayerNorm)
+        assert lc.config == (nn.Embedding, PEGradNormLinear, nn.LayerNorm, nn.RMSNorm)
     assert lc.config._asdict() == TORCH
 
 
@@ -80,13 +81,13 @@ def test_init_contextual_config_goes_back_to_torchs_classes():
 # The one table from train.py's layer flags to classes
 
 def test_the_table_keeps_train_pys_values_and_gives_set_contextual_configs_arguments():
-    assert lc.classes_for_flags() == TORCH  # a flag not given is nn
+    assert lc.classes_for_flags() == FLAGGED  # a flag not given is nn
     kept = {("linearclass", "gns"): PEGradNormLinear, ("linearclass", "shim"): PEGradNormShimLinear,
             ("embeddingclass", "gns"): PEGradNormEmbedding, ("embeddingclass", "shim"): PEGradNormShimEmbedding,
             ("lnclass", "shim"): PEGradNormSeparatedLayerNorm, ("lnclass", "fused"): PEGradNormFusedLayerNorm}
     for (flag, value), cls in kept.items():
         assert lc.FLAG_CLASSES[flag][value] is cls
-        assert lc.classes_for_flags(**{flag: value}) == dict(TORCH, **{lc.FLAG_KINDS[flag]: cls})
+        assert lc.classes_for_flags(**{flag: value}) == dict(FLAGGED, **{lc.FLAG_KINDS[flag]: cls})
     with lc.set_contextual_config(**lc.classes_for_flags(linearclass="shim", lnclass="fused")):
         model = ReferenceStyleModel()
     assert (type(model.wte), type(model.ln), type(model.fc)) == (nn.Embedding, PEGradNormFusedLayerNorm,
