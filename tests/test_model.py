@@ -1,5 +1,4 @@
 """model.py: shapes, loss at initialisation, weight tying, the layer config, options."""
-import itertools
 import math
 import re
 
@@ -8,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gns_fixtures import one_thread  # noqa: F401  (autouse: tiny tensors, one thread)
+from gns_fixtures import ARCHITECTURES, LLAMA, arch_id, one_thread  # noqa: F401  (one_thread: autouse)
 from layer_config import get_contextual_config, set_contextual_config
 from model import GPT, GPTConfig
 
@@ -147,16 +146,6 @@ def test_load_weights_maps_the_references_and_nanogpts_keys_and_refuses_what_doe
 
 # --------------------------------------------------------------------------------------------
 # Llama-style options: norm, mlp, pos_emb, tie_embeddings
-
-LLAMA = dict(norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False)
-# every combination of the four options, as GPTConfig keyword arguments
-ARCHITECTURES = [dict(zip(LLAMA, values)) for values in itertools.product(
-    ('layernorm', 'rmsnorm'), ('gelu', 'swiglu'), ('learned', 'rope'), (True, False))]
-
-
-def arch_id(arch):
-    return '-'.join(str(v) for v in arch.values())
-
 
 def test_the_defaults_build_gpt2s_modules_and_state_dict_keys():
     """Older configs and checkpoints are unaffected: GPTConfig() is nanoGPT's GPT-2 layout."""
