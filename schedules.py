@@ -358,3 +358,14 @@ def controller_for_run(config, estimators, world_size, ddp_device=None, checkpoi
     if checkpoint is not None and 'bs_controller' in checkpoint:
         controller.load_state_dict(checkpoint['bs_controller'])
     return controller
+
+
+def step_sizes_for_run(config, estimators, world_size, master_process, ddp_device=None, checkpoint=None):
+    """What sets train.py's accumulation steps at every step, if not the config: the editable
+    schedule (--bs_schedule=True), the controller on the live GNS (--bs_controller=gns), or None.
+    Both answer steps_at(tokens, world_size), row() and status(). Raises ValueError."""
+    if config['bs_schedule']:
+        return schedule_for_run(config, world_size, master_process, ddp_device)
+    if config['bs_controller'] == 'gns':
+        return controller_for_run(config, estimators, world_size, ddp_device, checkpoint)
+    return None

@@ -22,7 +22,7 @@ import gnstracking
 from configurator import ConfigError, check_device, check_train_config, configure, die
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPT, GPTConfig, CheckpointError, load_optimizer_state, resume_model, write_checkpoint
-from schedules import controller_for_run, lr_at, schedule_for_run
+from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, stopped_message
 from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
 
@@ -246,14 +246,8 @@ estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp else N
 if gns_hooks != 'none' and compile:
     print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
 
-# what sizes each step when its batch is not fixed: the file out_dir/grad_accum_schedule.txt
-# (--bs_schedule=True), re-read at every step, or the controller on the live GNS (--bs_controller=gns)
-schedule = None
-try:
-    if bs_schedule:
-        schedule = schedule_for_run(config, ddp_world_size, master_process, device if ddp else None)
-    elif bs_controller == 'gns':
-        schedule = controller_for_run(config, estimators, ddp_world_size, device if ddp else None, checkpoint)
+try:  # what sizes each step when it is not fixed: the editable schedule file, or the controller on the GNS
+    schedule = step_sizes_for_run(config, estimators, ddp_world_size, master_process, device if ddp else None, checkpoint)
 except ValueError as e:
     die(str(e))
 
