@@ -570,9 +570,12 @@ def test_rmsnorm_frozen_without_affine_or_without_grad_measures_nothing():
     assert measured_layer.example_count.item() == 0
 
 
-@pytest.mark.parametrize("args,kwargs,eps,affine", [
-    ((8,), {}, None, True), ((8, 1e-6), {}, 1e-6, True), ((8, None, False), {}, None, False),
-    ((), dict(normalized_shape=8, eps=1e-3, elementwise_affine=True), 1e-3, True)])
+# torch's nn.RMSNorm arguments, by position and keyword: (args, kwargs, eps, elementwise_affine)
+RMSNORM_CALLS = [((8,), {}, None, True), ((8, 1e-6), {}, 1e-6, True), ((8, None, False), {}, None, False),
+                 ((), dict(normalized_shape=8, eps=1e-3, elementwise_affine=True), 1e-3, True)]
+
+
+@pytest.mark.parametrize("args,kwargs,eps,affine", RMSNORM_CALLS)
 def test_rmsnorm_takes_torchs_arguments(args, kwargs, eps, affine):
     layer, plain = PEGradNormSeparatedRMSNorm(*args, **kwargs), nn.RMSNorm(*args, **kwargs)
     assert isinstance(layer, nn.RMSNorm) and layer.eps == plain.eps == eps and layer.normalized_shape == (8,)
