@@ -13,7 +13,7 @@ import buffered
 import fused_gns
 from buffered import PEGradNormSeparatedRMSNorm, find_sqgradnorm_buffers, zero_sqgradnorm_buffers
 from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
-from gns_fixtures import gpt_loss, sqgradnorm_sums
+from gns_fixtures import gpt_loss, sqgradnorm_sums, with_rmsnorms
 from layer_config import set_contextual_config
 from model import GPT, GPTConfig
 from reference_names import ReferenceNameError
@@ -285,15 +285,6 @@ def test_gpt_layernorms_match_brute_force():
         (plain(idx, targets)[1] / len(micro_batches)).backward()
     for (name, p), q in zip(fused.named_parameters(), plain.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def with_rmsnorms(model, cls):
-    """The model's LayerNorms replaced by cls (an RMSNorm class) of the same width, under the same names."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.LayerNorm):
-                setattr(module, name, cls(child.normalized_shape))
-    return model
 
 
 def tiny_rms_gpt_pair(cls):
