@@ -247,26 +247,33 @@ def test_frozen_parameter_is_not_measured():
     assert m.example_count.item() == 4
 
 
-def tiny_gpt_pair():
-    """A GPT with fused LayerNorms and a plain one with the same weights."""
-    config = GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=24, bias=True, dropout=0.0)
+def tiny_gpt_pair(rms_cls=None):
+    """A GPT with fused LayerNorms and a plain one with the same weights; given rms_cls (an RMSNorm
+    class), a GPT without biases whose normalisations are rms_cls, and the plain one nn.RMSNorm."""
+    config = GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=24, bias=rms_cls is None, dropout=0.0)
     torch.manual_seed(0)
-    with set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm):
-        fused = GPT(config)
-    plain = GPT(config)
-    with torch.no_grad():  # LayerNorms away from their identity initialisation
-        for name, p in fused.named_parameters():
+    if rms_cls is None:
+        with set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm):
+            measured = GPT(config)
+        plain = GPT(config)
+    else:
+        measured, plain = with_rmsnorms(GPT(config), rms_cls), with_rmsnorms(GPT(config), nn.RMSNorm)
+    with torch.no_grad():  # normalisations away from their identity initialisation
+        for name, p in measured.named_parameters():
             if ".ln_" in name or "ln_f" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    plain.load_state_dict(fused.state_dict())
-    return fused, plain
+    plain.load_state_dict(measured.state_dict())
+    return measured, plain
+
+
+def gpt_micro_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g)) for _ in range(2)]
 
 
 def test_gpt_layernorms_match_brute_force():
     fused, plain = tiny_gpt_pair()
-    g = torch.Generator().manual_seed(1)
-    micro_batches = [(torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g))
-                     for _ in range(2)]
+    micro_batches = gpt_micro_batches()
     B = 4
     for idx, targets in micro_batches:
         _, loss = fused(idx, targets)
@@ -287,25 +294,10 @@ def test_gpt_layernorms_match_brute_force():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def tiny_rms_gpt_pair(cls):
-    """A GPT whose normalisations are cls (an RMSNorm class) and a plain one with nn.RMSNorm, same weights."""
-    config = GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=24, bias=False, dropout=0.0)
-    torch.manual_seed(0)
-    measured, plain = with_rmsnorms(GPT(config), cls), with_rmsnorms(GPT(config), nn.RMSNorm)
-    with torch.no_grad():  # RMSNorms away from their identity initialisation
-        for name, p in measured.named_parameters():
-            if ".ln_" in name or "ln_f" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    plain.load_state_dict(measured.state_dict())
-    return measured, plain
-
-
 @pytest.mark.parametrize("cls", [PEGradNormFusedRMSNorm, PEGradNormSeparatedRMSNorm])
 def test_gpt_rmsnorms_match_brute_force(cls):
-    measured, plain = tiny_rms_gpt_pair(cls)
-    g = torch.Generator().manual_seed(1)
-    micro_batches = [(torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g))
-                     for _ in range(2)]
+    measured, plain = tiny_gpt_pair(cls)
+    micro_batches = gpt_micro_batches()
     for idx, targets in micro_batches:
         (measured(idx, targets)[1] / len(micro_batches)).backward()
     want = sqgradnorm_sums(plain, gpt_loss, micro_batches)
@@ -327,7 +319,7 @@ def test_gpt_rmsnorms_match_brute_force(cls):
 @pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
 def test_gpt_compiles_without_graph_breaks(norm):
     torch._dynamo.reset()
-    fused, _ = tiny_gpt_pair() if norm == "LayerNorm" else tiny_rms_gpt_pair(PEGradNormFusedRMSNorm)
+    fused, _ = tiny_gpt_pair(None if norm == "LayerNorm" else PEGradNormFusedRMSNorm)
     idx = torch.randint(0, 16, (2, 8))
     explanation = torch._dynamo.explain(fused)(idx, idx)
     assert explanation.graph_break_count == 0
@@ -335,8 +327,8 @@ def test_gpt_compiles_without_graph_breaks(norm):
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype")  # torch's rms_norm, for a bfloat16 input and float32 weights
-@pytest.mark.parametrize("cls,plain_cls", [(PEGradNormFusedLayerNorm, nn.LayerNorm), (PEGradNormFusedRMSNorm, nn.RMSNorm)],
-                         ids=["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("cls,plain_cls", [(PEGradNormFusedLayerNorm, nn.LayerNorm),
+                                           (PEGradNormFusedRMSNorm, nn.RMSNorm)], ids=["LayerNorm", "RMSNorm"])
 def test_autocast_and_inference_behave_like_torchs(cls, plain_cls):
     ours, theirs = randomised(cls(16)), randomised(plain_cls(16))
     x = torch.randn(2, 3, 16)
@@ -351,8 +343,8 @@ def test_autocast_and_inference_behave_like_torchs(cls, plain_cls):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("cls,plain_cls", [(PEGradNormFusedLayerNorm, nn.LayerNorm), (PEGradNormFusedRMSNorm, nn.RMSNorm)],
-                         ids=["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("cls,plain_cls", [(PEGradNormFusedLayerNorm, nn.LayerNorm),
+                                           (PEGradNormFusedRMSNorm, nn.RMSNorm)], ids=["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
 def test_cuda_autocast_like_torchs(backend, cls, plain_cls):
     if backend == "triton":

@@ -163,7 +163,7 @@ def test_rmsnorm_gains_are_in_the_normalisation_group(tmp_path):
     results, info = gns_analysis.analyze(df, alpha=0.9)
     groups = info["groups"]
     assert list(groups)[:4] == ["total", "LayerNorm", "Linear", "Embedding"]
-    assert groups["LayerNorm"] == ["transformer.h.0.ln_1.weight", "transformer.h.1.ln_1.weight", "transformer.ln_f.weight"]
+    assert groups["LayerNorm"] == [f"transformer.{n}.weight" for n in ("h.0.ln_1", "h.1.ln_1", "ln_f")]
     assert np.isfinite(results["LayerNorm/gns"]).any()
     parts = sum(results[f"{k}/trace"] for k in ("LayerNorm", "Linear", "Embedding"))
     assert np.allclose(parts, results["total/trace"], rtol=1e-10)

@@ -65,7 +65,8 @@ def test_unspecified_classes_stay_as_they_were_and_each_level_is_restored():
             assert inner == (nn.Embedding, PEGradNormLinear, PEGradNormFusedLayerNorm, nn.RMSNorm)
             assert lc.get_contextual_config() == dict(TORCH, Linear=PEGradNormLinear, LayerNorm=PEGradNormFusedLayerNorm)
             with lc.set_contextual_config(RMSNorm=PEGradNormSeparatedRMSNorm):
-                assert lc.config.RMSNorm is PEGradNormSeparatedRMSNorm and type(RMSNormModel().norm) is PEGradNormSeparatedRMSNorm
+                assert lc.config.RMSNorm is PEGradNormSeparatedRMSNorm
+                assert type(RMSNormModel().norm) is PEGradNormSeparatedRMSNorm
             assert lc.config.RMSNorm is nn.RMSNorm
         assert lc.config == (nn.Embedding, PEGradNormLinear, nn.LayerNorm, nn.RMSNorm)
     assert lc.config._asdict() == TORCH
@@ -127,7 +128,8 @@ def test_an_lnclass_entry_without_a_class_for_each_normalisation_is_one_line(mon
     for value in ("half", "bare"):
         with pytest.raises(ValueError) as error:
             lc.classes_for_flags(lnclass=value)
-        assert f"FLAG_CLASSES['lnclass'][{value!r}] must give a class for each of LayerNorm, RMSNorm" in str(error.value)
+        message = f"FLAG_CLASSES['lnclass'][{value!r}] must give a class for each of LayerNorm, RMSNorm"
+        assert message in str(error.value)
         assert "\n" not in str(error.value)
     monkeypatch.setitem(lc.FLAG_CLASSES["lnclass"], "both", dict(LayerNorm=PEGradNormSeparatedLayerNorm,
                                                                  RMSNorm=PEGradNormFusedRMSNorm))
