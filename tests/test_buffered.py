@@ -555,6 +555,23 @@ def test_rmsnorm_output_and_gradients_are_torchs_own(dtype, eps):
     assert layer.weight_sqgradnorm.dtype == torch.float32 and layer.example_count.item() == 8
 
 
+@pytest.mark.slow
+def test_rmsnorm_compiles_in_one_graph_like_eager():
+    """torch.compile (fullgraph: no graph break) keeps the tap's buffer updates: the same
+    gradients and buffers as eager over two micro-steps."""
+    torch._dynamo.reset()
+    torch.manual_seed(30)
+    layer, _ = twins(PEGradNormSeparatedRMSNorm, 6)
+    twin = deepcopy(layer)
+    batches = float_batches(2, (3, 4, 6), 6)
+    run(layer, batches)
+    run(torch.compile(twin, backend="aot_eager", fullgraph=True), batches)
+    assert torch.equal(twin.weight.grad, layer.weight.grad) and twin.example_count.item() == 6
+    torch.testing.assert_close(twin.weight_sqgradnorm, layer.weight_sqgradnorm, rtol=1e-6, atol=0)
+    assert layer.weight_sqgradnorm.item() > 0
+    torch._dynamo.reset()
+
+
 def test_rmsnorm_frozen_without_affine_or_without_grad_measures_nothing():
     frozen, plain = PEGradNormSeparatedRMSNorm(4), PEGradNormSeparatedRMSNorm(4, elementwise_affine=False)
     frozen.weight.requires_grad_(False)
