@@ -14,13 +14,13 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from buffered import (PEGradNormEmbedding, PEGradNormShimEmbedding, PEGradNormShimLinear,  # noqa: E402
-                      find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
+from buffered import (PEGradNormEmbedding, PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding,  # noqa: E402
+                      PEGradNormShimLinear, find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
 from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
 from gns_fixtures import gpt_loss, sqgradnorm_sums  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
-TORCH_CLASSES = (nn.Linear, nn.Embedding, nn.LayerNorm)  # not measured
+TORCH_CLASSES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)  # not measured
 B, T, STEPS = 4, 16, 2
 
 pytestmark = [pytest.mark.filterwarnings("ignore:tied weight")]
@@ -93,7 +93,8 @@ def check_gpt_against_brute_force(classes, bias):
     model.load_state_dict(state)
     train(model, batches)
     check_against_brute_force(model, expected, measured_names(list(state_names(model)), classes))
-    shims = (PEGradNormShimLinear, PEGradNormShimEmbedding)  # torch's backward, the norms beside it
+    # torch's backward, the norms beside it
+    shims = (PEGradNormShimLinear, PEGradNormShimEmbedding, PEGradNormSeparatedRMSNorm)
     exact = all(cls in TORCH_CLASSES or issubclass(cls, shims) for cls in classes.values())
     for n, p in model.named_parameters():
         if exact:
