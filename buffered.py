@@ -1,5 +1,5 @@
 """
-Per-example gradient norm layers: drop-in Linear, Embedding and LayerNorm classes whose
+Per-example gradient norm layers: drop-in Linear, Embedding, LayerNorm and RMSNorm classes whose
 backward pass also accumulates, for every trainable parameter p, the running sum over
 examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in float32.
 
@@ -13,6 +13,8 @@ examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in 
                                                           that measures dgamma_b and dbeta_b
                            LayerNorm                      unmeasured: nn.LayerNorm that also takes
                                                           nanoGPT's LayerNorm(ndim, bias)
+    --lnclass=shim         PEGradNormSeparatedRMSNorm     for RMSNorm: torch's rms_norm (bit-identical
+                                                          output and .grad), dgamma_b measured beside it
 
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
 over within an example), a 2-D [N, K] input is N examples of one row each.
@@ -46,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
-from normgnorm.torch_path import per_example_affine_grads
+from normgnorm.torch_path import per_example_affine_grads, rms_norm_eps
 from reference_names import refuse_module_names, refused
 
 
@@ -802,6 +804,61 @@ class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
     layernorm = refused("PEGradNormSeparatedLayerNorm.layernorm", "the layer normalises and applies its "
                         "weight and bias in one call; for the normalisation alone use "
                         "F.layer_norm(x, ln.normalized_shape, None, None, ln.eps)")
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+class _RMSNormTap(torch.autograd.Function):
+    """
+    Identity on the output of torch's rms_norm; its backward adds sum_b ||dgamma_b||^2 with
+    dgamma_b = sum_t dy * xhat (DESIGN.md §6) and hands dy on untouched. xhat = x * rstd is
+    recomputed from the input in float32 (float64 for float64), as torch computes it: CUDA
+    autocast runs rms_norm in float32, and a float32 copy of a half-precision x is exact.
+    """
+
+    @staticmethod
+    def forward(ctx, y, x, w_sq, count, normalized_shape, eps):
+        ctx.save_for_backward(x)
+        ctx.bufs = (w_sq, count)
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, = ctx.saved_tensors
+        w_sq, count = ctx.bufs
+        B, N = _examples(x, len(ctx.normalized_shape)), math.prod(ctx.normalized_shape)
+        x3 = x.reshape(B, -1, N)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        mean_square = torch.linalg.vector_norm(x3, dim=-1, keepdim=True, dtype=acc).square_().div_(N)
+        rstd = mean_square.add_(rms_norm_eps(ctx.eps, x.dtype)).rsqrt_()
+        dw_b, _ = per_example_affine_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False)
+        w_sq.add_(dw_b.square().sum())
+        count.add_(B)
+        return dy, None, None, None, None, None
+
+
+class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
+    """
+    nn.RMSNorm (the same arguments, parameter and state_dict keys; eps None is torch's machine
+    epsilon) whose backward also adds the per-example squared norms of its gain's gradient,
+    dgamma_b = sum_t dy * xhat: LayerNorm's rule without the centring. Output and every gradient
+    are torch's own rms_norm's (bit-identical); the norms are measured beside it from dy and the
+    input, which torch saves too, at the cost of one more read of x in backward.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        register_sqgradnorm_buffers(self)
+
+    def forward(self, x):
+        y = F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        weight = self._parameters.get("weight")  # None without affine, or parametrized: not measured
+        if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
+            return y
+        return _RMSNormTap.apply(y, x.detach(), self.weight_sqgradnorm, self.example_count,
+                                 self.normalized_shape, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------

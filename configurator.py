@@ -93,6 +93,23 @@ def check_train_config(config):
     if gas % world_size and not config['bs_schedule']:
         die(f"gradient_accumulation_steps={gas} is not divisible by the {world_size} DDP processes (it counts "
             f"micro-steps over all processes: use --gradient_accumulation_steps={world_size} or a multiple)")
+    if config['bs_controller'] not in ('none', 'gns'):
+        die(f"--bs_controller={config['bs_controller']!r} is not one of none, gns")
+    if config['bs_controller'] == 'gns' and config['bs_schedule']:
+        die("--bs_controller=gns and --bs_schedule=True both set the batch size; choose one")
+    if config['bs_gns_group'] not in (None, 'total', 'LayerNorm'):
+        die(f"--bs_gns_group={config['bs_gns_group']!r} is not one of total, LayerNorm (or None: the group measured)")
+    check_number(config, 'bs_gns_fraction', 0, low_ok=False)
+    check_number(config, 'bs_min_accum', 1, whole=True)
+    if config['bs_min_accum'] > gas:
+        die(f"--bs_min_accum={config['bs_min_accum']} is above --gradient_accumulation_steps={gas}, "
+            f"the batch-size controller's ceiling")
+    check_number(config, 'bs_warmup_steps', 0, whole=True)
+    if config['bs_update_tokens'] is not None:
+        check_number(config, 'bs_update_tokens', 0, whole=True)
+    if config['bs_controller'] == 'gns' and config['bs_min_accum'] % world_size:
+        die(f"--bs_min_accum={config['bs_min_accum']} is not divisible by the {world_size} DDP processes "
+            f"(it counts global micro-steps, as gradient_accumulation_steps does)")
     out_dir = config['out_dir']
     if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
         die(f"--out_dir={out_dir!r} must name a directory")

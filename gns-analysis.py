@@ -37,7 +37,8 @@ import pandas as pd
 
 from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
-from gnstracking import EMA_BETA, PREFIXES, debiased_ema, parse_column, total_columns, unbiased_estimates
+from gnstracking import (EMA_BETA, PREFIXES, debiased_ema, layer_type, parse_column, total_columns,
+                         unbiased_estimates)
 from reference_names import refuse_module_names
 
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
@@ -60,16 +61,6 @@ NOT_NUMBERS = ("nan", "-nan", "+nan")  # text that is a (non-finite) number
 
 class AnalysisError(Exception):
     """The log has no usable GNS data; the message is one line for the user."""
-
-
-def layer_type(name):
-    """LayerNorm for ln_1, ln_2, ln_f, ...; Embedding for wte, wpe; Linear for everything else."""
-    parts = name.split(".")
-    if any(p.startswith("ln_") for p in parts):
-        return "LayerNorm"
-    if any(p in ("wte", "wpe") for p in parts):
-        return "Embedding"
-    return "Linear"
 
 
 def block_of(name):

@@ -229,6 +229,17 @@ class Measurement:
                 f"|G_b| {self.small_batch_norm:.4g} over {self.small_batch_size}")
 
 
+def layer_type(name):
+    """A parameter's group by its name: LayerNorm for ln_1, ln_2, ln_f, ... (the normalisation
+    layers, whatever their kind); Embedding for wte, wpe; Linear for everything else."""
+    parts = name.split(".")
+    if any(p.startswith("ln_") for p in parts):
+        return "LayerNorm"
+    if any(p in ("wte", "wpe") for p in parts):
+        return "Embedding"
+    return "Linear"
+
+
 def _unwrap(model):
     # Parameter names must be those of the plain model (they are the CSV column names), not the
     # "module." / "_orig_mod." prefixed ones of a DDP or torch.compile wrapper.
@@ -493,7 +504,8 @@ class ExactGNS(Estimator):
     The exact per-example estimator (b = 1): every parameter whose layer keeps per-example-norm
     buffers (buffered.py), read by a MeasurementTracker, the buffers first summed over the DDP
     ranks when world_size > 1. Its live GNS, for the status line, is an EMA (beta EMA_BETA) of the
-    estimates from the totals over all measured parameters, carried across a resume.
+    estimates from the totals over all measured parameters, carried across a resume; and one of
+    the LayerNorm group's alone when it has measured LayerNorms (live_gns() reads either).
     """
     name = PREFIXES["exact"]
     label = "gns"
@@ -503,10 +515,23 @@ class ExactGNS(Estimator):
         self.logs = AccumulateMeasurements(prefix=self.name)
         self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
         self.gns = GradientNoiseScale(beta=beta)
+        self.groups = {"total": self.gns}
+        if any(layer_type(name) == "LayerNorm" for name in self.tracker.names):
+            self.groups["LayerNorm"] = GradientNoiseScale(beta=beta)
 
     @property
     def skipped_steps(self):
         return self.tracker.skipped_steps
+
+    def state_dict(self):
+        return {**self.gns.state_dict(), "groups": {g: gns.state_dict() for g, gns in self.groups.items() if g != "total"}}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        for group, group_state in state.pop("groups", {}).items():  # older checkpoints have the total alone
+            if group in self.groups:
+                self.groups[group].load_state_dict(group_state)
+        self.gns.load_state_dict(state)
 
     def measure(self, step, examples, scaler):
         if self.tracker.world_size > 1:
@@ -515,8 +540,10 @@ class ExactGNS(Estimator):
         self.tracker.scaler = scaler
         measurements = self.tracker.step(batch_size=examples, step=step)
         if measurements and examples > 1:  # one example: no small batch below it
-            self.gns.update(sum(m.small_batch_norm ** 2 for m in measurements),
-                            sum(m.big_batch_norm ** 2 for m in measurements), 1, examples)
+            for group, gns in self.groups.items():
+                members = [m for m in measurements if group == "total" or layer_type(m.metadata["name"]) == group]
+                gns.update(sum(m.small_batch_norm ** 2 for m in members),
+                           sum(m.big_batch_norm ** 2 for m in members), 1, examples)
         return self.logs.pop()
 
     def reset(self):
@@ -572,6 +599,27 @@ def reset_all(estimators):
 def status_line(estimators):
     """The estimators' parts of the status line, e.g. 'gns 12.3, ddp gns 11.9' ('' if none)."""
     return ", ".join(s for s in (e.status() for e in estimators) if s)
+
+
+def live_gns(estimators, group="total"):
+    """(GNS, steps its EMA has averaged) of the exact estimator's live EMA for `group` ('total' or
+    'LayerNorm'); (nan, 0) when nothing measures that group."""
+    for e in estimators:
+        if isinstance(e, ExactGNS) and group in e.groups:
+            gns = e.groups[group]
+            updates = math.log(gns.beta_cumprod) / math.log(gns.beta) if gns.beta_cumprod > 0 else math.inf
+            return gns.get_gns(), round(updates)
+    return float("nan"), 0
+
+
+def measured_groups(estimators):
+    """The groups live_gns() can read: 'total' and 'LayerNorm' (when measured), or none; 'LayerNorm'
+    first when the LayerNorms are all that is measured."""
+    for e in estimators:
+        if isinstance(e, ExactGNS):
+            groups = list(e.groups)  # "total" first
+            return groups[::-1] if all(layer_type(name) == "LayerNorm" for name in e.tracker.names) else groups
+    return []
 
 
 def skipped_steps(estimators):

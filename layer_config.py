@@ -9,35 +9,34 @@ script can build a plain GPT and a per-example-norm GPT side by side:
 
 Every class must be a drop-in for the torch one: the same constructor arguments and the same
 parameter names. LayerNorm is called as LayerNorm(ndim, bias=bool), which torch's own
-nn.LayerNorm accepts.
+nn.LayerNorm accepts; RMSNorm as torch's nn.RMSNorm(normalized_shape, eps=None, ...).
 
-RMSNorm is called as RMSNorm(ndim, eps=...), torch's nn.RMSNorm's arguments (a model built with
-norm='rmsnorm' uses it where it would use LayerNorm).
-
-The classes in force are the namedtuple `config` (fields Embedding, Linear, LayerNorm, RMSNorm),
-which set_contextual_config rebinds and restores: a model written for the reference implementation
-(`import layer_config as lc` ... `lc.config.Linear(...)` in its __init__) reads it the same way.
+The classes in force are the namedtuple `config` (fields Embedding, Linear, LayerNorm, RMSNorm:
+the reference's three in its order, then RMSNorm), which set_contextual_config rebinds and
+restores: a model written for the reference implementation (`import layer_config as lc` ...
+`lc.config.Linear(...)` in its __init__) reads it the same way.
 
 FLAG_CLASSES is the one table from train.py's --linearclass / --embeddingclass / --lnclass values
 to classes; train.py, bench/ and the tests read it, so a new layer class is its code plus one
-entry there:
+entry there. --lnclass chooses the class of whichever normalisation the model uses, so each of
+its values gives one class per normalisation kind (FLAG_KINDS), LayerNorm and RMSNorm:
 
     with set_contextual_config(**classes_for_flags(linearclass='gns', lnclass='fused')):
-        model = GPT(config)
+        model = GPT(config)   # its LayerNorms PEGradNormFusedLayerNorm, its RMSNorms PEGradNormFusedRMSNorm
 """
 from collections import namedtuple
 from contextlib import contextmanager
 
 import torch.nn as nn
 
-from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormShimEmbedding,
-                      PEGradNormShimLinear)
+from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
+                      PEGradNormShimEmbedding, PEGradNormShimLinear)
 # model.py ties wte to lm_head through here, so that only buffered.py knows how measured layers link
 from buffered import tie_weights  # noqa: F401
-from fused_gns import PEGradNormFusedLayerNorm
+from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
 
-# the reference's three fields first, in its order; RMSNorm is this fork's, torch's unless set
-LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm"], defaults=[nn.RMSNorm])
+# RMSNorm last and with a default, so that the reference's three-class LayerClasses(...) still builds
+LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm"], defaults=(nn.RMSNorm,))
 
 
 def init_contextual_config():
@@ -72,21 +71,42 @@ def set_contextual_config(**classes):
         config = saved
 
 
-# train.py's flag for each kind of layer, and the class each of its values builds: nn is torch's
-# (not measured), gns computes gradient and norms in one backward, shim keeps torch's backward and
-# adds the norms beside it, fused is the normgnorm kernel (buffered.py, fused_gns.py)
-FLAG_KINDS = {'linearclass': 'Linear', 'embeddingclass': 'Embedding', 'lnclass': 'LayerNorm'}
+# train.py's flag for each kind of layer (a tuple where one flag chooses for several kinds), and
+# what each of its values builds: a class, or for a flag of several kinds a dict with a class per
+# kind. nn is torch's (not measured), gns computes gradient and norms in one backward, shim keeps
+# torch's backward and adds the norms beside it (the separated normalisations), fused is the
+# normgnorm kernel (buffered.py, fused_gns.py)
+FLAG_KINDS = {'linearclass': 'Linear', 'embeddingclass': 'Embedding', 'lnclass': ('LayerNorm', 'RMSNorm')}
 FLAG_CLASSES = {
     'linearclass': {'nn': nn.Linear, 'gns': PEGradNormLinear, 'shim': PEGradNormShimLinear},
     'embeddingclass': {'nn': nn.Embedding, 'gns': PEGradNormEmbedding, 'shim': PEGradNormShimEmbedding},
-    'lnclass': {'nn': nn.LayerNorm, 'shim': PEGradNormSeparatedLayerNorm, 'fused': PEGradNormFusedLayerNorm},
+    'lnclass': {'nn': dict(LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm),
+                'shim': dict(LayerNorm=PEGradNormSeparatedLayerNorm, RMSNorm=PEGradNormSeparatedRMSNorm),
+                'fused': dict(LayerNorm=PEGradNormFusedLayerNorm, RMSNorm=PEGradNormFusedRMSNorm)},
 }
+
+
+def flag_kinds(flag):
+    """The layer kinds `flag` chooses the classes of, as a tuple."""
+    kinds = FLAG_KINDS[flag]
+    return (kinds,) if isinstance(kinds, str) else tuple(kinds)
+
+
+def _entry_classes(flag, value):
+    """{kind: class} of one table entry; an entry that leaves out a kind of its flag is an error."""
+    entry, kinds = FLAG_CLASSES[flag][value], flag_kinds(flag)
+    classes = dict(entry) if isinstance(entry, dict) else {kinds[0]: entry} if len(kinds) == 1 else {}
+    if set(classes) != set(kinds):
+        raise ValueError(f"FLAG_CLASSES[{flag!r}][{value!r}] must give a class for each of {', '.join(kinds)}, "
+                         f"as {{{', '.join(f'{k!r}: ...' for k in kinds)}}}")
+    return classes
 
 
 def classes_for_flags(**flags):
     """
-    set_contextual_config's keyword arguments (Linear=..., Embedding=..., LayerNorm=...) for
-    train.py's flag values, e.g. classes_for_flags(lnclass='shim'); a flag not given is 'nn'.
+    set_contextual_config's keyword arguments (Linear=..., Embedding=..., LayerNorm=...,
+    RMSNorm=...) for train.py's flag values, e.g. classes_for_flags(lnclass='shim'); a flag not
+    given is 'nn'.
     """
     unknown = set(flags) - set(FLAG_CLASSES)
     if unknown:
@@ -96,5 +116,5 @@ def classes_for_flags(**flags):
         value = flags.get(flag, 'nn')
         if value not in values:
             raise ValueError(f"--{flag}={value!r} is not one of {', '.join(values)}")
-        classes[FLAG_KINDS[flag]] = values[value]
+        classes.update(_entry_classes(flag, value))
     return classes

@@ -1,6 +1,6 @@
 """
-Schedules over tokens: the learning rate, and the gradient-accumulation (batch-size) schedule
-that a user may edit while the run goes on.
+Schedules over tokens: the learning rate, the gradient-accumulation (batch-size) schedule that a
+user may edit while the run goes on, and the batch-size controller that follows the measured GNS.
 
 Training is denominated in tokens, not iterations, so that runs with different or changing
 batch sizes follow the same schedule.
@@ -148,6 +148,17 @@ def read_schedule_file(path, max_bytes=MAX_SCHEDULE_BYTES):
         raise ValueError(f"not UTF-8 text (byte {e.start})") from None
 
 
+def rank0s(value, ddp_device):
+    """Rank 0's whole number on every rank under DDP (ddp_device set); the value itself without.
+    What sizes a step must be the same everywhere, whatever each rank read or computed."""
+    if ddp_device is None:
+        return value
+    import torch  # here: only DDP runs need torch in this module
+    value = torch.tensor([value], device=ddp_device)
+    torch.distributed.broadcast(value, 0)
+    return int(value.item())
+
+
 class GradAccumSchedule:
     """The schedule file in out_dir, re-read at the start of every step (it is small, and an
     edit must be seen even where it leaves the size and mtime as they were). An edit that does
@@ -208,13 +219,13 @@ class GradAccumSchedule:
         """Accumulation steps per rank for the step starting now (call it at every step start);
         under DDP, rank 0's on every rank."""
         self.reload()
-        steps = steps_at(self.points, tokens, world_size)
-        if self.ddp_device is not None:
-            import torch
-            steps = torch.tensor([steps], device=self.ddp_device)
-            torch.distributed.broadcast(steps, 0)
-            steps = int(steps.item())
-        return steps
+        return rank0s(steps_at(self.points, tokens, world_size), self.ddp_device)
+
+    def row(self):
+        return {}
+
+    def status(self):
+        return ""
 
 
 def schedule_for_run(config, world_size, master_process, ddp_device=None):
@@ -235,9 +246,126 @@ def schedule_for_run(config, world_size, master_process, ddp_device=None):
         if master_process:
             GradAccumSchedule(path, points, max_steps=max_steps)
         if ddp_device is not None:
-            import torch.distributed  # here: only DDP runs need torch in this module
+            import torch.distributed
             torch.distributed.barrier()
         return GradAccumSchedule(path, max_steps=max_steps, log=print if master_process else (lambda *a: None),
                                  ddp_device=ddp_device)
     except FileNotFoundError as e:
         raise ValueError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch size from the measured GNS (--bs_controller=gns). McCandlish et al. (2018, sec. 2.2,
+# App. D): B_noise = tr(S)/|G|^2 approximates the critical batch size, at which a run takes about
+# twice the minimum steps and twice the minimum examples; a batch f * B_noise moves along that
+# trade-off. B_noise grows as the loss falls, so the batch follows it up.
+
+def target_accumulation(target_examples, batch_size, floor, ceiling, world_size=1):
+    """Global accumulation steps for a batch of target_examples: rounded up to whole micro-batches
+    of batch_size examples, then to a multiple of world_size (each rank takes its share), clamped
+    to [floor, ceiling] (both multiples of world_size)."""
+    steps = math.ceil(target_examples / batch_size) if math.isfinite(target_examples) else floor
+    steps = world_size * math.ceil(steps / world_size)
+    return min(max(steps, floor), ceiling)
+
+
+class GNSBatchController:
+    """
+    Sets the global accumulation steps from a live GNS, read through gns_source() -> (GNS in
+    examples, steps its EMA has averaged), before every step (so after the last optimizer step):
+    - target = fraction * GNS examples, made whole steps by target_accumulation();
+    - until the EMA has averaged warmup_steps measured steps (its debiased average then rests on
+      that many estimates; one step's is too noisy to size a batch) and whenever the GNS is not
+      finite or not measured, the count stays where it is: at the floor before the first change;
+    - a change comes at most once per update_tokens tokens, and a decrease only if allow_decrease
+      (batch-growth schedules, like the reference's, only grow).
+    Under DDP every rank takes rank 0's decision (rank0s). Its state (the count, the tokens at the
+    last change, the target) goes into the checkpoint, so a resumed run continues it.
+    """
+
+    def __init__(self, gns_source, *, fraction, batch_size, floor, ceiling, warmup_steps, update_tokens,
+                 allow_decrease=False, world_size=1, ddp_device=None):
+        self.gns_source = gns_source
+        self.fraction, self.batch_size = fraction, batch_size
+        self.floor, self.ceiling, self.world_size = floor, ceiling, world_size
+        self.warmup_steps, self.update_tokens, self.allow_decrease = warmup_steps, update_tokens, allow_decrease
+        self.ddp_device = ddp_device
+        self.accumulation = floor  # global
+        self.changed_at = None  # tokens at the last change
+        self.target = float('nan')  # examples
+
+    def decide(self, gns, averaged_steps, tokens):
+        """The global accumulation steps for the step starting at `tokens` (and the new state)."""
+        if averaged_steps < self.warmup_steps or not math.isfinite(gns):
+            self.target = float('nan')
+            return self.accumulation
+        self.target = self.fraction * gns
+        steps = target_accumulation(self.target, self.batch_size, self.floor, self.ceiling, self.world_size)
+        too_soon = self.changed_at is not None and tokens - self.changed_at < self.update_tokens
+        if steps == self.accumulation or too_soon or (steps < self.accumulation and not self.allow_decrease):
+            return self.accumulation
+        self.accumulation, self.changed_at = steps, tokens
+        return steps
+
+    def steps_at(self, tokens, world_size=1):
+        """Accumulation steps per rank for the step starting now (GradAccumSchedule's interface)."""
+        before, changed_at = self.accumulation, self.changed_at
+        steps = rank0s(self.decide(*self.gns_source(), tokens), self.ddp_device)
+        # every rank's state follows rank 0's decision, whatever it had decided itself
+        self.accumulation, self.changed_at = steps, (tokens if steps != before else changed_at)
+        return steps // world_size
+
+    def row(self):
+        """log.csv columns: the target batch in examples (NaN while warming up) and the global
+        accumulation steps chosen."""
+        return {'bs_controller/target_examples': self.target, 'bs_controller/accumulation_steps': self.accumulation}
+
+    def status(self):
+        target = "warming up" if math.isnan(self.target) else f"target {self.target:.4g}"
+        return f"bs {target}, accum {self.accumulation}"
+
+    def state_dict(self):
+        return {'accumulation': self.accumulation, 'changed_at': self.changed_at, 'target': self.target}
+
+    def load_state_dict(self, state):
+        self.accumulation = min(max(int(state['accumulation']), self.floor), self.ceiling)
+        self.changed_at, self.target = state['changed_at'], float(state['target'])
+
+
+def controller_for_run(config, estimators, world_size, ddp_device=None, checkpoint=None):
+    """
+    train.py's --bs_controller=gns: a GNSBatchController on the exact estimator's live GNS of
+    bs_gns_group (default: the group measured, LayerNorm when the LayerNorms alone are), resumed
+    from a checkpoint's state. Without a measured GNS the batch stays at bs_min_accum (said once).
+    Raises ValueError for a group that is not measured.
+    """
+    import gnstracking
+    measured = gnstracking.measured_groups(estimators)
+    group = config['bs_gns_group'] or (measured[0] if measured else 'total')
+    if measured and group not in measured:
+        raise ValueError(f"--bs_gns_group={group} but this run measures the GNS of {' and '.join(measured)} only "
+                         f"(choose the layer classes with --linearclass, --embeddingclass, --lnclass)")
+    if not measured:
+        print(f"warning: --bs_controller=gns but no layer measures per-example gradient norms (--linearclass, "
+              f"--embeddingclass, --lnclass): the batch stays at --bs_min_accum={config['bs_min_accum']}")
+    update_tokens = config['bs_update_tokens']
+    controller = GNSBatchController(
+        lambda: gnstracking.live_gns(estimators, group), fraction=config['bs_gns_fraction'],
+        batch_size=config['batch_size'], floor=config['bs_min_accum'], ceiling=config['gradient_accumulation_steps'],
+        warmup_steps=config['bs_warmup_steps'], allow_decrease=config['bs_allow_decrease'],
+        update_tokens=config['max_tokens'] // 100 if update_tokens is None else update_tokens,
+        world_size=world_size, ddp_device=ddp_device)
+    if checkpoint is not None and 'bs_controller' in checkpoint:
+        controller.load_state_dict(checkpoint['bs_controller'])
+    return controller
+
+
+def step_sizes_for_run(config, estimators, world_size, master_process, ddp_device=None, checkpoint=None):
+    """What sets train.py's accumulation steps at every step, if not the config: the editable
+    schedule (--bs_schedule=True), the controller on the live GNS (--bs_controller=gns), or None.
+    Both answer steps_at(tokens, world_size), row() and status(). Raises ValueError."""
+    if config['bs_schedule']:
+        return schedule_for_run(config, world_size, master_process, ddp_device)
+    if config['bs_controller'] == 'gns':
+        return controller_for_run(config, estimators, world_size, ddp_device, checkpoint)
+    return None

@@ -23,7 +23,7 @@ from configurator import ConfigError, check_device, check_train_config, configur
 from layer_config import classes_for_flags, set_contextual_config
 from model import (GPT, GPTConfig, LAYOUT_ARGS, CheckpointError, load_optimizer_state, resume_model,
                    write_checkpoint)
-from schedules import lr_at, schedule_for_run
+from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, stopped_message
 from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
 
@@ -89,6 +89,15 @@ max_nonfinite_steps = 5  # stop after this many steps in a row with a non-finite
 # batch-size schedule: accumulation steps piecewise linear in tokens, out_dir/grad_accum_schedule.txt
 bs_schedule = False
 bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 2 at 0 tokens (as the reference) to gradient_accumulation_steps at max_tokens
+# or the batch from the measured GNS (schedules.GNSBatchController): bs_gns_fraction x the live GNS
+# of bs_gns_group, in global accumulation steps from bs_min_accum up to gradient_accumulation_steps
+bs_controller = 'none'  # or 'gns'
+bs_gns_fraction = 1.0
+bs_gns_group = None  # 'total' or 'LayerNorm'; None: the group measured (LayerNorm when LayerNorms alone are)
+bs_min_accum = 1  # the floor, and the start
+bs_warmup_steps = 50  # steps the GNS's EMA averages before the batch follows it
+bs_update_tokens = None  # at most one change per this many tokens; None: max_tokens / 100
+bs_allow_decrease = False
 # system
 backend = 'nccl'  # 'nccl' for GPUs, 'gloo' for CPU
 device = 'cuda'  # 'cpu', 'cuda', 'cuda:1', 'mps'
@@ -244,12 +253,10 @@ estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp else N
 if gns_hooks != 'none' and compile:
     print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
 
-schedule = None  # --bs_schedule=True: out_dir/grad_accum_schedule.txt, re-read at every step
-if bs_schedule:
-    try:
-        schedule = schedule_for_run(config, ddp_world_size, master_process, device if ddp else None)
-    except ValueError as e:
-        die(str(e))
+try:  # what sizes each step when it is not fixed: the editable schedule file, or the controller on the GNS
+    schedule = step_sizes_for_run(config, estimators, ddp_world_size, master_process, device if ddp else None, checkpoint)
+except ValueError as e:
+    die(str(e))
 
 # out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for;
 # eval_only writes neither (it must not replace a training run's log or config)
@@ -305,6 +312,8 @@ def save_checkpoint():
     ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
     gnstracking.save_states(estimators, ckpt)
+    if bs_controller == 'gns':
+        ckpt['bs_controller'] = schedule.state_dict()
     print(f"saving checkpoint to {out_dir}")
     try:
         write_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
@@ -401,9 +410,9 @@ while eval_only or not finished(tokens_processed, iter_num):
                     'tokens_per_sec': tokens_this_step / dt, 'mfu': running_mfu, 'lr': lr,
                     'grad_norm': grad_normf, 'gradient_accumulation_steps': gradient_accumulation_steps,
                     'train/lossf': lossf})
-        logger.log(gns_row)
+        logger.log({**gns_row, **(schedule.row() if schedule else {})})
         if (iter_num + 1) % log_interval == 0:
-            gns = gnstracking.status_line(estimators)
+            gns = ", ".join(s for s in (gnstracking.status_line(estimators), schedule and schedule.status()) if s)
             print(f"iter {iter_num + 1}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
                   f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}" + (f", {gns}" if gns else ""))
     iter_num += 1

@@ -1,7 +1,7 @@
 """
-normgnorm: a LayerNorm whose backward pass also yields the per-example squared gradient
-norms of its gain and bias, at almost no extra cost. Gray et al. 2024 ("Normalization Layer
-Per-Example Gradients are Sufficient to Predict Gradient Noise Scale in Transformers") show
+normgnorm: a LayerNorm (and an RMSNorm) whose backward pass also yields the per-example squared
+gradient norms of its gain and bias, at almost no extra cost. Gray et al. 2024 ("Normalization
+Layer Per-Example Gradients are Sufficient to Predict Gradient Noise Scale in Transformers") show
 these norms alone predict the whole model's gradient noise scale.
 
 For x [B, T, D] (any leading shape: the first dim counts examples, the rest are tokens; a 2-D
@@ -13,8 +13,13 @@ x [N, D] is N examples of one token), with x̂ = (x - mean) * rstd and y = γ �
 accumulated in float32 whatever the input dtype. The gradient the layer sees is that of the
 mean loss, so these are Σ_b ||g_b / B||² as buffered.py defines them.
 
+RMSNorm (x̂ = x * rstd, rstd = 1 / sqrt(mean(x²) + eps), y = γ ⊙ x̂, no β) is the same without the
+centring (DESIGN.md §6): its dγ_b has the same form, and every implementation runs it through
+the LayerNorm code with the mean left out (`rms=True` in forward, `mean` None in backward).
+
 One autograd Function, `PEGLayerNorm` (called with the reference implementation's arguments),
-and `layer_norm` (the same in fused_gns.py's argument order), with three implementations behind:
+`layer_norm` (the same in fused_gns.py's argument order) and `rms_norm`, with three
+implementations behind:
 - "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
 - "torch": pure PyTorch (normgnorm/torch_path.py), always used off GPU.
@@ -31,6 +36,7 @@ from torch import Tensor
 from reference_names import refuse_module_names
 
 from . import torch_path
+from .torch_path import rms_norm_eps
 
 BACKENDS = ("triton", "cuda", "torch")
 
@@ -76,18 +82,18 @@ def _examples_and_rows(x):
     return num_examples, x.numel() // x.shape[-1]
 
 
-def _forward(x, weight, bias, eps, backend):
-    """y, mean, rstd from the chosen implementation, on x seen as rows [N, D]."""
+def _forward(x, weight, bias, eps, backend, rms=False):
+    """y, mean (None for RMSNorm), rstd from the chosen implementation, on x seen as rows [N, D]."""
     D = x.shape[-1]
     impl = _implementation(resolve_backend(backend, x))
     y2d, mean, rstd = impl.forward(x.reshape(-1, D).contiguous(), weight.contiguous(),
-                                   None if bias is None else bias.contiguous(), eps)
+                                   None if bias is None else bias.contiguous(), eps, rms=rms)
     return y2d.view(x.shape), mean, rstd
 
 
 def _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm,
                    example_count, backend):
-    """dx, dw, db (None where not needed), adding the per-example norms to the buffers."""
+    """dx, dw, db (None where not needed), adding the per-example norms to the buffers; mean None: RMSNorm."""
     D = x.shape[-1]
     num_examples, N = _examples_and_rows(x)
     if N == 0:
@@ -108,11 +114,16 @@ def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     return _forward(x, weight, bias, eps, backend)
 
 
+def _fake_forward(x):
+    """Fakes of the forward's outputs (for the compiler): y like x, a float32 statistic per row."""
+    stats = x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), stats
+
+
 @_layer_norm_fwd.register_fake
 def _(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
-    N = x.numel() // x.shape[-1]
-    stats = x.new_empty((N,), dtype=torch.float32)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), stats, torch.empty_like(stats)
+    y, stats = _fake_forward(x)
+    return y, stats, torch.empty_like(stats)
 
 
 @torch.library.custom_op("normgnorm::layer_norm_bwd", mutates_args=("weight_sqgradnorm", "bias_sqgradnorm", "example_count"))
@@ -122,16 +133,21 @@ def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: T
                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db,
                                 weight_sqgradnorm, bias_sqgradnorm, example_count, backend)
-    # a custom op returns tensors, never None: an empty one stands for "not needed"
-    empty = weight.new_empty(0)
-    return dx, empty if dw is None else dw, empty if db is None else db
+    return dx, _tensor(dw, weight), _tensor(db, weight)
+
+
+def _tensor(grad, weight):
+    """A custom op returns tensors, never None: an empty one stands for "not needed"."""
+    return weight.new_empty(0) if grad is None else grad
+
+
+def _fake_grad(weight, needed):
+    return weight.new_empty(weight.shape[-1] if needed else 0)
 
 
 @_layer_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm, example_count, backend):
-    D = x.shape[-1]
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            weight.new_empty(D if need_dw else 0), weight.new_empty(D if need_db else 0))
+    return _fake_forward(x)[0], _fake_grad(weight, need_dw), _fake_grad(weight, need_db)
 
 
 def _setup_context(ctx, inputs, output):
@@ -236,6 +252,11 @@ class PEGLayerNorm(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+def _check_buffers(entry, **buffers):
+    for name, buffer in buffers.items():
+        _buffer_layout(f"normgnorm.{entry}'s {name}", buffer, pair_allowed=False)
+
+
 def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
                eps: float = 1e-5, backend: Optional[str] = None) -> Tensor:
@@ -244,14 +265,99 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     squared norms of dγ, dβ into the float32 0-dim buffers weight_sqgradnorm, bias_sqgradnorm
     (None when there is no bias) and the number of examples into example_count.
     """
-    for name, buffer in (("weight_sqgradnorm", weight_sqgradnorm), ("bias_sqgradnorm", bias_sqgradnorm),
-                         ("example_count", example_count)):
-        _buffer_layout(f"normgnorm.layer_norm's {name}", buffer, pair_allowed=False)
+    _check_buffers("layer_norm", weight_sqgradnorm=weight_sqgradnorm, bias_sqgradnorm=bias_sqgradnorm,
+                   example_count=example_count)
     if torch.compiler.is_compiling():  # the op with its registered autograd: what the compiler traces
         return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
                                backend or "")[0]
     return PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, x.shape[-1:], eps,
                               example_count, backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm: the LayerNorm implementations without the centring (rms=True, mean None)
+
+@torch.library.custom_op("normgnorm::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count: Tensor,
+                  eps: float, backend: str) -> tuple[Tensor, Tensor]:
+    # the buffers are inputs only so that the backward can reach them, as in layer_norm_fwd
+    y, _, rstd = _forward(x, weight, None, eps, backend, rms=True)
+    return y, rstd
+
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, weight_sqgradnorm, example_count, eps, backend):
+    return _fake_forward(x)
+
+
+@torch.library.custom_op("normgnorm::rms_norm_bwd", mutates_args=("weight_sqgradnorm", "example_count"))
+def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, need_dw: bool,
+                  weight_sqgradnorm: Tensor, example_count: Tensor, backend: str) -> tuple[Tensor, Tensor]:
+    dx, dw, _ = _backward_impl(dy, x, weight, None, rstd, need_dw, False, weight_sqgradnorm, None,
+                               example_count, backend)
+    return dx, _tensor(dw, weight)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, need_dw, weight_sqgradnorm, example_count, backend):
+    return _fake_forward(x)[0], _fake_grad(weight, need_dw)
+
+
+def _rms_setup_context(ctx, inputs, output):
+    x, weight, weight_sqgradnorm, example_count, eps, backend = inputs
+    ctx.need_dw, ctx.backend = ctx.needs_input_grad[1], backend  # a frozen gain is not measured
+    ctx.save_for_backward(x, weight, output[1], weight_sqgradnorm, example_count)
+
+
+def _rms_backward(ctx, dy, _drstd):
+    x, weight, rstd, weight_sqgradnorm, example_count = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.need_dw, weight_sqgradnorm, example_count, ctx.backend)
+    return dx, dw if ctx.need_dw else None, None, None, None, None
+
+
+_rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup_context)
+# CUDA autocast runs torch's rms_norm in float32, as it does layer_norm; CPU autocast leaves it alone
+torch.library.register_autocast("normgnorm::rms_norm_fwd", "cuda", torch.float32)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """rms_norm in eager mode: the implementation called directly, without the ops' dispatch
+    (which costs about as much as a small normalisation itself), as PEGLayerNorm does."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    def forward(ctx, x, weight, weight_sqgradnorm, example_count, eps, backend):
+        y, _, rstd = _forward(x, weight, None, eps, backend, rms=True)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.bufs, ctx.backend = (weight_sqgradnorm, example_count), backend
+        return y
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        weight_sqgradnorm, example_count = ctx.bufs
+        dx, dw, _ = _backward_impl(dy, x, weight, None, rstd, ctx.needs_input_grad[1], False,
+                                   weight_sqgradnorm, None, example_count, ctx.backend)
+        return dx, dw, None, None, None, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count: Tensor,
+             eps: Optional[float] = None, backend: Optional[str] = None) -> Tensor:
+    """
+    F.rms_norm(x, (D,), weight, eps) whose backward also accumulates Σ_b ||dγ_b||² into the float32
+    0-dim buffer weight_sqgradnorm and the number of examples into example_count. eps None is
+    torch's default, the machine epsilon of the computation type (float32 for half inputs).
+    Under CUDA autocast it runs in float32 with a float32 output, as torch's rms_norm does.
+    """
+    _check_buffers("rms_norm", weight_sqgradnorm=weight_sqgradnorm, example_count=example_count)
+    if x.dim() == 0 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"normgnorm.rms_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
+                         f"must be ({x.shape[-1] if x.dim() else ''},) for input {tuple(x.shape)}")
+    eps, backend = rms_norm_eps(eps, x.dtype), backend or ""
+    if torch.compiler.is_compiling():  # the op with its registered autograd: what the compiler traces
+        return _rms_norm_fwd(x, weight, weight_sqgradnorm, example_count, eps, backend)[0]
+    return _RMSNormFn.apply(x, weight, weight_sqgradnorm, example_count, eps, backend)
 
 
 # ---------------------------------------------------------------------------------------------

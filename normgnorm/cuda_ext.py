@@ -5,8 +5,9 @@ torch.utils.cpp_extension and linked against that object and libcudart. Built on
 (a few seconds to a minute) into torch's extension cache, once per GPU architecture and
 version of the .cu file.
 
-Same semantics as the other backends (normgnorm/__init__.py). Rows wider than the kernels
-take (32768 features) go to the pure-PyTorch path.
+Same semantics as the other backends (normgnorm/__init__.py), RMSNorm included: the kernels
+take an empty mean for it (no centring). Rows wider than the kernels take (32768 features) go
+to the pure-PyTorch path.
 """
 import hashlib
 import os
@@ -107,24 +108,26 @@ def _target_blocks(device):
     return 4 * _sm_counts[device]
 
 
-def forward(x2d, weight, bias, eps):
-    """y (x's dtype), float32 mean and rstd [N], for contiguous x2d [N, D] on a CUDA device."""
+def forward(x2d, weight, bias, eps, rms=False):
+    """y (x's dtype), float32 mean (None with rms: RMSNorm) and rstd [N], for contiguous x2d [N, D]
+    on a CUDA device."""
     N, D = x2d.shape
     if D > MAX_D:
-        return torch_path.forward(x2d, weight, bias, eps)
+        return torch_path.forward(x2d, weight, bias, eps, rms)
     with torch.cuda.device(x2d.device):
         ext = build()
         y = torch.empty_like(x2d)
-        mean = torch.empty(N, dtype=torch.float32, device=x2d.device)
-        rstd = torch.empty_like(mean)
-        bias32 = bias.float() if bias is not None else mean.new_empty(0)
+        rstd = torch.empty(N, dtype=torch.float32, device=x2d.device)
+        mean = rstd.new_empty(0 if rms else N)  # empty: no centring
+        bias32 = bias.float() if bias is not None else rstd.new_empty(0)
         ext.forward(x2d, y, weight.float(), bias32, mean, rstd, eps, _stream(x2d.device))
-    return y, mean, rstd
+    return y, None if rms else mean, rstd
 
 
 def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count,
              target_blocks=None, min_rows_per_chunk=MIN_ROWS_PER_CHUNK):
-    """As triton_kernels.backward: dx, dw, db (None where not needed), buffers updated on the GPU."""
+    """As triton_kernels.backward: dx, dw, db (None where not needed), buffers updated on the GPU;
+    mean None: RMSNorm."""
     N, D = x2d.shape
     if D > MAX_D:
         return torch_path.backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db,
@@ -146,7 +149,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
         sq_w, sq_b = scratch(need_dw, n_sq), scratch(need_db, n_sq)
         dw, db = scratch(need_dw, D), scratch(need_db, D)
         empty = scratch(False)
-        ext.backward(dy2d, x2d, dx, weight.float(), mean, rstd, B,
+        ext.backward(dy2d, x2d, dx, weight.float(), empty if mean is None else mean, rstd, B,
                      plan["examples_per_program"], plan["n_chunks"], plan["rows_per_chunk"], n_blocks,
                      need_dw, need_db, part_w, part_b, ex_w, ex_b, sq_w, sq_b, dw, db,
                      weight_sq if need_dw else empty, bias_sq if need_db else empty, count,

@@ -75,23 +75,26 @@ def _inputs(shape, dtype, bias):
     return x2d, torch.empty(D, **meta), (torch.empty(D, **meta) if bias else None)
 
 
-def forward_launches(shape, dtype, bias=True, **kwargs):
-    """The launches of triton_kernels.forward for an input of this shape (kwargs: max_block_d)."""
-    x2d, weight, b = _inputs(shape, dtype, bias)
+def forward_launches(shape, dtype, bias=True, rms=False, **kwargs):
+    """The launches of triton_kernels.forward for an input of this shape (rms: RMSNorm, which has
+    no bias; kwargs: max_block_d)."""
+    x2d, weight, b = _inputs(shape, dtype, bias and not rms)
     with _recording() as launches:
-        triton_kernels.forward(x2d, weight, b, 1e-5, **kwargs)
+        triton_kernels.forward(x2d, weight, b, 1e-5, rms=rms, **kwargs)
     return launches
 
 
-def backward_launches(shape, dtype, bias=True, need_dw=True, need_db=True, sm_count=132, **kwargs):
+def backward_launches(shape, dtype, bias=True, need_dw=True, need_db=True, sm_count=132, rms=False, **kwargs):
     """
     The launches of triton_kernels.backward for an input of this shape, work shared out as on a
-    GPU with sm_count multiprocessors (132: H100 SXM; 108: A100). kwargs go to the launcher.
+    GPU with sm_count multiprocessors (132: H100 SXM; 108: A100); rms: RMSNorm's (no bias, no
+    mean). kwargs go to the launcher.
     """
+    bias = bias and not rms
     x2d, weight, b = _inputs(shape, dtype, bias)
     N = x2d.shape[0]
     f32 = dict(dtype=torch.float32, device="meta")
-    mean, rstd = torch.empty(N, **f32), torch.empty(N, **f32)
+    mean, rstd = None if rms else torch.empty(N, **f32), torch.empty(N, **f32)
     kwargs.setdefault("target_programs", triton_kernels.BACKWARD_TUNING["programs_per_sm"] * sm_count)
     with _recording() as launches:
         triton_kernels.backward(x2d.clone(), x2d, weight, mean, rstd, shape[0] if len(shape) >= 2 else 1,

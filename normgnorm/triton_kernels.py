@@ -1,6 +1,8 @@
 """
 Triton kernels for LayerNorm with per-example dγ, dβ norms (see normgnorm/__init__.py for the
-maths). float32, float16 and bfloat16 inputs; all arithmetic and accumulation in float32.
+maths), and for RMSNorm, the same kernels with the constexpr RMS: no mean, no centring, no bias
+(no dβ), and dx without the mean's term. float32, float16 and bfloat16 inputs; all arithmetic and
+accumulation in float32.
 
 Rows are the flattened leading dims, x2d [N, D] with N = B*T, example b owning rows
 b*T .. b*T+T-1. A row that fits one block (D <= MAX_BLOCK_D) is held in registers; wider rows
@@ -34,7 +36,7 @@ LAUNCH = dict(enable_fp_fusion=True)
 
 @triton.jit
 def _forward_kernel(X, Y, W, Bias, Mean, Rstd, N, D, eps,
-                    HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < N
@@ -42,29 +44,36 @@ def _forward_kernel(X, Y, W, Bias, Mean, Rstd, N, D, eps,
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=1) / D
-    xc = tl.where(mask, x - mean[:, None], 0.0)
+    if RMS:
+        xc = x  # zero where masked, as loaded
+    else:
+        mean = tl.sum(x, axis=1) / D
+        xc = tl.where(mask, x - mean[:, None], 0.0)
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / D + eps)
     w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = xc * rstd[:, None] * w[None, :]
     if HAS_BIAS:
         y += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(Mean + rows, mean, mask=row_ok)
+    if not RMS:
+        tl.store(Mean + rows, mean, mask=row_ok)
     tl.store(Rstd + rows, rstd, mask=row_ok)
 
 
 @triton.jit
 def _forward_kernel_looped(X, Y, W, Bias, Mean, Rstd, D, eps,
-                           HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+                           HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr, RMS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     X += row * D
     Y += row * D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, D, BLOCK_D):
-        cols = start + tl.arange(0, BLOCK_D)
-        acc += tl.load(X + cols, mask=cols < D, other=0.0).to(tl.float32)
-    mean = tl.sum(acc, axis=0) / D
+    mean = 0.0
+    if not RMS:
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for start in range(0, D, BLOCK_D):
+            cols = start + tl.arange(0, BLOCK_D)
+            acc += tl.load(X + cols, mask=cols < D, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / D
+        tl.store(Mean + row, mean)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, D, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
@@ -80,7 +89,6 @@ def _forward_kernel_looped(X, Y, W, Bias, Mean, Rstd, D, eps,
         if HAS_BIAS:
             y += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)
         tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=col_ok)
-    tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
 
 
@@ -88,7 +96,7 @@ def _forward_kernel_looped(X, Y, W, Bias, Mean, Rstd, D, eps,
 def _backward_kernel(X, DY, DX, W, Mean, Rstd, PartW, PartB, SqW, SqB,
                      num_examples, T, D, examples_per_program, n_chunks, rows_per_chunk,
                      NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, WHOLE: tl.constexpr,
-                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr):
     pid = tl.program_id(0)
     chunk = pid % n_chunks
     first_example = (pid // n_chunks) * examples_per_program
@@ -113,12 +121,19 @@ def _backward_kernel(X, DY, DX, W, Mean, Rstd, PartW, PartB, SqW, SqB,
             offsets = rows[:, None] * D + cols[None, :]
             x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
-            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
-            xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if RMS:  # x̂ = x rstd (zero where masked)
+                rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+                xhat = x * rstd[:, None]
+            else:
+                mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+                rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+                xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
             wdy = dy * w[None, :]
             c1 = tl.sum(xhat * wdy, axis=1) / D
-            c2 = tl.sum(wdy, axis=1) / D
+            if RMS:  # dx has no mean(w dy) term
+                c2 = tl.zeros([ROWS], dtype=tl.float32)
+            else:
+                c2 = tl.sum(wdy, axis=1) / D
             dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
             tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
             if NEED_DW:
@@ -145,7 +160,8 @@ def _backward_kernel(X, DY, DX, W, Mean, Rstd, PartW, PartB, SqW, SqB,
 
 @triton.jit
 def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chunks, rows_per_chunk,
-                            NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_D: tl.constexpr):
+                            NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_D: tl.constexpr,
+                            RMS: tl.constexpr):
     # split mode only; the program's partial rows (zeroed by the caller) are its accumulators
     pid = tl.program_id(0)
     example = pid // n_chunks
@@ -154,7 +170,7 @@ def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chun
     part = pid.to(tl.int64) * D
     for t in range(t_begin, t_end):
         row = (example * T + t).to(tl.int64)
-        mean = tl.load(Mean + row)
+        mean = 0.0 if RMS else tl.load(Mean + row)
         rstd = tl.load(Rstd + row)
         acc1 = tl.zeros([BLOCK_D], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -168,7 +184,7 @@ def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chun
             acc1 += xhat * wdy
             acc2 += wdy
         c1 = tl.sum(acc1, axis=0) / D
-        c2 = tl.sum(acc2, axis=0) / D
+        c2 = 0.0 if RMS else tl.sum(acc2, axis=0) / D
         for start in range(0, D, BLOCK_D):
             cols = start + tl.arange(0, BLOCK_D)
             col_ok = cols < D
@@ -281,24 +297,26 @@ def _target_programs(device):
     return BACKWARD_TUNING["programs_per_sm"] * _sm_counts[device]
 
 
-def forward(x2d, weight, bias, eps, max_block_d=MAX_BLOCK_D):
-    """y (x's dtype), float32 mean and rstd [N], for contiguous x2d [N, D]."""
+def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D):
+    """y (x's dtype), float32 mean (None with rms: RMSNorm) and rstd [N], for contiguous x2d [N, D]."""
     N, D = x2d.shape
     y = torch.empty_like(x2d)
-    mean = torch.empty(N, dtype=torch.float32, device=x2d.device)
     rstd = torch.empty(N, dtype=torch.float32, device=x2d.device)
+    mean = None if rms else torch.empty_like(rstd)
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
+    mean_arg = rstd if rms else mean  # never written with RMS
     block_d = triton.next_power_of_2(D)
     if block_d <= max_block_d:
         rows = max(1, 4096 // block_d)  # several short rows per program
         _forward_kernel[(triton.cdiv(N, rows),)](
-            x2d, y, weight, bias_arg, mean, rstd, N, D, eps,
-            HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, num_warps=_num_warps(rows * block_d), **LAUNCH)
+            x2d, y, weight, bias_arg, mean_arg, rstd, N, D, eps,
+            HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, RMS=rms, num_warps=_num_warps(rows * block_d), **LAUNCH)
     else:
         block = min(LOOPED_BLOCK_D, max_block_d)
-        _forward_kernel_looped[(N,)](x2d, y, weight, bias_arg, mean, rstd, D, eps,
-                                     HAS_BIAS=has_bias, BLOCK_D=block, num_warps=_num_warps(block), **LAUNCH)
+        _forward_kernel_looped[(N,)](x2d, y, weight, bias_arg, mean_arg, rstd, D, eps,
+                                     HAS_BIAS=has_bias, BLOCK_D=block, RMS=rms, num_warps=_num_warps(block),
+                                     **LAUNCH)
     return y, mean, rstd
 
 
@@ -306,7 +324,8 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
              max_block_d=MAX_BLOCK_D, target_programs=None, min_rows_per_chunk=None):
     """
     dx, dw, db (None where not needed) for contiguous dy2d, x2d [N, D]; adds Σ_b ||dγ_b||²,
-    Σ_b ||dβ_b||² to weight_sq, bias_sq and num_examples to count, all on the device.
+    Σ_b ||dβ_b||² to weight_sq, bias_sq and num_examples to count, all on the device. mean None:
+    RMSNorm (need_db False).
     max_block_d, target_programs and min_rows_per_chunk pick the kernel variant and the
     work split (the tests use them to reach every path at small sizes); left out, the work is
     shared out as BACKWARD_TUNING says.
@@ -315,6 +334,8 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     B = num_examples
     T = N // B
     device = x2d.device
+    rms = mean is None
+    mean = rstd if rms else mean  # never read with RMS
     dx = torch.empty_like(x2d)
     block_d = triton.next_power_of_2(D)
     tuning = BACKWARD_TUNING
@@ -330,7 +351,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     if looped:
         _backward_kernel_looped[(n_programs,)](
             x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, T, D, n_chunks, rows_per_chunk,
-            NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=min(LOOPED_BLOCK_D, max_block_d),
+            NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=min(LOOPED_BLOCK_D, max_block_d), RMS=rms,
             num_warps=_num_warps(min(LOOPED_BLOCK_D, max_block_d)), **LAUNCH)
         sq_w = sq_b = None
     else:
@@ -339,7 +360,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
         _backward_kernel[(n_programs,)](
             x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, sq_w, sq_b,
             B, T, D, examples_per_program, n_chunks, rows_per_chunk,
-            NEED_DW=need_dw, NEED_DB=need_db, WHOLE=whole, BLOCK_D=block_d, ROWS=rows,
+            NEED_DW=need_dw, NEED_DB=need_db, WHOLE=whole, BLOCK_D=block_d, ROWS=rows, RMS=rms,
             num_warps=_num_warps(rows * block_d, tuning["values_per_thread"]), **LAUNCH)
     if not (need_dw or need_db):
         count.add_(B)

@@ -114,6 +114,16 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
+def with_rmsnorms(model, cls=nn.RMSNorm):
+    """The model's LayerNorms replaced, under the same names, by cls (an RMSNorm class) of the same
+    width: GPT (or ToyGPT) with RMSNorm, while model.py builds LayerNorms only."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.LayerNorm):
+                setattr(module, name, cls(child.normalized_shape))
+    return model
+
+
 # ---------------------------------------------------------------- toy models with buffers
 
 def measure(module):

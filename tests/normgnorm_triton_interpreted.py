@@ -17,8 +17,8 @@ pytest.importorskip("triton")
 
 import normgnorm  # noqa: E402
 from normgnorm import plan, triton_kernels  # noqa: E402
-from test_normgnorm import (BUFFER_TOL, DTYPES, ENTRIES, EPS, SHAPES, TOL, _layer, check_op,  # noqa: E402
-                            check_peglayernorm_compiled, make_inputs, oracle)
+from test_normgnorm import (BUFFER_TOL, DTYPES, ENTRIES, EPS, LAYERS, RMS_ENTRIES, SHAPES, TOL,  # noqa: E402
+                            check_layer_compiled, check_op, check_peglayernorm_compiled, make_inputs, oracle)
 
 
 @pytest.fixture
@@ -35,25 +35,28 @@ def test_triton_backend_runs_on_cpu_under_the_interpreter():
     assert normgnorm.resolve_backend("", torch.zeros(1, 2)) == "torch"  # never by default off GPU
 
 
-def run_kernels(shape, dtype, bias, need_dw=True, need_db=True, x_scale=1.0, **plan_args):
-    """Forward + backward straight through the kernels, checked against the oracle."""
+def run_kernels(shape, dtype, bias, need_dw=True, need_db=True, x_scale=1.0, rms=False, **plan_args):
+    """Forward + backward straight through the kernels (rms: RMSNorm's, bias False), checked against the oracle."""
     x, dy, weight, b = make_inputs(shape, dtype, bias, seed=3)
     x = x * x_scale
     D = shape[-1]
     B = shape[0] if len(shape) >= 2 else 1
     fwd_args = {k: v for k, v in plan_args.items() if k == "max_block_d"}
-    y, mean, rstd = triton_kernels.forward(x.reshape(-1, D), weight, b, EPS, **fwd_args)
+    y, mean, rstd = triton_kernels.forward(x.reshape(-1, D), weight, b, EPS, rms=rms, **fwd_args)
     f32 = dict(dtype=torch.float32)
     # start the buffers away from zero: the kernels must add to them
     sq_w, sq_b, count = torch.full((), 0.5, **f32), torch.full((), 0.25, **f32), torch.full((), 2.0, **f32)
     need_db = need_db and bias
     dx, dw, db = triton_kernels.backward(dy.reshape(-1, D), x.reshape(-1, D), weight, mean, rstd, B, need_dw, need_db,
                                   sq_w, sq_b if bias else None, count, **plan_args)
-    ref = oracle(x, weight, b, dy)
+    ref = oracle(x, weight, b, dy, rms)
     tol = TOL[dtype]
     torch.testing.assert_close(y.view(shape).double(), ref["y"].to(dtype).double(), **tol)
     torch.testing.assert_close(dx.view(shape).double(), ref["dx"].to(dtype).double(), **tol)
-    torch.testing.assert_close(mean, x.reshape(-1, D).double().mean(1).float(), rtol=1e-5, atol=1e-5)
+    if rms:
+        assert mean is None
+    else:
+        torch.testing.assert_close(mean, x.reshape(-1, D).double().mean(1).float(), rtol=1e-5, atol=1e-5)
     if need_dw:
         torch.testing.assert_close(dw.double(), ref["dw"].to(dtype).double(), **tol)
         torch.testing.assert_close(sq_w.double(), 0.5 + ref["sq_w"], **BUFFER_TOL)
@@ -102,6 +105,21 @@ def test_triton_kernels_every_plan(case, dtype):
     run_kernels(shape, dtype, bias=True, **plan_args)
 
 
+@pytest.mark.parametrize("case", list(KERNEL_CASES))
+def test_triton_rms_kernels_every_plan(case):
+    """RMSNorm: the same kernels without the mean, through every plan (float32; the half
+    precisions on two plans below)."""
+    shape, plan_args, _ = KERNEL_CASES[case]
+    run_kernels(shape, torch.float32, bias=False, need_db=False, rms=True, **plan_args)
+
+
+@pytest.mark.parametrize("case", ["whole, three examples a program", "looped, split"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_rms_kernels_half_precision(case, dtype):
+    shape, plan_args, _ = KERNEL_CASES[case]
+    run_kernels(shape, dtype, bias=False, need_db=False, rms=True, **plan_args)
+
+
 @pytest.mark.parametrize("needs", [(True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("case", ["whole, three examples a program", "split into chunks", "looped, split"])
 def test_triton_kernels_some_parameters_frozen(case, needs):
@@ -119,10 +137,19 @@ def test_triton_kernels_several_tiles_a_program(monkeypatch, case, dtype):
     run_kernels(shape, dtype, bias=True, **plan_args)
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("max_block_d", [triton_kernels.MAX_BLOCK_D, 16], ids=["in registers", "looped"])
-def test_triton_kernels_rows_with_variance_near_eps(max_block_d):
-    # x's spread ~1e-3 (variance ~1e-6, eps 1e-5): eps sets most of rstd, so it must be there
-    run_kernels((3, 4, 24), torch.float32, bias=True, x_scale=5e-4, target_programs=3, max_block_d=max_block_d)
+def test_triton_kernels_rows_with_variance_near_eps(max_block_d, rms):
+    # x's spread ~1e-3 (variance or mean square ~1e-6, eps 1e-5): eps sets most of rstd, so it must be there
+    run_kernels((3, 4, 24), torch.float32, bias=not rms, x_scale=5e-4, rms=rms, target_programs=3,
+                max_block_d=max_block_d)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_triton_rms_kernels_several_tiles_a_program_or_frozen(monkeypatch, frozen):
+    monkeypatch.setitem(triton_kernels.BACKWARD_TUNING, "max_tile", 128)
+    shape, plan_args, _ = KERNEL_CASES["split into chunks"]
+    run_kernels(shape, torch.bfloat16, bias=False, need_dw=not frozen, need_db=False, rms=True, **plan_args)
 
 
 def test_finish_kernel_loops_over_many_tiles():
@@ -172,19 +199,19 @@ def test_triton_eager_call_skips_the_custom_op(no_torch_path):
     assert type(y.grad_fn).__name__ == "PEGLayerNormBackward"
 
 
-def test_triton_op_compiles_without_graph_breaks(no_torch_path):
-    torch._dynamo.reset()
-    eager, compiled = _layer(), _layer()
-    eager.backend = compiled.backend = "triton"
-    step = torch.compile(lambda m, x: m(x).sin().sum(), backend="aot_eager", fullgraph=True)
-    x = torch.randn(2, 4, 40)
-    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    eager(x1).sin().sum().backward()
-    step(compiled, x2).backward()
-    torch.testing.assert_close(x2.grad, x1.grad)
-    torch.testing.assert_close(compiled.weight_sqgradnorm, eager.weight_sqgradnorm)
-    torch.testing.assert_close(compiled.bias_sqgradnorm, eager.bias_sqgradnorm)
-    torch._dynamo.reset()
+@pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm"])
+def test_triton_op_compiles_without_graph_breaks(no_torch_path, layer):
+    check_layer_compiled(LAYERS[layer], "triton")
+
+
+@pytest.mark.parametrize("shape", ["3d", "2d", "1d"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_rms_op_matches_oracles(no_torch_path, dtype, shape):
+    check_op(SHAPES[shape], dtype, False, backend="triton", layer_norm=RMS_ENTRIES["rms eager"])
+
+
+def test_triton_rms_registered_op_matches_oracles(no_torch_path):
+    check_op(SHAPES["3d"], torch.bfloat16, False, backend="triton", layer_norm=RMS_ENTRIES["rms op"])
 
 
 def test_triton_peglayernorm_compiles_through_the_registered_ops(no_torch_path):

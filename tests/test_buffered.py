@@ -18,15 +18,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import buffered  # noqa: E402
 from reference_names import ReferenceNameError  # noqa: E402
 from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
-                      PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers,
-                      tie_weights, zero_sqgradnorm_buffers)
+                      PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding, PEGradNormShimLinear,
+                      find_sqgradnorm_buffers, tie_weights, zero_sqgradnorm_buffers)
 from gns_fixtures import output_grad_loss, sqgradnorm_sums  # noqa: E402
 
 LINEARS = [PEGradNormLinear, PEGradNormShimLinear]
 EMBEDDINGS = [PEGradNormEmbedding, PEGradNormShimEmbedding]
-SHIMS = (PEGradNormShimLinear, PEGradNormShimEmbedding)
+SHIMS = (PEGradNormShimLinear, PEGradNormShimEmbedding, PEGradNormSeparatedRMSNorm)  # torch's own .grad
 PLAIN = {PEGradNormLinear: nn.Linear, PEGradNormShimLinear: nn.Linear, PEGradNormEmbedding: nn.Embedding,
-         PEGradNormShimEmbedding: nn.Embedding, PEGradNormSeparatedLayerNorm: nn.LayerNorm}
+         PEGradNormShimEmbedding: nn.Embedding, PEGradNormSeparatedLayerNorm: nn.LayerNorm,
+         PEGradNormSeparatedRMSNorm: nn.RMSNorm}
+
+
+def bias_kwargs(cls, bias):
+    """bias=... for the layers whose torch class takes it (not Embedding, not RMSNorm)."""
+    return dict(bias=bias) if PLAIN[cls] in (nn.Linear, nn.LayerNorm) else {}
 
 
 def example_loss(y, r):
@@ -343,7 +349,8 @@ def test_layernorm_output_and_input_gradient_are_torchs_own(dtype, bias):
     (PEGradNormLinear, (6, 3), torch.randn(6)), (PEGradNormShimLinear, (6, 3), torch.randn(6)),
     (PEGradNormEmbedding, (5, 3), torch.tensor(2)), (PEGradNormShimEmbedding, (5, 3), torch.tensor(2)),
     (PEGradNormSeparatedLayerNorm, (6,), torch.randn(6)),
-    (PEGradNormSeparatedLayerNorm, ((3, 4),), torch.randn(3, 4))])
+    (PEGradNormSeparatedLayerNorm, ((3, 4),), torch.randn(3, 4)),
+    (PEGradNormSeparatedRMSNorm, (6,), torch.randn(6)), (PEGradNormSeparatedRMSNorm, ((3, 4),), torch.randn(3, 4))])
 def test_unbatched_input_is_one_example(cls, args, x):
     # torch's layers take an input without a batch dimension: one example, whose norm is the
     # whole gradient's
@@ -490,16 +497,123 @@ def test_plain_layernorm_is_nanogpts(bias):
 
 
 # --------------------------------------------------------------------------------------------
+# RMSNorm
+
+@pytest.mark.parametrize("eps", [None, 1e-6])
+@pytest.mark.parametrize("shape", [(5, 6), (3, 4, 6), (2, 2, 3, 6)])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_rmsnorm_matches_brute_force(eps, shape, steps):
+    torch.manual_seed(26)
+    layer, plain = twins(PEGradNormSeparatedRMSNorm, 6, eps=eps)
+    check(layer, plain, float_batches(steps, shape, 6))  # and .grad is torch's to the bit (SHIMS)
+
+
+@pytest.mark.parametrize("dtype,x_scale", [(torch.float32, 1e-4), (torch.float64, 1e-9)])
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_rmsnorm_rows_with_tiny_mean_square(dtype, x_scale, eps):
+    """mean(x^2) far below eps (None: torch's machine epsilon of the computation type, 1.2e-7 in
+    float32 and 2.2e-16 in float64), so that eps sets most of rstd: a layer that dropped it or
+    took another default would be off by a factor of several."""
+    torch.manual_seed(27)
+    layer, plain = twins(PEGradNormSeparatedRMSNorm, 6, eps=eps, dtype=dtype)
+    batches = [(x * x_scale, r) for x, r in float_batches(2, (3, 4, 6), 6, dtype=dtype)]
+    check(layer, plain, batches)
+
+
+def test_rmsnorm_multidimensional_normalized_shape():
+    torch.manual_seed(29)
+    layer, plain = twins(PEGradNormSeparatedRMSNorm, (3, 4), eps=1e-5)
+    check(layer, plain, float_batches(2, (2, 5, 3, 4), 4))
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")  # torch's, for a half input and float32 weights
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("eps", [None, 1e-5])
+def test_rmsnorm_output_and_gradients_are_torchs_own(dtype, eps):
+    """Bit-identical output, dx and .grad, whatever the input's dtype (a half one as a Linear
+    under autocast gives it), and the norms within the autocast tolerance of float32 brute force
+    on the same input values."""
+    torch.manual_seed(28)
+    layer, plain = twins(PEGradNormSeparatedRMSNorm, 6, eps=eps)
+    batches = [(x.to(dtype or torch.float32), r) for x, r in float_batches(2, (4, 3, 6), 6)]
+    for module in (layer, plain):
+        outputs = []
+        for x, r in batches:
+            xi = x.clone().requires_grad_()
+            y = module(xi)
+            (example_loss(y, r) / 8).backward()
+            outputs.append((y.detach(), xi.grad))
+        module.outputs = outputs
+    for (y, dx), (y_plain, dx_plain) in zip(layer.outputs, plain.outputs):
+        assert torch.equal(y, y_plain) and torch.equal(dx, dx_plain)
+    assert torch.equal(layer.weight.grad, plain.weight.grad)
+    reference = nn.RMSNorm(6, eps=eps)  # float32 maths on the very values the layer saw
+    reference.load_state_dict(plain.state_dict())
+    expected = brute_force(reference, [(x.float(), r) for x, r in batches])["weight"]
+    rtol = AUTOCAST_RTOL.get(dtype, 1e-5)
+    torch.testing.assert_close(layer.weight_sqgradnorm.double(), expected, rtol=rtol, atol=0)
+    assert layer.weight_sqgradnorm.dtype == torch.float32 and layer.example_count.item() == 8
+
+
+@pytest.mark.slow
+def test_rmsnorm_compiles_in_one_graph_like_eager():
+    """torch.compile (fullgraph: no graph break) keeps the tap's buffer updates: the same
+    gradients and buffers as eager over two micro-steps."""
+    torch._dynamo.reset()
+    torch.manual_seed(30)
+    layer, _ = twins(PEGradNormSeparatedRMSNorm, 6)
+    twin = deepcopy(layer)
+    batches = float_batches(2, (3, 4, 6), 6)
+    run(layer, batches)
+    run(torch.compile(twin, backend="aot_eager", fullgraph=True), batches)
+    assert torch.equal(twin.weight.grad, layer.weight.grad) and twin.example_count.item() == 6
+    torch.testing.assert_close(twin.weight_sqgradnorm, layer.weight_sqgradnorm, rtol=1e-6, atol=0)
+    assert layer.weight_sqgradnorm.item() > 0
+    torch._dynamo.reset()
+
+
+def test_rmsnorm_frozen_without_affine_or_without_grad_measures_nothing():
+    frozen, plain = PEGradNormSeparatedRMSNorm(4), PEGradNormSeparatedRMSNorm(4, elementwise_affine=False)
+    frozen.weight.requires_grad_(False)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    for layer in (frozen, plain):
+        y = layer(x)
+        assert torch.equal(y, F.rms_norm(x, (4,), layer.weight))
+        (y * torch.randn_like(y)).sum().backward()
+        assert find_sqgradnorm_buffers(layer) == [] and layer.example_count.item() == 0
+    measured_layer = PEGradNormSeparatedRMSNorm(4)
+    with torch.no_grad():
+        assert torch.equal(measured_layer(x), F.rms_norm(x, (4,), measured_layer.weight))
+    assert measured_layer.example_count.item() == 0
+
+
+# torch's nn.RMSNorm arguments, by position and keyword: (args, kwargs, eps, elementwise_affine)
+RMSNORM_CALLS = [((8,), {}, None, True), ((8, 1e-6), {}, 1e-6, True), ((8, None, False), {}, None, False),
+                 ((), dict(normalized_shape=8, eps=1e-3, elementwise_affine=True), 1e-3, True)]
+
+
+@pytest.mark.parametrize("args,kwargs,eps,affine", RMSNORM_CALLS)
+def test_rmsnorm_takes_torchs_arguments(args, kwargs, eps, affine):
+    layer, plain = PEGradNormSeparatedRMSNorm(*args, **kwargs), nn.RMSNorm(*args, **kwargs)
+    assert isinstance(layer, nn.RMSNorm) and layer.eps == plain.eps == eps and layer.normalized_shape == (8,)
+    assert repr(layer) == repr(plain).replace("RMSNorm", "PEGradNormSeparatedRMSNorm")
+    assert list(layer.state_dict()) == list(plain.state_dict()) == (["weight"] if affine else [])
+    assert ("weight_sqgradnorm" in layer._buffers) == affine
+    other = PEGradNormSeparatedRMSNorm((2, 4), 1e-6, True, None, torch.float64)
+    assert other.weight.dtype == torch.float64 and other.normalized_shape == (2, 4)
+
+
+# --------------------------------------------------------------------------------------------
 # Drop-in properties
 
 ALL = [(PEGradNormLinear, (5, 3)), (PEGradNormShimLinear, (5, 3)), (PEGradNormEmbedding, (5, 3)),
-       (PEGradNormShimEmbedding, (5, 3)), (PEGradNormSeparatedLayerNorm, (5,))]
+       (PEGradNormShimEmbedding, (5, 3)), (PEGradNormSeparatedLayerNorm, (5,)), (PEGradNormSeparatedRMSNorm, (5,))]
 
 
 @pytest.mark.parametrize("cls,args", ALL)
 @pytest.mark.parametrize("bias", [True, False])
 def test_state_dict_round_trips_with_torch_layers(cls, args, bias):
-    kwargs = {} if PLAIN[cls] is nn.Embedding else dict(bias=bias)
+    kwargs = bias_kwargs(cls, bias)
     layer, plain = cls(*args, **kwargs), PLAIN[cls](*args, **kwargs)
     assert layer.state_dict().keys() == plain.state_dict().keys()
     assert isinstance(layer, PLAIN[cls])
@@ -716,7 +830,7 @@ def test_tied_head_with_mismatched_examples_is_an_error():
 # Property test over random shapes, dtypes, bias and accumulation steps
 
 @settings(max_examples=40, deadline=None)
-@given(kind=st.sampled_from(["gns", "shim", "ln"]), B=st.integers(1, 4), T=st.integers(1, 5),
+@given(kind=st.sampled_from(["gns", "shim", "ln", "rms"]), B=st.integers(1, 4), T=st.integers(1, 5),
        K=st.integers(1, 6), L=st.integers(1, 6), bias=st.booleans(), steps=st.integers(1, 3),
        dtype=st.sampled_from([torch.float32, torch.float64]), mode=st.sampled_from([None, "ghost", "materialise"]))
 def test_property_linear_and_layernorm(kind, B, T, K, L, bias, steps, dtype, mode):
@@ -724,11 +838,14 @@ def test_property_linear_and_layernorm(kind, B, T, K, L, bias, steps, dtype, mod
     if kind == "ln":
         K = L = max(K, 2)  # one feature normalises to rounding noise times 1/sqrt(eps)
         layer, plain = twins(PEGradNormSeparatedLayerNorm, K, bias=bias, dtype=dtype)
+    elif kind == "rms":
+        L = K
+        layer, plain = twins(PEGradNormSeparatedRMSNorm, K, dtype=dtype)
     else:
         layer, plain = twins(PEGradNormLinear if kind == "gns" else PEGradNormShimLinear, K, L, bias=bias,
                              dtype=dtype)
         layer.per_example_mode = mode
-    check(layer, plain, float_batches(steps, (B, T, K), L, dtype=dtype), grad_exact=kind == "shim")
+    check(layer, plain, float_batches(steps, (B, T, K), L, dtype=dtype), grad_exact=kind in ("shim", "rms"))
 
 
 @settings(max_examples=25, deadline=None)
@@ -771,7 +888,7 @@ def test_pegsqnorm_accessors_match_brute_force(cls, args, bias):
     # two micro-steps of a mean loss over N = 6 examples: sum * count = N sum_b ||g_b / N||^2
     # = (1/N) sum_b ||g_b||^2, the reference's weight_pegsqnorm()
     torch.manual_seed(20)
-    kwargs = {} if PLAIN[cls] is nn.Embedding else dict(bias=bias)
+    kwargs = bias_kwargs(cls, bias)
     layer, plain = twins(cls, *args, **kwargs)
     if PLAIN[cls] is nn.Embedding:
         batches = id_batches(2, (3, 4), args[0], args[1])
@@ -836,6 +953,8 @@ def test_pegsqnorm_of_a_tied_weight_is_the_embeddings(Embedding, Head):
     (lambda: PEGradNormShimEmbedding(5, 3), "bias_pegsqnorm", "has no bias"),
     (lambda: PEGradNormSeparatedLayerNorm(4, False), "bias_pegsqnorm", "has no bias"),
     (lambda: PEGradNormSeparatedLayerNorm(4, elementwise_affine=False), "weight_pegsqnorm", "has no weight"),
+    (lambda: PEGradNormSeparatedRMSNorm(4), "bias_pegsqnorm", "has no bias"),
+    (lambda: PEGradNormSeparatedRMSNorm(4, elementwise_affine=False), "weight_pegsqnorm", "has no weight"),
     (lambda: PEGradNormLinear(4, 3).requires_grad_(False), "weight_pegsqnorm", "does not require grad"),
     (lambda: PEGradNormEmbedding(5, 3).requires_grad_(False), "weight_pegsqnorm", "does not require grad"),
     (lambda: torch.nn.utils.parametrizations.spectral_norm(PEGradNormShimLinear(4, 3)), "weight_pegsqnorm",

@@ -2,6 +2,7 @@
 PEGradNormFusedLayerNorm: a drop-in nn.LayerNorm whose backward accumulates Σ_b ||g_b / B||²
 of its gain and bias (buffered.py's buffer convention), checked against brute force (the shared
 oracle through nn.LayerNorm at the same weights), alone and inside a GPT, with gradient accumulation.
+PEGradNormFusedRMSNorm: the same for nn.RMSNorm's gain.
 """
 import pytest
 import torch
@@ -10,13 +11,13 @@ import torch.nn.functional as F
 
 import buffered
 import fused_gns
-from buffered import find_sqgradnorm_buffers, zero_sqgradnorm_buffers
-from fused_gns import PEGradNormFusedLayerNorm
-from gns_fixtures import gpt_loss, sqgradnorm_sums
+from buffered import PEGradNormSeparatedRMSNorm, find_sqgradnorm_buffers, zero_sqgradnorm_buffers
+from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
+from gns_fixtures import gpt_loss, sqgradnorm_sums, with_rmsnorms
 from layer_config import set_contextual_config
 from model import GPT, GPTConfig
 from reference_names import ReferenceNameError
-from test_buffered import BAD_LAYERNORM_CALLS, LAYERNORM_CALLS, REFUSED_LAYER_NAMES
+from test_buffered import AUTOCAST_RTOL, BAD_LAYERNORM_CALLS, LAYERNORM_CALLS, REFUSED_LAYER_NAMES, RMSNORM_CALLS
 
 
 def randomised(module, seed=0):
@@ -61,13 +62,39 @@ def test_contradictory_or_unknown_arguments_are_one_line_errors(args, kwargs):
     assert "\n" not in str(error.value)
 
 
-def test_what_the_kernel_cannot_do():
-    with pytest.raises(ValueError, match="last dimension only"):
-        PEGradNormFusedLayerNorm((3, 8))
-    plain = PEGradNormFusedLayerNorm(8, elementwise_affine=False)  # nothing to measure: torch's layer_norm
+@pytest.mark.parametrize("cls,norm", [(PEGradNormFusedLayerNorm, lambda x: F.layer_norm(x, (8,), eps=1e-5)),
+                                      (PEGradNormFusedRMSNorm, lambda x: F.rms_norm(x, (8,)))],
+                         ids=["LayerNorm", "RMSNorm"])
+def test_what_the_kernel_cannot_do(cls, norm):
+    with pytest.raises(ValueError, match=rf"last dimension only.*buffered\.PEGradNormSeparated"):
+        cls((3, 8))
+    plain = cls(8, elementwise_affine=False)  # nothing to measure: torch's own normalisation
     x = torch.randn(2, 3, 8, requires_grad=True)
-    assert torch.equal(plain(x), F.layer_norm(x, (8,), eps=1e-5)) and plain.weight is None
+    assert torch.equal(plain(x), norm(x)) and plain.weight is None
     assert find_sqgradnorm_buffers(plain) == []
+
+
+@pytest.mark.parametrize("eps", [None, 1e-6])
+def test_drop_in_for_nn_rmsnorm(eps):
+    ours, theirs = PEGradNormFusedRMSNorm(24, eps=eps), randomised(nn.RMSNorm(24, eps=eps))
+    assert [(n, p.shape) for n, p in ours.named_parameters()] == [(n, p.shape) for n, p in theirs.named_parameters()]
+    assert list(ours.state_dict()) == list(theirs.state_dict()) == ["weight"]  # the buffers stay out
+    assert ours.eps == theirs.eps == eps and isinstance(ours, nn.RMSNorm)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 5, 24)
+    torch.testing.assert_close(ours(x), theirs(x))
+    theirs.load_state_dict(randomised(ours, seed=1).state_dict())
+    torch.testing.assert_close(ours(x), theirs(x))
+    assert sorted(ours._buffers) == ["example_count", "weight_sqgradnorm"]
+
+
+@pytest.mark.parametrize("args,kwargs,eps,affine", RMSNORM_CALLS)
+def test_rmsnorm_takes_torchs_arguments(args, kwargs, eps, affine):
+    m, plain = PEGradNormFusedRMSNorm(*args, **kwargs, backend="torch"), nn.RMSNorm(*args, **kwargs)
+    assert m.eps == eps and m.normalized_shape == (8,) and m.backend == "torch"
+    assert list(m.state_dict()) == list(plain.state_dict()) and ("weight_sqgradnorm" in m._buffers) == affine
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(m(x), F.rms_norm(x, (8,), m.weight, eps))
 
 
 def test_buffer_convention():
@@ -86,8 +113,9 @@ def test_buffer_convention():
     assert all(buf.item() == 0 and count.item() == 0 for _, _, buf, count in found)
 
 
-def test_buffers_stay_float32_through_casts():
-    m = PEGradNormFusedLayerNorm(8)
+@pytest.mark.parametrize("cls", [PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm])
+def test_buffers_stay_float32_through_casts(cls):
+    m = cls(8)
     m(torch.randn(3, 4, 8)).pow(2).sum().backward()
     before = {name: buf.clone() for name, buf in m.named_buffers()}
     for cast in (torch.float16, torch.bfloat16, torch.float64, torch.float32):
@@ -105,14 +133,23 @@ def test_buffers_stay_float32_through_casts():
 
 
 def per_example_loss(y, head):
-    """A nonlinear per-example loss of the layer's output y [B, T, D]: l_b = mean_t (y_bt · head)²."""
-    return (y @ head).square().mean(dim=-1)
+    """A nonlinear per-example loss of the layer's output y [B, T, D] (or [B, D]): l_b = mean_t (y_bt · head)²."""
+    return (y @ head).square().reshape(y.shape[0], -1).mean(dim=-1)
+
+
+def torch_twin(m):
+    """torch's own LayerNorm or RMSNorm with m's arguments and weights."""
+    if isinstance(m, nn.RMSNorm):
+        plain = nn.RMSNorm(m.normalized_shape, m.eps)
+    else:
+        plain = nn.LayerNorm(m.normalized_shape, m.eps, bias=m.bias is not None)
+    plain.load_state_dict(m.state_dict())
+    return plain
 
 
 def brute_force_sqgradnorms(m, xs, head):
-    """{name: Σ_b ||∇ l_b / B||²} of torch's LayerNorm at m's weights, over the micro-batches xs."""
-    plain = nn.LayerNorm(m.normalized_shape, m.eps, bias=m.bias is not None)
-    plain.load_state_dict(m.state_dict())
+    """{name: Σ_b ||∇ l_b / B||²} of torch's LayerNorm (RMSNorm) at m's weights, over the micro-batches xs."""
+    plain = torch_twin(m)
     return sqgradnorm_sums(plain, lambda forward, x: per_example_loss(forward(x), head).sum(), [(x,) for x in xs])
 
 
@@ -131,6 +168,48 @@ def test_gradient_accumulation_matches_brute_force():
     # the reference's accessors: sum * count = B sum_b ||g_b / B||^2
     torch.testing.assert_close(m.weight_pegsqnorm().double(), 6 * want_w, rtol=1e-5, atol=0)
     torch.testing.assert_close(m.bias_pegsqnorm().double(), 6 * want_b, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (4,)], ids=["3-D", "2-D"])
+@pytest.mark.parametrize("eps,x_scale", [(None, 1.0), (1e-6, 1.0), (None, 1e-4), (1e-6, 3e-4)],
+                         ids=["eps None", "eps 1e-6", "eps None, tiny rows", "eps 1e-6, tiny rows"])
+def test_rmsnorm_gradient_accumulation_matches_brute_force(eps, x_scale, shape):
+    """Two micro-steps; tiny rows have a mean square (~1e-8, ~1e-7) below eps (None: float32's
+    machine epsilon, 1.2e-7), so eps sets most of rstd and another eps would fail."""
+    D = 20
+    m = randomised(PEGradNormFusedRMSNorm(D, eps=eps))
+    head = torch.randn(D)
+    xs = [x_scale * (torch.randn(*shape, D) * 3 + 1), x_scale * torch.randn(*shape, D)]
+    for x in xs:
+        (per_example_loss(m(x), head).mean() / len(xs)).backward()
+    want = brute_force_sqgradnorms(m, xs, head)["weight"]
+    assert m.example_count.item() == 2 * shape[0] and m.weight_sqgradnorm.dtype == torch.float32
+    torch.testing.assert_close(m.weight_sqgradnorm.double(), want, rtol=1e-5, atol=0)
+    torch.testing.assert_close(m.weight_pegsqnorm().double(), 2 * shape[0] * want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("half_layer", [False, True], ids=["float32 layer", "half layer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rmsnorm_half_precision_input_matches_brute_force(dtype, half_layer):
+    """A half-precision input, as a Linear under autocast gives it (and a layer cast to it, as
+    model.half() does): the norms within the LayerNorm tests' autocast tolerance of float32 brute
+    force on the same values, in a float32 buffer."""
+    D = 16
+    m = randomised(PEGradNormFusedRMSNorm(D))
+    reference = torch_twin(m)
+    if half_layer:
+        m.to(dtype)
+        reference.load_state_dict({k: v.float() for k, v in m.state_dict().items()})
+    head = torch.randn(D)
+    xs = [(torch.randn(3, 4, D) * 2).to(dtype) for _ in range(2)]
+    for x in xs:
+        y = m(x)
+        assert y.dtype == dtype
+        (per_example_loss(y.float(), head).mean() / len(xs)).backward()
+    loss = lambda forward, x: per_example_loss(forward(x), head).sum()  # noqa: E731
+    want = sqgradnorm_sums(reference, loss, [(x.float(),) for x in xs])["weight"]
+    assert m.weight_sqgradnorm.dtype == torch.float32 and m.example_count.item() == 6
+    torch.testing.assert_close(m.weight_sqgradnorm.double(), want, rtol=AUTOCAST_RTOL[dtype], atol=0)
 
 
 def test_pegsqnorm_without_bias_or_frozen_is_an_error():
@@ -168,26 +247,33 @@ def test_frozen_parameter_is_not_measured():
     assert m.example_count.item() == 4
 
 
-def tiny_gpt_pair():
-    """A GPT with fused LayerNorms and a plain one with the same weights."""
-    config = GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=24, bias=True, dropout=0.0)
+def tiny_gpt_pair(rms_cls=None):
+    """A GPT with fused LayerNorms and a plain one with the same weights; given rms_cls (an RMSNorm
+    class), a GPT without biases whose normalisations are rms_cls, and the plain one nn.RMSNorm."""
+    config = GPTConfig(block_size=8, vocab_size=16, n_layer=2, n_head=2, n_embd=24, bias=rms_cls is None, dropout=0.0)
     torch.manual_seed(0)
-    with set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm):
-        fused = GPT(config)
-    plain = GPT(config)
-    with torch.no_grad():  # LayerNorms away from their identity initialisation
-        for name, p in fused.named_parameters():
+    if rms_cls is None:
+        with set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm):
+            measured = GPT(config)
+        plain = GPT(config)
+    else:
+        measured, plain = with_rmsnorms(GPT(config), rms_cls), with_rmsnorms(GPT(config), nn.RMSNorm)
+    with torch.no_grad():  # normalisations away from their identity initialisation
+        for name, p in measured.named_parameters():
             if ".ln_" in name or "ln_f" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    plain.load_state_dict(fused.state_dict())
-    return fused, plain
+    plain.load_state_dict(measured.state_dict())
+    return measured, plain
+
+
+def gpt_micro_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g)) for _ in range(2)]
 
 
 def test_gpt_layernorms_match_brute_force():
     fused, plain = tiny_gpt_pair()
-    g = torch.Generator().manual_seed(1)
-    micro_batches = [(torch.randint(0, 16, (2, 8), generator=g), torch.randint(0, 16, (2, 8), generator=g))
-                     for _ in range(2)]
+    micro_batches = gpt_micro_batches()
     B = 4
     for idx, targets in micro_batches:
         _, loss = fused(idx, targets)
@@ -208,18 +294,43 @@ def test_gpt_layernorms_match_brute_force():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("cls", [PEGradNormFusedRMSNorm, PEGradNormSeparatedRMSNorm])
+def test_gpt_rmsnorms_match_brute_force(cls):
+    measured, plain = tiny_gpt_pair(cls)
+    micro_batches = gpt_micro_batches()
+    for idx, targets in micro_batches:
+        (measured(idx, targets)[1] / len(micro_batches)).backward()
+    want = sqgradnorm_sums(plain, gpt_loss, micro_batches)
+    found = find_sqgradnorm_buffers(measured)
+    assert [n for n, *_ in found] == [n for n in want if ".ln_" in n or "ln_f" in n] and len(found) == 5
+    for name, _, buf, count in found:
+        assert count.item() == 4
+        torch.testing.assert_close(buf.double(), want[name], rtol=1e-4, atol=1e-12, msg=name)
+    for idx, targets in micro_batches:
+        (plain(idx, targets)[1] / len(micro_batches)).backward()
+    for (name, p), q in zip(measured.named_parameters(), plain.parameters()):
+        if cls is PEGradNormSeparatedRMSNorm:  # torch's own backward throughout
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.slow
-def test_gpt_compiles_without_graph_breaks():
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_gpt_compiles_without_graph_breaks(norm):
     torch._dynamo.reset()
-    fused, _ = tiny_gpt_pair()
+    fused, _ = tiny_gpt_pair(None if norm == "LayerNorm" else PEGradNormFusedRMSNorm)
     idx = torch.randint(0, 16, (2, 8))
     explanation = torch._dynamo.explain(fused)(idx, idx)
     assert explanation.graph_break_count == 0
     torch._dynamo.reset()
 
 
-def test_autocast_and_inference_behave_like_nn_layernorm():
-    ours, theirs = randomised(PEGradNormFusedLayerNorm(16)), randomised(nn.LayerNorm(16))
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")  # torch's rms_norm, for a bfloat16 input and float32 weights
+@pytest.mark.parametrize("cls,plain_cls", [(PEGradNormFusedLayerNorm, nn.LayerNorm),
+                                           (PEGradNormFusedRMSNorm, nn.RMSNorm)], ids=["LayerNorm", "RMSNorm"])
+def test_autocast_and_inference_behave_like_torchs(cls, plain_cls):
+    ours, theirs = randomised(cls(16)), randomised(plain_cls(16))
     x = torch.randn(2, 3, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = nn.functional.linear(x, torch.eye(16))  # bfloat16 under autocast
@@ -232,12 +343,14 @@ def test_autocast_and_inference_behave_like_nn_layernorm():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cls,plain_cls", [(PEGradNormFusedLayerNorm, nn.LayerNorm),
+                                           (PEGradNormFusedRMSNorm, nn.RMSNorm)], ids=["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
-def test_cuda_autocast_like_nn_layernorm(backend):
+def test_cuda_autocast_like_torchs(backend, cls, plain_cls):
     if backend == "triton":
         pytest.importorskip("triton")
-    ours = randomised(PEGradNormFusedLayerNorm(64, backend=backend)).cuda()
-    theirs = randomised(nn.LayerNorm(64)).cuda()
+    ours = randomised(cls(64, backend=backend)).cuda()
+    theirs = randomised(plain_cls(64)).cuda()
     x = torch.randn(4, 8, 64, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         h = nn.functional.linear(x, torch.eye(64, device="cuda"))

@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from csv_tools import load_log
-from gns_fixtures import ToyGPT, example_sqnorms, measure, mse, per_example_grads, regression_loss, train_step
+from gns_fixtures import (ToyGPT, example_sqnorms, measure, mse, per_example_grads, regression_loss, train_step,
+                         with_rmsnorms)
 from gnstracking import AccumulateMeasurements, MeasurementTracker
 from tracker import LogWrapper
 
@@ -116,9 +117,11 @@ def test_cli_summary_without_layernorm(tmp_path, capsys):
     assert "Linear" in out and (tmp_path / "gns_analysis.csv").exists()
 
 
-def toy_gpt_log(out_dir, steps=16):
+def toy_gpt_log(out_dir, steps=16, rmsnorm=False):
+    """A ToyGPT's log (rmsnorm: with RMSNorms, which have no bias, for its LayerNorms)."""
     torch.manual_seed(0)
-    model = measure(ToyGPT(n_layer=2))
+    model = ToyGPT(n_layer=2)
+    model = measure(with_rmsnorms(model) if rmsnorm else model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
 
@@ -149,6 +152,19 @@ def test_groups_partition_and_sums_come_before_the_estimators(tmp_path):
         # GNS is the ratio of the two EMAs, each its own debiased EMA
         assert np.allclose(results[f"{group}/gns"], results[f"{group}/trace_ema"] / results[f"{group}/sq_norm_ema"])
     # the type groups add up to the total (the estimators are linear at fixed B)
+    parts = sum(results[f"{k}/trace"] for k in ("LayerNorm", "Linear", "Embedding"))
+    assert np.allclose(parts, results["total/trace"], rtol=1e-10)
+
+
+def test_rmsnorm_gains_are_in_the_normalisation_group(tmp_path):
+    """A model with RMSNorm (modules ln_1, ln_f as nanoGPT names them, a gain and no bias): its
+    gains count in the normalisation group, still called LayerNorm for the reference's readers."""
+    df, _ = load_log(toy_gpt_log(tmp_path, rmsnorm=True))
+    results, info = gns_analysis.analyze(df, alpha=0.9)
+    groups = info["groups"]
+    assert list(groups)[:4] == ["total", "LayerNorm", "Linear", "Embedding"]
+    assert groups["LayerNorm"] == [f"transformer.{n}.weight" for n in ("h.0.ln_1", "h.1.ln_1", "ln_f")]
+    assert np.isfinite(results["LayerNorm/gns"]).any()
     parts = sum(results[f"{k}/trace"] for k in ("LayerNorm", "Linear", "Embedding"))
     assert np.allclose(parts, results["total/trace"], rtol=1e-10)
 

@@ -821,3 +821,43 @@ def test_checkpoint_states_round_trip_and_older_checkpoints_load(tmp_path):
     gnstracking.load_states(nothing, {"model": {}, "iter_num": 3})
     gnstracking.load_states(nothing, {"ddp_gns": ddp.state_dict()})
     assert nothing[0].status() == "gns nan"
+
+
+def test_the_layernorm_group_has_a_live_gns_of_its_own():
+    """live_gns('LayerNorm') is the EMA of the estimates from the LayerNorm parameters' sums alone,
+    'total' from all of them: both against a GradientNoiseScale fed from the brute-force norms."""
+    model = make_model()
+    exact, = gnstracking.estimators_for(model)
+    assert gnstracking.measured_groups([exact]) == ["total", "LayerNorm"]
+    expected = {"total": gnstracking.GradientNoiseScale(0.99), "LayerNorm": gnstracking.GradientNoiseScale(0.99)}
+    for step in range(4):
+        x, y = make_batch(6, seed=step)
+        norms = brute_force_norms(model, regression_loss, x, y)
+        train_step(model, [(x, y)])
+        exact.measure(step, 6, None)
+        model.zero_grad()
+        for group, gns in expected.items():
+            members = [v for name, v in norms.items() if group == "total" or ".ln_" in f".{name}"]
+            gns.update(sum(small ** 2 for _, small in members), sum(big ** 2 for big, _ in members), 1, 6)
+    for group, gns in expected.items():
+        value, averaged = gnstracking.live_gns([exact], group)
+        assert averaged == 4 and value == pytest.approx(gns.get_gns(), rel=1e-4), group
+    assert gnstracking.live_gns([exact], "LayerNorm")[0] != pytest.approx(gnstracking.live_gns([exact])[0], rel=1e-3)
+    # the groups' states go into the checkpoint and come back; an older state (the total alone) loads
+    fresh, = gnstracking.estimators_for(make_model())
+    fresh.load_state_dict(exact.state_dict())
+    assert gnstracking.live_gns([fresh], "LayerNorm") == gnstracking.live_gns([exact], "LayerNorm")
+    older = {k: v for k, v in exact.state_dict().items() if k != "groups"}
+    again, = gnstracking.estimators_for(make_model())
+    again.load_state_dict(older)
+    assert again.gns.state_dict() == exact.gns.state_dict() and gnstracking.live_gns([again], "LayerNorm")[1] == 0
+
+
+def test_measured_groups_put_layernorm_first_when_it_is_all_that_is_measured():
+    from layer_config import classes_for_flags
+    only_ln = gnstracking.estimators_for(tiny_gpt(0, **classes_for_flags(lnclass="shim")))
+    assert gnstracking.measured_groups(only_ln) == ["LayerNorm", "total"]
+    no_ln = gnstracking.estimators_for(tiny_gpt(0, **classes_for_flags(linearclass="gns")))
+    assert gnstracking.measured_groups(no_ln) == ["total"]
+    assert gnstracking.measured_groups([]) == [] and math.isnan(gnstracking.live_gns([])[0])
+    assert gnstracking.live_gns(no_ln, "LayerNorm")[1] == 0

@@ -8,16 +8,15 @@ import pytest
 import torch.nn as nn
 
 import layer_config as lc
-from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormShimEmbedding,
-                      PEGradNormShimLinear)
+from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
+                      PEGradNormShimEmbedding, PEGradNormShimLinear)
 from conftest import REPO, TINY
-from fused_gns import PEGradNormFusedLayerNorm
+from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
 from test_bench_throughput import TINY as BENCH_TINY, load_bench
 from test_model_gns import check_gpt_against_brute_force
 from test_train import train_until_exit
 
 TORCH = dict(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
-FLAGGED = {kind: TORCH[kind] for kind in lc.FLAG_KINDS.values()}  # the kinds train.py's flags choose
 
 
 class ReferenceStyleModel(nn.Module):
@@ -27,6 +26,15 @@ class ReferenceStyleModel(nn.Module):
         super().__init__()
         self.wte = lc.config.Embedding(10, 8)
         self.ln = lc.config.LayerNorm(8, bias=False)
+        self.fc = lc.config.Linear(8, 4)
+
+
+class RMSNormModel(nn.Module):
+    """A model whose normalisation is an RMSNorm, read from the config as the LayerNorm is."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = lc.config.RMSNorm(8)
         self.fc = lc.config.Linear(8, 4)
 
 
@@ -42,9 +50,11 @@ def test_a_reference_style_model_gets_the_classes_in_force_then_torchs():
 
 
 def test_the_config_is_a_namedtuple_and_get_contextual_config_a_dict():
-    assert lc.config._fields[:3] == ("Embedding", "Linear", "LayerNorm")  # the reference's order
+    assert lc.config._fields == ("Embedding", "Linear", "LayerNorm", "RMSNorm")  # the reference's order, then ours
     assert lc.config._asdict() == TORCH and lc.get_contextual_config() == TORCH
     assert type(lc.get_contextual_config()) is dict
+    # the reference's three classes still make a LayerClasses, RMSNorm torch's
+    assert lc.LayerClasses(nn.Embedding, nn.Linear, nn.LayerNorm).RMSNorm is nn.RMSNorm
 
 
 def test_unspecified_classes_stay_as_they_were_and_each_level_is_restored():
@@ -54,6 +64,10 @@ def test_unspecified_classes_stay_as_they_were_and_each_level_is_restored():
         with lc.set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm, Embedding=None) as inner:
             assert inner == (nn.Embedding, PEGradNormLinear, PEGradNormFusedLayerNorm, nn.RMSNorm)
             assert lc.get_contextual_config() == dict(TORCH, Linear=PEGradNormLinear, LayerNorm=PEGradNormFusedLayerNorm)
+            with lc.set_contextual_config(RMSNorm=PEGradNormSeparatedRMSNorm):
+                assert lc.config.RMSNorm is PEGradNormSeparatedRMSNorm
+                assert type(RMSNormModel().norm) is PEGradNormSeparatedRMSNorm
+            assert lc.config.RMSNorm is nn.RMSNorm
         assert lc.config == (nn.Embedding, PEGradNormLinear, nn.LayerNorm, nn.RMSNorm)
     assert lc.config._asdict() == TORCH
 
@@ -69,7 +83,7 @@ def test_restored_after_an_error_and_unknown_kinds_refused():
 
 
 def test_init_contextual_config_goes_back_to_torchs_classes():
-    with lc.set_contextual_config(Linear=PEGradNormLinear):
+    with lc.set_contextual_config(Linear=PEGradNormLinear, RMSNorm=PEGradNormFusedRMSNorm):
         lc.init_contextual_config()
         assert lc.config._asdict() == TORCH
         with lc.set_contextual_config(Embedding=PEGradNormEmbedding):
@@ -81,17 +95,45 @@ def test_init_contextual_config_goes_back_to_torchs_classes():
 # The one table from train.py's layer flags to classes
 
 def test_the_table_keeps_train_pys_values_and_gives_set_contextual_configs_arguments():
-    assert lc.classes_for_flags() == FLAGGED  # a flag not given is nn
+    assert lc.classes_for_flags() == TORCH  # a flag not given is nn
     kept = {("linearclass", "gns"): PEGradNormLinear, ("linearclass", "shim"): PEGradNormShimLinear,
-            ("embeddingclass", "gns"): PEGradNormEmbedding, ("embeddingclass", "shim"): PEGradNormShimEmbedding,
-            ("lnclass", "shim"): PEGradNormSeparatedLayerNorm, ("lnclass", "fused"): PEGradNormFusedLayerNorm}
+            ("embeddingclass", "gns"): PEGradNormEmbedding, ("embeddingclass", "shim"): PEGradNormShimEmbedding}
     for (flag, value), cls in kept.items():
-        assert lc.FLAG_CLASSES[flag][value] is cls
-        assert lc.classes_for_flags(**{flag: value}) == dict(FLAGGED, **{lc.FLAG_KINDS[flag]: cls})
+        assert lc.FLAG_CLASSES[flag][value] is cls  # a one-kind flag's entry is the class itself
+        assert lc.classes_for_flags(**{flag: value}) == dict(TORCH, **{lc.FLAG_KINDS[flag]: cls})
     with lc.set_contextual_config(**lc.classes_for_flags(linearclass="shim", lnclass="fused")):
         model = ReferenceStyleModel()
     assert (type(model.wte), type(model.ln), type(model.fc)) == (nn.Embedding, PEGradNormFusedLayerNorm,
                                                                  PEGradNormShimLinear)
+
+
+def test_lnclass_chooses_the_class_of_either_normalisation():
+    """--lnclass's values keep their names and give a class for LayerNorm and one for RMSNorm, so the
+    flag works whichever normalisation the model uses."""
+    assert lc.flag_kinds("lnclass") == ("LayerNorm", "RMSNorm") and lc.flag_kinds("linearclass") == ("Linear",)
+    both = {"nn": (nn.LayerNorm, nn.RMSNorm), "shim": (PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm),
+            "fused": (PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm)}
+    assert tuple(lc.FLAG_CLASSES["lnclass"]) == tuple(both)  # train.py's choices, in order
+    for value, (layernorm, rmsnorm) in both.items():
+        assert lc.classes_for_flags(lnclass=value) == dict(TORCH, LayerNorm=layernorm, RMSNorm=rmsnorm)
+        with lc.set_contextual_config(**lc.classes_for_flags(lnclass=value, linearclass="shim")):
+            layer_norm_model, rms_model = ReferenceStyleModel(), RMSNormModel()
+        assert type(layer_norm_model.ln) is layernorm and type(rms_model.norm) is rmsnorm
+        assert type(rms_model.fc) is PEGradNormShimLinear
+
+
+def test_an_lnclass_entry_without_a_class_for_each_normalisation_is_one_line(monkeypatch):
+    monkeypatch.setitem(lc.FLAG_CLASSES["lnclass"], "half", dict(LayerNorm=PEGradNormSeparatedLayerNorm))
+    monkeypatch.setitem(lc.FLAG_CLASSES["lnclass"], "bare", PEGradNormSeparatedRMSNorm)
+    for value in ("half", "bare"):
+        with pytest.raises(ValueError) as error:
+            lc.classes_for_flags(lnclass=value)
+        message = f"FLAG_CLASSES['lnclass'][{value!r}] must give a class for each of LayerNorm, RMSNorm"
+        assert message in str(error.value)
+        assert "\n" not in str(error.value)
+    monkeypatch.setitem(lc.FLAG_CLASSES["lnclass"], "both", dict(LayerNorm=PEGradNormSeparatedLayerNorm,
+                                                                 RMSNorm=PEGradNormFusedRMSNorm))
+    assert lc.classes_for_flags(lnclass="both")["RMSNorm"] is PEGradNormFusedRMSNorm  # one entry: a new value
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from buffered import (PEGradNormEmbedding, PEGradNormShimEmbedding, PEGradNormShimLinear,  # noqa: E402
-                      find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
+from buffered import (PEGradNormEmbedding, PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding,  # noqa: E402
+                      PEGradNormShimLinear, find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
 from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
 from gns_fixtures import ARCHITECTURES, LLAMA, TINY_GPT, arch_id, gpt_loss, sqgradnorm_sums  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
@@ -103,7 +103,8 @@ def check_gpt_against_brute_force(classes, bias, options=()):
     model.load_state_dict(state)
     train(model, batches)
     check_against_brute_force(model, expected, measured_names(list(state_names(model)), classes, model.config))
-    shims = (PEGradNormShimLinear, PEGradNormShimEmbedding)  # torch's backward, the norms beside it
+    # torch's backward, the norms beside it
+    shims = (PEGradNormShimLinear, PEGradNormShimEmbedding, PEGradNormSeparatedRMSNorm)
     exact = all(cls in TORCH_CLASSES or issubclass(cls, shims) for cls in classes.values())
     for n, p in model.named_parameters():
         if exact:

@@ -1,8 +1,9 @@
 """
-normgnorm: LayerNorm whose backward also accumulates per-example Σ_b ||dγ_b||², Σ_b ||dβ_b||².
+normgnorm: LayerNorm (and RMSNorm) whose backward also accumulates per-example Σ_b ||dγ_b||²,
+Σ_b ||dβ_b||².
 
 Every implementation is checked against two oracles, both in float64 from the same inputs:
-torch's LayerNorm autograd (output, dx, dγ, dβ) and the shared per-example oracle of
+torch's LayerNorm (or RMSNorm) autograd (output, dx, dγ, dβ) and the shared per-example oracle of
 tests/gns_fixtures.py (the squared norms). The pure-PyTorch path runs here; the Triton kernels run on
 CPU under the Triton interpreter (small shapes); the CUDA sources are compiled (no GPU here) and
 both GPU backends run against the oracles where a GPU exists.
@@ -34,22 +35,27 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
 BUFFER_TOL = dict(rtol=1e-4, atol=1e-6)
 
 
-def oracle(x, weight, bias, dy):
-    """float64: y, dx, dw, db by torch's LayerNorm autograd; Σ_b ||dγ_b||², Σ_b ||dβ_b||² by the shared oracle."""
+def oracle(x, weight, bias, dy, rms=False, eps=EPS, dtype=torch.float64):
+    """float64: y, dx, dw, db by torch's LayerNorm (rms: RMSNorm) autograd; Σ_b ||dγ_b||², Σ_b ||dβ_b||²
+    by the shared oracle. dtype: compute in another (float32: torch's eps=None is float32's)."""
     D = x.shape[-1]
-    plain = nn.LayerNorm(D, EPS, bias=bias is not None, device=x.device, dtype=torch.float64)
+    if rms:
+        plain = nn.RMSNorm(D, eps, device=x.device, dtype=dtype)
+    else:
+        plain = nn.LayerNorm(D, eps, bias=bias is not None, device=x.device, dtype=dtype)
     with torch.no_grad():
         plain.weight.copy_(weight)
         if bias is not None:
             plain.bias.copy_(bias)
-    xd = x.detach().double().requires_grad_()
+    xd = x.detach().to(dtype).requires_grad_()
     y = plain(xd)
-    y.backward(dy.double())
+    y.backward(dy.to(dtype))
     num_examples = x.shape[0] if x.dim() >= 2 else 1
-    examples = xd.detach().reshape(num_examples, -1, D), dy.double().reshape(num_examples, -1, D)
+    examples = xd.detach().reshape(num_examples, -1, D), dy.to(dtype).reshape(num_examples, -1, D)
     sq = sqgradnorm_sums(plain, output_grad_loss, [examples], mean=False)  # the layer sees dy: a sum, not a mean
-    return dict(y=y.detach(), dx=xd.grad, dw=plain.weight.grad, db=plain.bias.grad if bias is not None else None,
-                sq_w=sq["weight"], sq_b=sq.get("bias"), count=num_examples)
+    db = plain.bias.grad if bias is not None else None
+    return dict(y=y.detach().double(), dx=xd.grad.double(), dw=plain.weight.grad.double(),
+                db=None if db is None else db.double(), sq_w=sq["weight"], sq_b=sq.get("bias"), count=num_examples)
 
 
 def make_inputs(shape, dtype, bias, seed, device="cpu"):
@@ -76,8 +82,25 @@ def reference_call(x, weight, b, sq_w, sq_b, count, eps, backend):
 ENTRIES = {"eager": normgnorm.layer_norm, "op": through_op, "PEGLayerNorm": reference_call}
 
 
+# RMSNorm's entries, called as the LayerNorm ones are (its bias and bias buffer are None)
+def rms_eager(x, weight, b, sq_w, sq_b, count, eps, backend):
+    assert b is None and sq_b is None
+    return normgnorm.rms_norm(x, weight, sq_w, count, eps, backend)
+
+
+def rms_through_op(x, weight, b, sq_w, sq_b, count, eps, backend):
+    """The RMSNorm custom op itself, what torch.compile traces."""
+    assert b is None and sq_b is None
+    return normgnorm._rms_norm_fwd(x, weight, sq_w, count, eps, backend or "")[0]
+
+
+RMS_ENTRIES = {"rms eager": rms_eager, "rms op": rms_through_op}
+
+
 def check_op(shapes, dtype, bias, backend, device="cpu", layer_norm=normgnorm.layer_norm):
-    """Two calls (two gradient-accumulation micro-steps, different data) through the autograd op."""
+    """Two calls (two gradient-accumulation micro-steps, different data) through the autograd op;
+    an RMSNorm entry (bias False) against the RMSNorm oracle."""
+    rms = layer_norm in RMS_ENTRIES.values()
     weight0 = make_inputs(shapes[0], dtype, bias, seed=0, device=device)[2]
     weight = weight0.clone().requires_grad_()
     b = make_inputs(shapes[0], dtype, bias, seed=0, device=device)[3]
@@ -90,7 +113,7 @@ def check_op(shapes, dtype, bias, backend, device="cpu", layer_norm=normgnorm.la
         x.requires_grad_()
         y = layer_norm(x, weight, b, sq_w, sq_b, count, EPS, backend)
         y.backward(dy)
-        ref = oracle(x, weight, b, dy)
+        ref = oracle(x, weight, b, dy, rms)
         tol = TOL[dtype]
         assert y.dtype == dtype and x.grad.dtype == dtype
         torch.testing.assert_close(y.double(), ref["y"].to(dtype).double(), **tol)
@@ -293,25 +316,29 @@ def test_oracle_per_example_norms_by_loop():
 on_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=on_gpu), pytest.param("cuda", marks=on_gpu)])
-def test_rows_with_variance_near_eps(backend):
-    """x's spread ~1e-3 (variance ~1e-6 against eps 1e-5): eps sets most of rstd, so an
-    implementation that dropped or misplaced it fails here (the other inputs have variance ~4)."""
+def test_rows_with_variance_near_eps(backend, rms):
+    """x's spread ~1e-3 (variance, or RMSNorm's mean square, ~1e-6 against eps 1e-5): eps sets
+    most of rstd, so an implementation that dropped or misplaced it fails here (the other inputs
+    have variance ~4)."""
     if backend == "cuda" and cuda_ext.find_cuda_home() is None:
         pytest.skip("no CUDA toolkit to build the extension")
     device = "cpu" if backend == "torch" else "cuda"
-    x, dy, weight, b = make_inputs((3, 4, 24), torch.float32, True, seed=4, device=device)
+    x, dy, weight, b = make_inputs((3, 4, 24), torch.float32, not rms, seed=4, device=device)
     x = (x * 5e-4).requires_grad_()
     f32 = dict(dtype=torch.float32, device=device)
-    sq_w, sq_b, count = torch.zeros((), **f32), torch.zeros((), **f32), torch.zeros((), **f32)
-    w, bias = weight.clone().requires_grad_(), b.clone().requires_grad_()
-    y = normgnorm.layer_norm(x, w, bias, sq_w, sq_b, count, EPS, backend)
+    sq_w, count = torch.zeros((), **f32), torch.zeros((), **f32)
+    sq_b = None if rms else torch.zeros((), **f32)
+    w, bias = weight.clone().requires_grad_(), None if rms else b.clone().requires_grad_()
+    y = (rms_eager if rms else normgnorm.layer_norm)(x, w, bias, sq_w, sq_b, count, EPS, backend)
     y.backward(dy)
-    ref = oracle(x, weight, b, dy)
+    ref = oracle(x, weight, b, dy, rms)
     torch.testing.assert_close(y.double(), ref["y"], **TOL[torch.float32])
     torch.testing.assert_close(x.grad.double(), ref["dx"], rtol=1e-4, atol=1e-3)  # dx ~ rstd ~ 300
     torch.testing.assert_close(sq_w.double(), ref["sq_w"], **BUFFER_TOL)
-    torch.testing.assert_close(sq_b.double(), ref["sq_b"], **BUFFER_TOL)
+    if not rms:
+        torch.testing.assert_close(sq_b.double(), ref["sq_b"], **BUFFER_TOL)
 
 
 @pytest.mark.parametrize("layer_norm", list(ENTRIES.values()), ids=list(ENTRIES))
@@ -346,13 +373,16 @@ def test_cpu_path_needs_no_triton():
             "import torch, normgnorm, fused_gns\n"
             "m = fused_gns.PEGradNormFusedLayerNorm(8)\n"
             "m(torch.randn(2, 3, 8, requires_grad=True)).sum().backward()\n"
-            "assert m.example_count.item() == 2 and 'normgnorm.triton_kernels' not in sys.modules\n")
+            "r = fused_gns.PEGradNormFusedRMSNorm(8)\n"
+            "r(torch.randn(2, 3, 8, requires_grad=True)).pow(2).sum().backward()\n"
+            "assert m.example_count.item() == r.example_count.item() == 2\n"
+            "assert 'normgnorm.triton_kernels' not in sys.modules\n")
     env = dict(os.environ, NORMGNORM_BACKEND="triton")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize("layer_norm", list(ENTRIES.values()), ids=list(ENTRIES))
+@pytest.mark.parametrize("layer_norm", [*ENTRIES.values(), *RMS_ENTRIES.values()], ids=[*ENTRIES, *RMS_ENTRIES])
 def test_empty_input(layer_norm):
     x = torch.zeros(0, 5, 8, requires_grad=True)
     weight = torch.ones(8, requires_grad=True)
@@ -362,6 +392,64 @@ def test_empty_input(layer_norm):
     x = torch.zeros(3, 0, 8, requires_grad=True)  # three examples of no tokens still count
     layer_norm(x, weight, None, sq_w, None, count, EPS, "").sum().backward()
     assert sq_w.item() == 0 and count.item() == 3
+
+
+# ---------------------------------------------------------------- RMSNorm: the same code without the centring
+
+@pytest.mark.parametrize("entry", list(RMS_ENTRIES))
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_path_rms_norm_matches_oracles(dtype, shape, entry):
+    check_op(SHAPES[shape], dtype, False, backend="torch", layer_norm=RMS_ENTRIES[entry])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_eps_none_is_torchs_default(dtype):
+    """eps None is torch's rms_norm default, float32's machine epsilon (1.2e-7) for all these
+    dtypes (the type it computes in): with rows of mean square ~1e-8 it sets most of rstd, so
+    another eps fails. The oracle is torch's own RMSNorm(eps=None) in float32 on the same values."""
+    x, dy, weight, _ = make_inputs((3, 4, 24), dtype, False, seed=9)
+    x = (x.float() * 5e-5).to(dtype).requires_grad_()
+    w = weight.clone().requires_grad_()
+    sq_w, count = torch.zeros(()), torch.zeros(())
+    y = normgnorm.rms_norm(x, w, sq_w, count, None, "torch")  # the op takes the eps rms_norm resolved
+    y.backward(dy)
+    ref = oracle(x, weight, None, dy, rms=True, eps=None, dtype=torch.float32)
+    torch.testing.assert_close(y.double(), ref["y"].to(dtype).double(), **TOL[dtype])
+    scale = ref["dx"].abs().max()  # dx ~ rstd ~ 3000
+    torch.testing.assert_close(x.grad.double() / scale, ref["dx"].to(dtype).double() / scale, **TOL[dtype])
+    torch.testing.assert_close(sq_w.double(), ref["sq_w"], **BUFFER_TOL)
+    assert count.item() == 3
+
+
+@pytest.mark.parametrize("entry", list(RMS_ENTRIES))
+def test_rms_norm_frozen_gain_is_not_measured(entry):
+    x, dy, weight, _ = make_inputs((3, 4, 24), torch.float32, False, seed=1)
+    x.requires_grad_()
+    sq_w, count = torch.zeros(()), torch.zeros(())
+    RMS_ENTRIES[entry](x, weight, None, sq_w, None, count, EPS, "").backward(dy)
+    assert weight.grad is None and sq_w.item() == 0 and count.item() == 3
+    torch.testing.assert_close(x.grad.double(), oracle(x, weight, None, dy, rms=True)["dx"], **TOL[torch.float32])
+
+
+def test_rms_norm_takes_a_last_dimension_gain_and_zero_dim_buffers_only():
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    with pytest.raises(ValueError, match="last dimension only"):
+        normgnorm.rms_norm(x, torch.ones(3), torch.zeros(()), torch.zeros(()))
+    with pytest.raises(ValueError, match="rms_norm's weight_sqgradnorm must be a float32 0-dim tensor, not"):
+        normgnorm.rms_norm(x, w, torch.zeros(2), torch.zeros(()))
+    with pytest.raises(ValueError, match="rms_norm's example_count must be a float32 0-dim tensor, not"):
+        normgnorm.rms_norm(x, w, torch.zeros(()), torch.zeros((), dtype=torch.int64))
+
+
+def test_rms_norm_eager_call_skips_the_custom_op():
+    x, _, weight, _ = make_inputs((2, 3, 8), torch.float32, False, seed=2)
+    x.requires_grad_()
+    y = normgnorm.rms_norm(x, weight, torch.zeros(()), torch.zeros(()))
+    assert type(y.grad_fn).__name__ == "_RMSNormFnBackward"
+    assert "rms_norm_fwd" in type(rms_through_op(x, weight, None, torch.zeros(()), None, torch.zeros(()), EPS,
+                                                 "").grad_fn).__name__.lower()
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -377,30 +465,57 @@ def _layer(bias=True):
     return m
 
 
-def test_compile_no_graph_breaks():
-    m = _layer()
+def _rms_layer(eps=EPS):
+    from fused_gns import PEGradNormFusedRMSNorm
+    torch.manual_seed(0)
+    m = PEGradNormFusedRMSNorm(40, eps=eps)
+    with torch.no_grad():
+        m.weight.normal_()
+    return m
+
+
+LAYERS = {"LayerNorm": _layer, "LayerNorm without bias": lambda: _layer(bias=False), "RMSNorm": _rms_layer,
+          "RMSNorm, eps None": lambda: _rms_layer(eps=None)}
+
+
+@pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm"])
+def test_compile_no_graph_breaks(layer):
+    m = LAYERS[layer]()
     x = torch.randn(3, 5, 40, requires_grad=True)
     explanation = torch._dynamo.explain(lambda x: m(x).sin().sum())(x)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bias", [True, False])
-def test_compile_inductor_matches_eager(bias):
+def check_layer_compiled(make, backend=None, compiler="aot_eager"):
+    """A fused layer eager and under torch.compile (fullgraph: one graph, no break), two
+    micro-steps: the same input and parameter gradients, buffers and example count."""
     torch._dynamo.reset()
-    eager, compiled = _layer(bias), _layer(bias)
-    step = torch.compile(lambda m, x: m(x).sin().sum(), backend="inductor", fullgraph=True)
-    for call, shape in enumerate([(3, 5, 40), (3, 5, 40)]):
-        x = torch.randn(shape, generator=torch.Generator().manual_seed(call))
+    eager, compiled = make(), make()
+    eager.backend = compiled.backend = backend
+    step = torch.compile(lambda m, x: m(x).sin().sum(), backend=compiler, fullgraph=True)
+    for call in range(2):
+        x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(call))
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
         eager(x1).sin().sum().backward()
         step(compiled, x2).backward()
         torch.testing.assert_close(x2.grad, x1.grad)
-    for name in ("weight", "bias") if bias else ("weight",):
-        torch.testing.assert_close(getattr(compiled, name).grad, getattr(eager, name).grad)
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(getattr(compiled, name).grad, p.grad)
         torch.testing.assert_close(getattr(compiled, f"{name}_sqgradnorm"), getattr(eager, f"{name}_sqgradnorm"))
+        assert getattr(eager, f"{name}_sqgradnorm").item() > 0
     assert compiled.example_count.item() == eager.example_count.item() == 6
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layer", ["RMSNorm", "RMSNorm, eps None"])
+def test_compile_matches_eager(layer):
+    check_layer_compiled(LAYERS[layer])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_compile_inductor_matches_eager(layer):
+    check_layer_compiled(LAYERS[layer], compiler="inductor")
 
 
 # ---------------------------------------------------------------- Triton kernels, interpreted on CPU
@@ -432,6 +547,10 @@ AOT_CASES = {
     "odd D, whole examples, no bias": ((600, 4, 1000), torch.float16, False, False, {}),
     "2-D float32, no dβ wanted": ((4096, 768), torch.float32, True, False, {}),
     "looped rows": ((4, 64, 12288), torch.bfloat16, True, True, {}),
+    # RMSNorm: the same kernels without the mean (constexpr RMS)
+    "RMSNorm, widest row in registers, split": ((8, 2048, 8192), torch.bfloat16, False, False, dict(rms=True)),
+    "RMSNorm, odd D, whole examples": ((600, 4, 1000), torch.float16, False, False, dict(rms=True)),
+    "RMSNorm, looped rows": ((4, 64, 12288), torch.float32, False, False, dict(rms=True)),
 }
 
 
@@ -439,7 +558,7 @@ def aot_compiled(arch):
     from normgnorm import triton_aot
     compiled = []
     for shape, dtype, bias, need_db, kwargs in AOT_CASES.values():
-        launches = (triton_aot.forward_launches(shape, dtype, bias)
+        launches = (triton_aot.forward_launches(shape, dtype, bias, **kwargs)
                     + triton_aot.backward_launches(shape, dtype, bias, need_db=need_db, **kwargs))
         compiled += [(shape, triton_aot.compile_launch(launch, arch)) for launch in launches]
     return compiled
@@ -568,19 +687,24 @@ def test_gpu_backends_match_oracles(backend, shape):
     for dtype in DTYPES:
         for bias in (True, False):
             check_op(GPU_SHAPES[shape], dtype, bias, backend=backend, device="cuda")
+        check_op(GPU_SHAPES[shape], dtype, False, backend=backend, device="cuda", layer_norm=rms_eager)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_gpu_backends_agree_with_torch_path(backend):
+def test_gpu_backends_agree_with_torch_path(backend, rms):
     if backend == "cuda" and cuda_ext.find_cuda_home() is None:
         pytest.skip("no CUDA toolkit to build the extension")
-    x, dy, weight, b = make_inputs((8, 512, 768), torch.bfloat16, True, seed=7, device="cuda")
+    x, dy, weight, b = make_inputs((8, 512, 768), torch.bfloat16, not rms, seed=7, device="cuda")
     results = {}
     for name in ("torch", backend):
         bufs = [torch.zeros((), device="cuda") for _ in range(3)]
         xi = x.clone().requires_grad_()
-        normgnorm.layer_norm(xi, weight, b.clone().requires_grad_(), *bufs, EPS, name).backward(dy)
+        if rms:
+            normgnorm.rms_norm(xi, weight.clone().requires_grad_(), bufs[0], bufs[2], EPS, name).backward(dy)
+        else:
+            normgnorm.layer_norm(xi, weight, b.clone().requires_grad_(), *bufs, EPS, name).backward(dy)
         results[name] = bufs
     for a, c in zip(results[backend], results["torch"]):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=0)

@@ -324,3 +324,85 @@ def test_a_bad_edit_warns_once_and_another_bad_edit_warns_again(tmp_path):
             f.write(text)
         assert sched.steps_at(0) == sched.steps_at(0) == 2
     assert len(warnings_in(messages)) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch-size controller (--bs_controller=gns), by hand-computed cases
+
+@pytest.mark.parametrize("target, world, expected", [
+    (1.0, 1, 2),     # below the floor (2): the floor
+    (8.0, 1, 2),     # 8 examples = 2 micro-batches of 4
+    (8.5, 1, 3),     # rounded up to whole micro-batches
+    (13.0, 1, 4),
+    (13.0, 2, 4),    # 4 micro-batches, already a multiple of 2 ranks
+    (17.0, 2, 6),    # 5 micro-batches, up to 6 for 2 ranks
+    (1e9, 1, 10),    # above the ceiling (10): the ceiling
+    (float('nan'), 1, 2),  # no target: the floor
+])
+def test_target_accumulation_rounds_up_and_clamps(target, world, expected):
+    assert schedules.target_accumulation(target, batch_size=4, floor=2, ceiling=10, world_size=world) == expected
+
+
+def controller(**changes):
+    settings = dict(fraction=1.0, batch_size=4, floor=1, ceiling=8, warmup_steps=3, update_tokens=0,
+                    allow_decrease=False)
+    settings.update(changes)
+    return schedules.GNSBatchController(lambda: (float('nan'), 0), **settings)
+
+
+def test_the_controller_stays_at_the_floor_while_the_ema_warms_up_then_follows():
+    c = controller()
+    assert [c.decide(30.0, steps, 0) for steps in (0, 1, 2)] == [1, 1, 1]
+    assert math.isnan(c.target)
+    assert c.decide(30.0, 3, 100) == 8  # ceil(30 / 4) = 8, the ceiling
+    assert c.target == 30.0 and c.changed_at == 100
+
+
+def test_the_fraction_scales_the_target():
+    c = controller(fraction=0.5)
+    assert c.decide(20.0, 5, 0) == 3  # 0.5 * 20 = 10 examples: ceil(10 / 4) = 3
+    assert c.target == 10.0
+
+
+def test_no_gns_keeps_the_count():
+    c = controller()
+    assert c.decide(float('nan'), 100, 0) == 1  # nothing measured: the floor
+    assert c.decide(12.0, 100, 0) == 3
+    assert c.decide(float('inf'), 100, 10) == 3 and c.decide(float('nan'), 100, 20) == 3
+
+
+def test_changes_are_rate_limited_in_tokens():
+    c = controller(update_tokens=1000)
+    assert c.decide(8.0, 5, 0) == 2      # the first change comes at once
+    assert c.decide(16.0, 5, 999) == 2   # too soon after the one at 0
+    assert c.decide(16.0, 5, 1000) == 4  # 1000 tokens on
+    assert c.changed_at == 1000
+    assert c.decide(24.0, 5, 1500) == 4 and c.decide(24.0, 5, 2000) == 6
+
+
+def test_the_batch_never_shrinks_unless_allowed():
+    c = controller()
+    assert c.decide(24.0, 5, 0) == 6
+    assert c.decide(4.0, 5, 10) == 6 and c.changed_at == 0
+    c = controller(allow_decrease=True)
+    assert c.decide(24.0, 5, 0) == 6
+    assert c.decide(4.0, 5, 10) == 1 and c.changed_at == 10
+
+
+def test_steps_at_reads_its_source_and_splits_over_ranks():
+    readings = iter([(6.0, 0), (30.0, 5), (30.0, 6)])
+    c = schedules.GNSBatchController(lambda: next(readings), fraction=1.0, batch_size=4, floor=2, ceiling=8,
+                                     warmup_steps=3, update_tokens=0, world_size=2)
+    assert [c.steps_at(t, world_size=2) for t in (0, 10, 20)] == [1, 4, 4]  # global 2, 8, 8
+    assert c.row() == {'bs_controller/target_examples': 30.0, 'bs_controller/accumulation_steps': 8}
+    assert c.status() == "bs target 30, accum 8"
+
+
+def test_the_controller_state_round_trips():
+    c = controller(update_tokens=500)
+    c.decide(20.0, 5, 300)
+    resumed = controller(update_tokens=500)
+    resumed.load_state_dict(c.state_dict())
+    assert (resumed.accumulation, resumed.changed_at, resumed.target) == (5, 300, 20.0)
+    assert resumed.decide(28.0, 6, 700) == 5  # the rate limit goes on from the change at 300
+    assert resumed.decide(28.0, 6, 800) == 7

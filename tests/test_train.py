@@ -121,6 +121,14 @@ def test_lr_follows_the_token_schedule(tiny_dataset, tmp_path, shape):
     (["--init_from=resume"], "no checkpoint"),
     (["--dataset=not_prepared_anywhere"], "python data/not_prepared_anywhere/prepare.py"),
     (["--init_from=gpt5"], "--init_from='gpt5' is not one of"),
+    (["--bs_controller=gns", "--bs_schedule=True"], "--bs_controller=gns and --bs_schedule=True both set the batch size"),
+    (["--bs_controller=pid"], "--bs_controller='pid' is not one of none, gns"),
+    (["--bs_gns_group=Linear"], "--bs_gns_group='Linear' is not one of total, LayerNorm"),
+    (["--bs_gns_fraction=0"], "--bs_gns_fraction=0.0 must be a number > 0"),
+    (["--bs_min_accum=3"], "--bs_min_accum=3 is above --gradient_accumulation_steps=1"),
+    (["--bs_update_tokens=-1"], "--bs_update_tokens=-1 must be a whole number >= 0"),
+    (["--bs_controller=gns", "--bs_gns_group=LayerNorm", "--linearclass=gns"],
+     "--bs_gns_group=LayerNorm but this run measures the GNS of total only"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tiny_dataset, tmp_path, args, words):
     code, stderr = train_until_exit(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'empty'}", *args)
@@ -632,3 +640,102 @@ def test_training_imports_no_analysis_library(tiny_dataset, tmp_path):
                        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---------------------------------------------------------------------------------------------
+# --bs_controller=gns: the batch follows the live GNS (schedules.GNSBatchController). The tests
+# drive it with a known GNS, 1 + tokens / 20, through tests/synthetic_gns_train.py.
+
+SYNTHETIC = os.path.join(REPO, "tests", "synthetic_gns_train.py")
+CONTROLLER = ["--bs_controller=gns", "--gradient_accumulation_steps=8", "--bs_warmup_steps=3", "--lnclass=shim",
+              "--eval_interval=1000"]
+
+
+def run_synthetic(record, *args, torchrun_procs=0, skew=0, sleep=0, **popen):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}"]
+                if torchrun_procs else [sys.executable])
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", SYNTHETIC_GNS_TOKENS="20",
+               SYNTHETIC_GNS_SKEW=str(skew), SYNTHETIC_GNS_SLEEP=str(sleep))
+    os.makedirs(record, exist_ok=True)
+    command = [*launcher, SYNTHETIC, str(record), *args]
+    if popen:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p
+
+
+def expected_accumulation(steps, floor, ceiling, warmup, update_tokens, world=1):
+    """By hand: the global accumulation steps of each step for GNS = 1 + tokens / 20 examples,
+    4 examples (64 tokens) per micro-batch, every step measured."""
+    tokens, accumulation, changed_at, chosen = 0, floor, None, []
+    for step in range(steps):
+        if step >= warmup:  # the EMA has averaged `step` steps
+            want = world * math.ceil(math.ceil((1 + tokens / 20) / 4) / world)
+            want = min(max(want, floor), ceiling)
+            if want > accumulation and (changed_at is None or tokens - changed_at >= update_tokens):
+                accumulation, changed_at = want, tokens
+        chosen.append(accumulation)
+        tokens += accumulation * 64
+    return chosen
+
+
+def test_the_accumulation_follows_a_growing_gns_after_warm_up_and_rate_limited(tiny_dataset, tmp_path):
+    out = tmp_path / "out"
+    run_synthetic(tmp_path / "record", *TINY, *CONTROLLER, f"--dataset={tiny_dataset}", f"--out_dir={out}",
+                  "--max_iters=9", "--bs_update_tokens=300")
+    expected = expected_accumulation(9, floor=1, ceiling=8, warmup=3, update_tokens=300)
+    assert expected == [1, 1, 1, 3, 3, 8, 8, 8, 8]  # the case worked through: a change held back at 384 tokens
+    df = pd.read_csv(out / "log.csv")
+    assert df["gradient_accumulation_steps"].tolist() == expected
+    assert df["bs_controller/accumulation_steps"].tolist() == expected
+    # the target: none while the EMA warms up, then 1 + tokens / 20 at the step's start
+    before = np.concatenate([[0], df["tokens_processed"].to_numpy()[:-1]])
+    assert df["bs_controller/target_examples"].isna().tolist() == [True] * 3 + [False] * 6
+    assert df["bs_controller/target_examples"][3:].tolist() == pytest.approx((1 + before[3:] / 20).tolist())
+    recorded = [int(line.split()[1]) for line in (tmp_path / "record" / "rank0.txt").read_text().splitlines()]
+    assert recorded == expected
+
+
+def test_with_nothing_measured_the_batch_stays_at_the_floor(tiny_dataset, tmp_path):
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--max_iters=4",
+                  "--bs_controller=gns", "--gradient_accumulation_steps=8", "--bs_min_accum=2", "--bs_warmup_steps=0")
+    assert "warning: --bs_controller=gns but no layer measures per-example gradient norms" in p.stdout
+    df = pd.read_csv(tmp_path / "log.csv")
+    assert df["gradient_accumulation_steps"].tolist() == [2] * 4
+    assert df["bs_controller/target_examples"].isna().all()
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_the_accumulation_of_an_uninterrupted_one(tiny_dataset, tmp_path):
+    import signal
+    flags = [*TINY, *CONTROLLER, f"--dataset={tiny_dataset}", "--bs_update_tokens=1000", "--max_iters=11"]
+    run_synthetic(tmp_path / "r1", *flags, f"--out_dir={tmp_path / 'whole'}")
+    whole = pd.read_csv(tmp_path / "whole" / "log.csv")["gradient_accumulation_steps"].tolist()
+    # the change at 192 tokens holds the batch at 3 until 1192: a resume that forgot it would change at once
+    assert whole == expected_accumulation(11, floor=1, ceiling=8, warmup=3, update_tokens=1000)
+    assert whole == [1, 1, 1] + [3] * 6 + [8] * 2
+    out = tmp_path / "killed"
+    proc = run_synthetic(tmp_path / "r2", *flags[:-1], "--max_iters=100000", f"--out_dir={out}", sleep=0.5, popen=True)
+    wait_for(lambda: logged_rows(out) >= 4, proc)  # inside the rate limit's hold
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    done = len(pd.read_csv(out / "log.csv"))
+    assert done in (4, 5)  # the step under way when the signal came was finished
+    run_synthetic(tmp_path / "r2", *flags, f"--out_dir={out}", "--init_from=resume")
+    assert pd.read_csv(out / "log.csv")["gradient_accumulation_steps"].tolist() == whole
+
+
+@pytest.mark.slow
+def test_two_ranks_take_the_same_accumulation_every_step(tiny_dataset, tmp_path):
+    """Rank 1's GNS is 1000 examples above rank 0's: alone it would take the ceiling at once;
+    both take rank 0's decision at every step."""
+    out, record = tmp_path / "out", tmp_path / "record"
+    run_synthetic(record, *TINY, *CONTROLLER, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=7",
+                  "--bs_min_accum=2", "--bs_update_tokens=0", "--backend=gloo", torchrun_procs=2, skew=1000)
+    rank0, rank1 = ((record / f"rank{r}.txt").read_text().splitlines() for r in (0, 1))
+    assert rank0 == rank1 and len(rank0) == 7
+    expected = expected_accumulation(7, floor=2, ceiling=8, warmup=3, update_tokens=0, world=2)
+    assert [2 * int(line.split()[1]) for line in rank0] == expected
+    assert pd.read_csv(out / "log.csv")["bs_controller/accumulation_steps"].tolist() == expected

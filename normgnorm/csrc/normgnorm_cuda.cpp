@@ -69,8 +69,10 @@ void forward(const Tensor& x, const Tensor& y, const Tensor& weight, const Tenso
     check_rows(y, "y");
     STD_TORCH_CHECK(same_shape(y, x) && y.scalar_type() == x.scalar_type(), "normgnorm: y must match x");
     const int64_t N = x.size(0), D = x.size(1);
-    STD_TORCH_CHECK(weight.numel() == D && (bias.numel() == 0 || bias.numel() == D) && mean.numel() == N &&
-                rstd.numel() == N, "normgnorm: weight, bias, mean or rstd has the wrong size");
+    // an empty mean: RMSNorm (no centring)
+    STD_TORCH_CHECK(weight.numel() == D && (bias.numel() == 0 || bias.numel() == D) &&
+                (mean.numel() == N || mean.numel() == 0) && rstd.numel() == N,
+                "normgnorm: weight, bias, mean or rstd has the wrong size");
     check_launch(normgnorm_forward(dtype_code(x), x.data_ptr(), y.data_ptr(), f32(weight, "weight"), f32(bias, "bias"),
                                    f32(mean, "mean"), f32(rstd, "rstd"), N, D, (float)eps,
                                    reinterpret_cast<cudaStream_t>(stream)));
@@ -90,7 +92,7 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& dx, const Tensor&
                     dx.scalar_type() == x.scalar_type(), "normgnorm: dy, x, dx must have the same shape and dtype");
     const int64_t N = x.size(0), D = x.size(1);
     STD_TORCH_CHECK(num_examples > 0 && N % num_examples == 0, "normgnorm: rows must split evenly into examples");
-    STD_TORCH_CHECK(weight.numel() == D && mean.numel() == N && rstd.numel() == N,
+    STD_TORCH_CHECK(weight.numel() == D && (mean.numel() == N || mean.numel() == 0) && rstd.numel() == N,
                 "normgnorm: weight, mean or rstd has the wrong size");
     const int64_t split_rows = n_chunks > 1 ? num_examples : 0;
     const int64_t n_column_blocks = (D + normgnorm_column_block() - 1) / normgnorm_column_block();
@@ -114,10 +116,11 @@ int64_t max_d() { return normgnorm_max_d(); }
 int64_t column_block() { return normgnorm_column_block(); }
 
 STABLE_TORCH_LIBRARY(TORCH_EXTENSION_NAME, m) {
-    // LayerNorm forward into preallocated y, mean, rstd
+    // LayerNorm forward into preallocated y, mean, rstd; RMSNorm with an empty mean (and bias)
     m.def("forward(Tensor x, Tensor(a!) y, Tensor weight, Tensor bias, Tensor(b!) mean, Tensor(c!) rstd, "
           "float eps, int stream) -> ()");
-    // LayerNorm backward with per-example dγ, dβ squared norms, into preallocated tensors
+    // LayerNorm backward with per-example dγ, dβ squared norms, into preallocated tensors;
+    // RMSNorm with an empty mean (and no dβ)
     m.def("backward(Tensor dy, Tensor x, Tensor(a!) dx, Tensor weight, Tensor mean, Tensor rstd, "
           "int num_examples, int examples_per_block, int n_chunks, int rows_per_chunk, int n_blocks, "
           "bool need_dw, bool need_db, Tensor(b!) part_w, Tensor(c!) part_b, Tensor(d!) ex_w, Tensor(e!) ex_b, "

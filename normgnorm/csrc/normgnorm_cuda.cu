@@ -9,6 +9,8 @@
 // __launch_bounds__(1024) (at most 64 registers a thread: the launch can never fail for lack of
 // registers; ITEMS = 32 spills some). x, y, dy, dx are float32 / float16 / bfloat16; weight,
 // bias, statistics, partial sums and the buffers are float32, and so is all arithmetic.
+// RMSNorm runs the same kernels with a null mean: no centring (mean taken as 0), no bias, and
+// dx without the mean's term (DESIGN.md §6).
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -58,6 +60,7 @@ __device__ float2 block_sum2(float a, float b, float* shared) {
 }
 
 // y = (x - mean) * rstd * weight + bias, one block per row; also stores mean and rstd.
+// mean_out null: RMSNorm, y = x * rstd * weight.
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(NORMGNORM_MAX_THREADS) forward_kernel(const T* __restrict__ x, T* __restrict__ y,
                                const float* __restrict__ weight, const float* __restrict__ bias,
@@ -75,7 +78,8 @@ __global__ void __launch_bounds__(NORMGNORM_MAX_THREADS) forward_kernel(const T*
         v[i] = j < D ? to_float(xr[j]) : 0.f;
         sum += v[i];
     }
-    const float mean = block_sum2(sum, 0.f, shared).x / D;
+    const bool centred = mean_out != nullptr;
+    const float mean = centred ? block_sum2(sum, 0.f, shared).x / D : 0.f;
     float sum_sq = 0.f;
 #pragma unroll
     for (int i = 0; i < ITEMS; i++) {
@@ -94,7 +98,7 @@ __global__ void __launch_bounds__(NORMGNORM_MAX_THREADS) forward_kernel(const T*
         }
     }
     if (threadIdx.x == 0) {
-        mean_out[row] = mean;
+        if (centred) mean_out[row] = mean;
         rstd_out[row] = rstd;
     }
 }
@@ -104,7 +108,7 @@ __global__ void __launch_bounds__(NORMGNORM_MAX_THREADS) forward_kernel(const T*
 // (p / n_chunks) * examples_per_block ... In "whole" mode (n_chunks == 1) the block has every
 // row of its examples, so it also writes Σ_b ||dγ_b||², Σ_b ||dβ_b||² over them to sq_w, sq_b[p].
 // Up to ITEMS = 8 a thread keeps its x̂ and dy in registers between the two row reductions;
-// wider rows read them again (from L1, the row was just read).
+// wider rows read them again (from L1, the row was just read). mean null: RMSNorm.
 template <typename T, int ITEMS>
 __global__ void __launch_bounds__(NORMGNORM_MAX_THREADS)
 backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
@@ -126,6 +130,7 @@ backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict
     float* part_row_w = part_w + p * D;
     float* part_row_b = part_b + p * D;
     float square_w = 0.f, square_b = 0.f;  // this thread's columns' share of the squared norms
+    const bool centred = mean != nullptr;
 
     for (int64_t example = first_example; example < end_example; example++) {
         float acc_w[ITEMS], acc_b[ITEMS];
@@ -136,7 +141,7 @@ backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict
             const T* dyr = dy + row * D;
             const T* xr = x + row * D;
             T* dxr = dx + row * D;
-            const float m = mean[row], r = rstd[row];
+            const float m = centred ? mean[row] : 0.f, r = rstd[row];
             float kept_g[KEPT], kept_xhat[KEPT];
             float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -156,7 +161,7 @@ backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict
                 }
             }
             const float2 s = block_sum2(s1, s2, shared);
-            const float c1 = s.x / D, c2 = s.y / D;
+            const float c1 = s.x / D, c2 = centred ? s.y / D : 0.f;
 #pragma unroll
             for (int i = 0; i < ITEMS; i++) {
                 const int j = threadIdx.x + i * blockDim.x;

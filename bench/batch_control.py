@@ -1,0 +1,176 @@
+"""
+Does a batch size that follows the measured GNS train faster? The shakespeare_char model trained
+to the same token budget, with the same learning-rate schedule in tokens, five ways:
+
+    fixed-ceiling   a fixed batch of the controller's ceiling (gradient_accumulation_steps)
+    fixed-floor     a fixed batch of its floor (bs_min_accum)
+    schedule        the linear --bs_schedule from the floor at 0 tokens to the ceiling at the end
+    gns-total       --bs_controller=gns on the total GNS (every parameter measured)
+    gns-layernorm   --bs_controller=gns on the LayerNorm-only GNS (only the LayerNorms measured)
+
+each with several seeds. Reported per setting (mean and spread over seeds): the tokens and the
+optimizer steps at which the validation loss first reaches the target (linearly interpolated
+between evaluations), and the final validation loss. The target is --target_loss, or by default
+the highest final validation loss of all runs, which every run reaches.
+
+    python data/shakespeare_char/prepare.py
+    python bench/batch_control.py                       # ~30 minutes on 2 CPU cores
+    python bench/batch_control.py --seeds 1 --max_tokens 200000 --settings fixed-floor,gns-total
+
+Runs go to OUT_DIR/<setting>-s<seed> (a finished run is not run again: delete it to redo it),
+the table to OUT_DIR/results.csv and OUT_DIR/results.md; the terminal shows the figures (loss vs
+tokens, loss vs steps, batch size vs tokens with the GNS the controller read). The notebook draws
+the same figures from OUT_DIR. Any other --key=value goes to train.py for every run.
+"""
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from csv_tools import ToolParser, figure, load_log  # noqa: E402
+
+BATCH, BLOCK, FLOOR, CEILING = 4, 64, 1, 8  # micro-batch examples and tokens; accumulation floor and ceiling
+TRAIN_FLAGS = dict(
+    device='cpu', dtype='float32', compile=False, device_name='M1_eflops', dataset='shakespeare_char',
+    n_layer=4, n_head=4, n_embd=128, block_size=BLOCK, batch_size=BATCH, dropout=0.0, bias=False,
+    learning_rate=1e-3, min_lr=1e-4, beta2=0.99, warmup_tokens=20_000, eval_iters=20, log_interval=100,
+    always_save_checkpoint=False, bs_min_accum=FLOOR, bs_warmup_steps=50,
+)
+MEASURE_ALL = dict(linearclass='gns', embeddingclass='gns', lnclass='shim')
+SETTINGS = {
+    # eval_interval in iterations: about every 20k tokens at the setting's batch (at most)
+    'fixed-ceiling': dict(gradient_accumulation_steps=CEILING, eval_interval=10, **MEASURE_ALL),
+    'fixed-floor': dict(gradient_accumulation_steps=FLOOR, eval_interval=80, **MEASURE_ALL),
+    'schedule': dict(gradient_accumulation_steps=CEILING, bs_schedule=True, eval_interval=20, **MEASURE_ALL),
+    'gns-total': dict(gradient_accumulation_steps=CEILING, bs_controller='gns', eval_interval=20, **MEASURE_ALL),
+    'gns-layernorm': dict(gradient_accumulation_steps=CEILING, bs_controller='gns', eval_interval=20, lnclass='shim'),
+}
+
+
+def run_dir(out_dir, setting, seed):
+    return os.path.join(out_dir, f"{setting}-s{seed}")
+
+
+def train(out_dir, setting, seed, max_tokens, extra):
+    """One run of train.py (skipped when its log already reaches max_tokens); returns its log."""
+    where = run_dir(out_dir, setting, seed)
+    flags = {**TRAIN_FLAGS, **SETTINGS[setting], 'seed': seed, 'out_dir': where, 'max_tokens': max_tokens,
+             'lr_decay_tokens': max_tokens}
+    if setting == 'schedule':
+        flags['bs_schedule_points'] = [(0, FLOOR), (max_tokens, CEILING)]
+    done = os.path.exists(os.path.join(where, 'log.csv')) and load_log(where)[0]['tokens_processed'].max() >= max_tokens
+    if not done:
+        command = [sys.executable, os.path.join(ROOT, 'train.py'), *(f"--{k}={v!r}" for k, v in flags.items()), *extra]
+        started = time.time()
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, 'train.out'), 'w') as out:
+            code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            sys.exit(f"error: {setting} seed {seed} failed (exit {code}); see {where}/train.out")
+        print(f"  {setting} seed {seed}: {time.time() - started:.0f} s", flush=True)
+    return load_log(where)[0]
+
+
+def evaluations(log):
+    """The rows with a validation loss: tokens seen by the evaluated model, optimizer steps, loss."""
+    rows = log.dropna(subset=['val/loss'])
+    steps = np.searchsorted(log['tokens_processed'].to_numpy(), rows['eval_tokens'].to_numpy(), side='right')
+    return rows['eval_tokens'].to_numpy(float), steps.astype(float), rows['val/loss'].to_numpy(float)
+
+
+def first_reaching(xs, losses, target):
+    """x where the loss first reaches target, linear between the two evaluations around it; NaN if never."""
+    below = np.nonzero(losses <= target)[0]
+    if not len(below):
+        return math.nan
+    i = below[0]
+    if i == 0:
+        return float(xs[0])
+    return float(xs[i - 1] + (losses[i - 1] - target) / (losses[i - 1] - losses[i]) * (xs[i] - xs[i - 1]))
+
+
+def summarise(logs, target):
+    """One row per run, then per setting: mean and spread (min-max over seeds)."""
+    runs = []
+    for (setting, seed), log in logs.items():
+        tokens, steps, losses = evaluations(log)
+        runs.append(dict(setting=setting, seed=seed, tokens_to_target=first_reaching(tokens, losses, target),
+                         steps_to_target=first_reaching(steps, losses, target), final_val_loss=losses[-1],
+                         steps=len(log), tokens=int(log['tokens_processed'].iloc[-1])))
+    runs = pd.DataFrame(runs)
+    table = runs.groupby('setting', sort=False).agg(['mean', 'min', 'max'])
+    return runs, table
+
+
+def markdown(table, target, seeds):
+    lines = [f"target validation loss {target:.4f}; mean over {seeds} seed(s) [min-max]", "",
+             "| setting | tokens to target | steps to target | final val loss |", "|---|---|---|---|"]
+    for setting, row in table.iterrows():
+        cells = []
+        for column, fmt in (('tokens_to_target', ',.0f'), ('steps_to_target', ',.0f'), ('final_val_loss', '.4f')):
+            mean, low, high = row[(column, 'mean')], row[(column, 'min')], row[(column, 'max')]
+            cells.append("not reached" if math.isnan(mean) else f"{mean:{fmt}} [{low:{fmt}}-{high:{fmt}}]")
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def gns_read(log):
+    """The GNS the controller read (the target over the fraction, 1.0 here), else the run's total GNS."""
+    if 'bs_controller/target_examples' in log:
+        return log['bs_controller/target_examples'].to_numpy(float)
+    return np.full(len(log), np.nan)
+
+
+def main(argv=None):
+    parser = ToolParser(prog='bench/batch_control.py', description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--out_dir', default='out-batch-control', help="where the runs go (default: out-batch-control)")
+    parser.add_argument('--seeds', type=int, default=2, help="seeds per setting (default: 2)")
+    parser.add_argument('--max_tokens', type=int, default=100_000, help="the token budget of every run (default: 100000)")
+    parser.add_argument('--target_loss', type=float, default=None,
+                        help="validation loss to reach (default: the highest final validation loss of all runs)")
+    parser.add_argument('--settings', default=','.join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
+    args, extra = parser.parse_known_args(argv)
+    settings = args.settings.split(',')
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown or args.seeds < 1 or args.max_tokens < CEILING * BATCH * BLOCK:
+        parser.error(f"unknown setting(s) {', '.join(unknown)}" if unknown else
+                     "--seeds must be >= 1 and --max_tokens at least one step at the ceiling")
+    bad = [a for a in extra if not (a.startswith('--') and '=' in a)]
+    if bad:
+        parser.error(f"expected --key=value for train.py, got {' '.join(bad)}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"{len(settings) * args.seeds} runs of {args.max_tokens:,} tokens into {args.out_dir}", flush=True)
+    logs = {(s, seed): train(args.out_dir, s, seed, args.max_tokens, extra)
+            for s in settings for seed in range(1, args.seeds + 1)}
+    target = args.target_loss
+    if target is None:
+        target = max(evaluations(log)[2][-1] for log in logs.values())
+    runs, table = summarise(logs, target)
+    runs.to_csv(os.path.join(args.out_dir, 'results.csv'), index=False)
+    text = markdown(table, target, args.seeds)
+    with open(os.path.join(args.out_dir, 'results.md'), 'w') as f:
+        f.write(text + "\n")
+    print(text)
+    first = {s: logs[(s, 1)] for s in settings}
+    for x_label, x_of in (('tokens', lambda t, s: t), ('optimizer steps', lambda t, s: s)):
+        series = [(x_of(*evaluations(log)[:2]), evaluations(log)[2], s) for s, log in first.items()]
+        print(f"\nvalidation loss vs {x_label} (seed 1)\n" + figure(series, x_label, 'val loss'))
+    series = [(log['tokens_processed'].to_numpy(float),
+               (log['gradient_accumulation_steps'] * BATCH).to_numpy(float), f"{s} batch") for s, log in first.items()]
+    series += [(log['tokens_processed'].to_numpy(float), gns_read(log), f"{s} GNS read")
+               for s, log in first.items() if s.startswith('gns-')]
+    print("\nbatch size (examples) vs tokens, and the GNS the controllers read (seed 1)\n"
+          + figure(series, 'tokens', 'examples'))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

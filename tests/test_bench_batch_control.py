@@ -1,0 +1,65 @@
+"""bench/batch_control.py: the crossing of the target loss, the table, and a short end-to-end run
+of two settings on the tiny dataset (every run is train.py's own; the numbers come from its logs)."""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("batch_control", os.path.join(REPO, "bench", "batch_control.py"))
+batch_control = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(batch_control)
+
+
+def test_first_reaching_interpolates_between_evaluations():
+    xs, losses = np.array([0.0, 100.0, 200.0]), np.array([4.0, 3.0, 2.0])
+    assert batch_control.first_reaching(xs, losses, 2.5) == pytest.approx(150.0)
+    assert batch_control.first_reaching(xs, losses, 4.5) == 0.0  # reached at the first evaluation
+    assert math.isnan(batch_control.first_reaching(xs, losses, 1.0))
+    # the first crossing counts, not a later one
+    assert batch_control.first_reaching(xs, np.array([4.0, 2.0, 3.0]), 3.0) == pytest.approx(50.0)
+
+
+def test_evaluations_count_the_optimizer_steps_before_each_evaluation():
+    log = pd.DataFrame({"tokens_processed": [10, 30, 60, 100], "val/loss": [4.0, np.nan, 3.0, 2.0],
+                        "eval_tokens": [0, np.nan, 30, 100]})
+    tokens, steps, losses = batch_control.evaluations(log)
+    assert tokens.tolist() == [0, 30, 100] and steps.tolist() == [0, 2, 4] and losses.tolist() == [4.0, 3.0, 2.0]
+
+
+@pytest.mark.slow
+def test_two_settings_end_to_end(tiny_dataset, tmp_path):
+    out = tmp_path / "runs"
+    command = [sys.executable, os.path.join(REPO, "bench", "batch_control.py"), f"--out_dir={out}", "--seeds=1",
+               "--max_tokens=4096", "--settings=fixed-floor,gns-total", f"--dataset={tiny_dataset}",
+               "--n_layer=1", "--n_embd=16", "--n_head=2", "--eval_iters=2", "--bs_warmup_steps=2",
+               "--warmup_tokens=0"]
+    p = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    runs = pd.read_csv(out / "results.csv")
+    assert runs.setting.tolist() == ["fixed-floor", "gns-total"] and (runs.tokens == 4096).all()
+    floor = pd.read_csv(out / "fixed-floor-s1" / "log.csv")
+    assert (floor["gradient_accumulation_steps"] == 1).all() and len(floor) == runs.steps[0] == 16
+    controlled = pd.read_csv(out / "gns-total-s1" / "log.csv")
+    assert "bs_controller/target_examples" in controlled and controlled["bs_controller/target_examples"][2:].notna().all()
+    # the table's numbers are the logs': the default target is the worse final validation loss
+    finals = [pd.read_csv(out / f"{s}-s1" / "log.csv")["val/loss"].dropna().iloc[-1] for s in runs.setting]
+    assert runs.final_val_loss.tolist() == pytest.approx(finals)
+    assert f"target validation loss {max(finals):.4f}" in (out / "results.md").read_text()
+    assert "| fixed-floor |" in p.stdout and "validation loss vs tokens" in p.stdout
+    # a finished run is not run again
+    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "fixed-floor seed 1:" not in again.stdout
+
+
+def test_bad_input_is_one_line_exit_2():
+    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "batch_control.py"), "--settings=huge"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "unknown setting(s) huge" in p.stderr.strip().splitlines()[-1]
