@@ -77,7 +77,7 @@ def architecture_error(config):
 def rope_angles(T, head_size, device, base=10000.0):
     """
     cos and sin, [T, head_size / 2] float32, of the rotary position embedding's angles
-    t * base^(-2i / head_size) for positions t < T (Su et al. 2021, "RoFormer", eq. 15). Computed
+    t * base^(-2i / head_size) for positions t < T (Su et al. 2021, "RoFormer", §3.2). Computed
     in each forward rather than kept as buffers: nothing to crop (crop_block_size), to cast
     (model.to(bfloat16) would round them) or to leave out of checkpoints. Elementwise products
     only, which autocast leaves in float32.

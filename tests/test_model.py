@@ -207,7 +207,7 @@ def test_swiglu_gates_through_silu():
 
 
 def test_rope_rotates_by_position_so_attention_sees_relative_positions():
-    """RoFormer's property (Su et al. 2021, eq. 16): <R_m q, R_n k> depends on m - n only; rotations keep
+    """RoFormer's property (Su et al. 2021, §3.2): <R_m q, R_n k> depends on m - n only; rotations keep
     norms; position 0 is the identity."""
     from model import apply_rope, rope_angles
     torch.manual_seed(0)
