@@ -12,7 +12,8 @@ import nbformat  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "Replicating Figures.ipynb")
 FIGURES = ["a_batch_size_schedule.png", "b_phase_plot.png", "c_gns_over_tokens.png",
-           "d_gns_per_layer_type.png", "e_layernorm_vs_total.png", "f_batch_control.png"]
+           "d_gns_per_layer_type.png", "e_layernorm_vs_total.png", "f_batch_control.png",
+           "g_norm_vs_total_by_family.png"]
 # a 1-layer GPT, 16 examples of 16 tokens per fixed-batch step, 60 such steps
 TINY_RUNS = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
              "--gradient_accumulation_steps=4", "--max_tokens=15360", "--warmup_tokens=1024",
@@ -37,8 +38,16 @@ def test_notebook_writes_every_figure(tmp_path, tiny_dataset):
                            "--bs_warmup_steps=2"], capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
 
+    # and both model families of the normalisation-only vs total comparison, for (g)
+    families = tmp_path / "families"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "norm_vs_total.py"), f"--out_dir={families}",
+                           "--seeds=1", "--max_tokens=3072", "--alpha=0.5", f"--dataset={tiny_dataset}", "--n_layer=1",
+                           "--n_embd=16", "--n_head=2", "--batch_size=4", "--block_size=16", "--eval_iters=2",
+                           "--eval_interval=1000"], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+
     # the notebook on those runs, as for full-scale runs made elsewhere: --notebook_only
-    env = dict(os.environ, GNS_ALPHA="0.9", GNS_RUN_BATCH_CONTROL=str(control))
+    env = dict(os.environ, GNS_ALPHA="0.9", GNS_RUN_BATCH_CONTROL=str(control), GNS_RUN_NORM_VS_TOTAL=str(families))
     done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "figure_runs.py"), "--out_dir", str(runs),
                            "--notebook_only"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -54,6 +63,7 @@ def test_notebook_writes_every_figure(tmp_path, tiny_dataset):
     printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
     assert "Pearson r" in printed and ("saved" in printed or "does not reach" in printed), printed
     assert "| fixed-floor |" in printed and "| gns-total |" in printed  # the experiment's table
+    assert "| llama | 1 |" in printed and "| gpt2 | 1 |" in printed
 
 
 def test_notebook_only_needs_the_runs(tmp_path):
