@@ -523,16 +523,6 @@ class ExactGNS(Estimator):
     def skipped_steps(self):
         return self.tracker.skipped_steps
 
-    def state_dict(self):
-        return {**self.gns.state_dict(), "groups": {g: gns.state_dict() for g, gns in self.groups.items() if g != "total"}}
-
-    def load_state_dict(self, state):
-        state = dict(state)
-        for group, group_state in state.pop("groups", {}).items():  # older checkpoints have the total alone
-            if group in self.groups:
-                self.groups[group].load_state_dict(group_state)
-        self.gns.load_state_dict(state)
-
     def measure(self, step, examples, scaler):
         if self.tracker.world_size > 1:
             from ddpgns import allreduce_sqgradnorm_buffers  # ddpgns imports this module
@@ -636,12 +626,16 @@ def skipped_steps_line(estimators, float16):
 
 # the checkpoint key of the estimators' states, and this fork's older keys of single ones
 CHECKPOINT_KEY = "gns_estimators"
+GROUPS_KEY = "gns_groups"
 OLDER_CHECKPOINT_KEYS = {"live_gns": PREFIXES["exact"], "ddp_gns": PREFIXES["ddp"]}
 
 
 def save_states(estimators, checkpoint):
     """Put the estimators' states (those that keep one) into the checkpoint dict, under CHECKPOINT_KEY."""
     checkpoint[CHECKPOINT_KEY] = {e.name: e.state_dict() for e in estimators if e.state_dict()}
+    # the exact estimator's live GNS of its groups other than the total (the batch-size controller's)
+    checkpoint[GROUPS_KEY] = {g: gns.state_dict() for e in estimators if isinstance(e, ExactGNS)
+                              for g, gns in e.groups.items() if g != "total"}
 
 
 def load_states(estimators, checkpoint):
@@ -656,6 +650,9 @@ def load_states(estimators, checkpoint):
     for e in estimators:
         if e.name in states:
             e.load_state_dict(states[e.name])
+        for group, state in checkpoint.get(GROUPS_KEY, {}).items():
+            if isinstance(e, ExactGNS) and group in e.groups:
+                e.groups[group].load_state_dict(state)
 
 
 # ---------------------------------------------------------------------------------------------
