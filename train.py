@@ -225,7 +225,10 @@ if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) 
 batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
 eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
 
-scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+GradScaler = torch.amp.GradScaler
+if fsdp:  # FSDP: a float16 overflow in one rank's shards must skip the step on every rank (found_inf all-reduced)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as GradScaler
+scaler = GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
     try:
