@@ -100,3 +100,18 @@ def test_a_resumed_fsdp_run_continues_the_log_like_one_process(runs, tmp_path):
     one, two = resumed["one"], resumed["two"]
     assert two["iter_num"].tolist() == list(range(5))
     assert_same_columns(one, two, slice(None))
+
+
+@pytest.mark.slow
+def test_fsdp_float16_with_its_grad_scaler_logs_what_one_process_logs(tiny_dataset, tmp_path):
+    """The GradScaler path (float16, emulated on CPU), with torch's own Linear and Embedding and the
+    LayerNorms alone measuring: the scale divides out of the sharded |G_B|^2 as on one process."""
+    common = [*TINY, f"--dataset={tiny_dataset}", "--max_iters=3", "--eval_interval=2", "--backend=gloo",
+              "--dtype=float16", "--lnclass=shim"]
+    run_train(*common, f"--out_dir={tmp_path / 'one'}", *ONE)
+    run_train(*common, f"--out_dir={tmp_path / 'two'}", *TWO, "--fsdp=True", torchrun_procs=2)
+    one, two = pd.read_csv(tmp_path / "one" / "log.csv"), pd.read_csv(tmp_path / "two" / "log.csv")
+    assert len([c for c in one.columns if c.startswith("train/gns/")]) == 3 * 5  # ln_1, ln_2 x 2, ln_f
+    for c in compared_columns(one):  # float16 rounding differs with the per-rank batch
+        assert two[c].to_numpy() == pytest.approx(one[c].to_numpy(), rel=1e-3, nan_ok=True), c
+    assert torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)["scaler"]["scale"] > 0
