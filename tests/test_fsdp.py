@@ -1,6 +1,7 @@
 """--fsdp=True (FSDP2) on CPU with gloo: 2 ranks x 2 examples log what 1 process x 4 examples logs
 (every per-parameter GNS column, the tied weight's included, grad_norm, the losses), its ckpt.pt is
-a single process's, loadable without FSDP and by sample.py, and a resumed FSDP run continues."""
+a single process's, loadable without FSDP and by sample.py, a resumed FSDP run continues (after a
+SIGTERM too), and float16 with its GradScaler agrees with one process."""
 import os
 import shutil
 import subprocess
@@ -115,3 +116,42 @@ def test_fsdp_float16_with_its_grad_scaler_logs_what_one_process_logs(tiny_datas
     for c in compared_columns(one):  # float16 rounding differs with the per-rank batch
         assert two[c].to_numpy() == pytest.approx(one[c].to_numpy(), rel=1e-3, nan_ok=True), c
     assert torch.load(tmp_path / "two" / "ckpt.pt", weights_only=False)["scaler"]["scale"] > 0
+
+
+@pytest.mark.slow
+def test_a_signalled_fsdp_run_checkpoints_on_every_rank_and_resumes(tiny_dataset, tmp_path):
+    """A preemption's SIGTERM reaches the ranks: they agree, gather the checkpoint together and stop;
+    the resumed FSDP run continues log.csv and tokens_processed from there."""
+    import signal
+    import time
+    out = tmp_path / "out"
+    flags = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=1000", "--backend=gloo",
+             "--lnclass=shim", "--fsdp=True", *TWO]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                os.path.join(REPO, "train.py")]
+    proc = subprocess.Popen([*launcher, *flags, "--max_iters=100000"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        end = time.time() + 120
+        while not ((out / "log.csv").exists() and len((out / "log.csv").read_text().splitlines()) > 3):
+            assert proc.poll() is None and time.time() < end, proc.communicate()
+            time.sleep(0.1)
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:  # the ranks, not the launcher
+            ranks = [int(pid) for pid in f.read().split()]
+        assert len(ranks) == 2
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    done = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
+    df = pd.read_csv(out / "log.csv")
+    assert done >= 3 and df.step.tolist() == list(range(done))
+    run_train(*flags, "--init_from=resume", f"--max_iters={done + 2}", torchrun_procs=2)
+    df = pd.read_csv(out / "log.csv")
+    assert df.step.tolist() == list(range(done + 2))
+    assert df.tokens_processed.tolist() == [(i + 1) * 8 * 16 for i in range(done + 2)]
+    assert df["train/gns/transformer.ln_f.weight/pegn"].notna().all() and df["train/lossf"].notna().all()
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == done + 2
