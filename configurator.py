@@ -6,6 +6,8 @@ nanoGPT's "poor man's configurator": configuration is plain Python globals.
 Each positional argument is a Python file executed over the defaults; each --key=value
 overrides one existing key, with the value parsed as a Python literal (falling back to a
 string) and checked against the default's type (values a config file sets are checked too).
+A config file sees its own path as __file__, so that it can build on another one beside it:
+`exec(open(os.path.join(os.path.dirname(__file__), 'base.py')).read())`, then its changes.
 Bad input raises ConfigError, which train.py turns into one line on stderr and exit code 2.
 
 Scripts written for nanoGPT (or the reference implementation) apply it their way,
@@ -75,6 +77,9 @@ def check_train_config(config):
         check_number(config, key, 1, whole=True)
     if config['n_embd'] % config['n_head']:
         die(f"--n_embd={config['n_embd']} must be a multiple of --n_head={config['n_head']}")
+    from model import architecture_error  # the model's own check of --norm, --mlp, --pos_emb, --tie_embeddings
+    if architecture_error(config):
+        die(f"--{architecture_error(config)}")
     for key, low, high in (('dropout', 0, 1), ('beta1', 0, 1), ('beta2', 0, 1), ('min_lr', 0, math.inf),
                            ('weight_decay', 0, math.inf), ('grad_clip', 0, math.inf)):
         check_number(config, key, low, high)
@@ -175,7 +180,7 @@ def configure(argv, config, doc=""):
             with open(arg) as f:
                 source = f.read()
             print(source)
-            scope = dict(config)
+            scope = dict(config, __file__=os.path.abspath(arg))
             try:
                 exec(compile(source, arg, "exec"), scope)
             except Exception as e:

@@ -1,10 +1,12 @@
 """
 The GPT language model, one file, as in nanoGPT: token + position embeddings, pre-LayerNorm
 blocks of causal self-attention and a GELU MLP, a final LayerNorm and an output head tied to
-the token embedding.
+the token embedding. Four GPTConfig fields turn it, piece by piece, into a Llama-style model
+(Touvron et al. 2023): norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False;
+their defaults are GPT-2's, so older configs and checkpoints build the same model as before.
 
-The Linear / Embedding / LayerNorm classes come from layer_config, read when the model is
-constructed, so the same file builds a plain GPT or one whose layers measure per-example
+The Linear / Embedding / LayerNorm / RMSNorm classes come from layer_config, read when the model
+is constructed, so the same file builds a plain GPT or one whose layers measure per-example
 gradient norms (buffered.py, fused_gns.py).
 """
 import errno
@@ -47,6 +49,70 @@ class GPTConfig:
     cos_attn: list = field(default_factory=list)  # block indices using cosine attention
     spectral_c_attn: list = field(default_factory=list)  # block indices with spectral-normalised Q/K/V
     fp32_attention_layers: list = field(default_factory=list)  # block indices whose attention runs in float32
+    # Llama-style options (ARCHITECTURE_CHOICES); the defaults are GPT-2's
+    norm: str = 'layernorm'  # or 'rmsnorm': a gain, no bias and no centring (Zhang & Sennrich 2019)
+    mlp: str = 'gelu'  # or 'swiglu': a SiLU-gated MLP of width swiglu_hidden(n_embd) (Shazeer 2020)
+    pos_emb: str = 'learned'  # or 'rope': Q and K rotated by position, no wpe parameter (Su et al. 2021)
+    tie_embeddings: bool = True  # lm_head shares wte's weight (Press & Wolf 2017); False: two matrices
+
+
+# the values of GPTConfig's string options; train.py's flags of the same names take them too
+ARCHITECTURE_CHOICES = {'norm': ('layernorm', 'rmsnorm'), 'mlp': ('gelu', 'swiglu'), 'pos_emb': ('learned', 'rope')}
+
+
+def architecture_error(config):
+    """Why `config` (a GPTConfig, or train.py's dict of values) cannot be built, in one line; None if it can."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k)
+    for key, allowed in ARCHITECTURE_CHOICES.items():
+        if get(key) not in allowed:
+            return f"{key}={get(key)!r} is not one of {', '.join(allowed)}"
+    if not isinstance(get('tie_embeddings'), bool):
+        return f"tie_embeddings={get('tie_embeddings')!r} must be True or False"
+    if get('pos_emb') == 'rope' and (get('n_embd') // get('n_head')) % 2:
+        return (f"pos_emb='rope' rotates pairs of features, so the head size n_embd / n_head = "
+                f"{get('n_embd')} / {get('n_head')} must be even")
+    return None
+
+
+def rope_angles(T, head_size, device, base=10000.0):
+    """
+    cos and sin, [T, head_size / 2] float32, of the rotary position embedding's angles
+    t * base^(-2i / head_size) for positions t < T (Su et al. 2021, "RoFormer", eq. 15). Computed
+    in each forward rather than kept as buffers: nothing to crop (crop_block_size), to cast
+    (model.to(bfloat16) would round them) or to leave out of checkpoints. Elementwise products
+    only, which autocast leaves in float32.
+    """
+    inv_freq = base ** -(torch.arange(0, head_size, 2, device=device, dtype=torch.float32) / head_size)
+    angles = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """
+    x [B, n_head, T, head_size] with each feature pair (i, i + head_size/2) rotated by its position's
+    angle, computed in float32 and returned in x's dtype. Llama pairs neighbours (2i, 2i+1) instead:
+    the same up to a fixed permutation of the Q/K features, which the projections absorb.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def swiglu_hidden(n_embd):
+    """
+    SwiGLU's hidden width: 2/3 of the GELU MLP's 4 * n_embd, so that its three matrices hold about
+    as many weights as GELU's two (Shazeer 2020, as Llama does), rounded up to a multiple of 64 for
+    the matmuls (Llama rounds to 256, too coarse for small models): 768 -> 2048, 128 -> 384, 32 -> 128.
+    """
+    return (8 * n_embd + 191) // 192 * 64
+
+
+def norm_layer(config, layers):
+    """ln_1 / ln_2 / ln_f: LayerNorm (with a bias if config.bias) or RMSNorm (a gain only), both from
+    the layer config so that --lnclass measures whichever the model uses. RMSNorm's eps is LayerNorm's
+    1e-5 (Llama 2's too); torch's default would be the machine epsilon of the input's dtype."""
+    if config.norm == 'rmsnorm':
+        return layers['RMSNorm'](config.n_embd, eps=1e-5)
+    return layers['LayerNorm'](config.n_embd, bias=config.bias)
 
 
 class SpectralNormQKV(nn.Module):
@@ -82,22 +148,24 @@ class CausalSelfAttention(nn.Module):
         self.cos_attn = block_idx in config.cos_attn
         self.fp32 = block_idx in config.fp32_attention_layers
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, rope):
+        if rope is not None:  # inside the fp32 layers' float32 region, like the rest of attention
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.cos_attn:
             # cosine attention: unit-norm queries and keys bound every attention logit
             q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,
                                               dropout_p=self.dropout if self.training else 0.0)
 
-    def forward(self, x):
+    def forward(self, x, rope=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if self.fp32:
             with torch.autocast(device_type=x.device.type, enabled=False):
-                y = self.attend(q.float(), k.float(), v.float()).to(v.dtype)
+                y = self.attend(q.float(), k.float(), v.float(), rope).to(v.dtype)
         else:
-            y = self.attend(q, k, v)
+            y = self.attend(q, k, v, rope)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -115,17 +183,33 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP, c_proj(silu(c_gate(x)) * c_fc(x)): a gated linear unit whose gate goes through
+    SiLU (Shazeer 2020, "GLU Variants Improve Transformer"), hidden width swiglu_hidden(n_embd)."""
+
+    def __init__(self, config, layers):
+        super().__init__()
+        hidden = swiglu_hidden(config.n_embd)
+        self.c_fc = layers['Linear'](config.n_embd, hidden, bias=config.bias)
+        self.c_gate = layers['Linear'](config.n_embd, hidden, bias=config.bias)
+        self.c_proj = layers['Linear'](hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
+
+
 class Block(nn.Module):
 
     def __init__(self, config, block_idx, layers):
         super().__init__()
-        self.ln_1 = layers['LayerNorm'](config.n_embd, bias=config.bias)
+        self.ln_1 = norm_layer(config, layers)
         self.attn = CausalSelfAttention(config, block_idx, layers)
-        self.ln_2 = layers['LayerNorm'](config.n_embd, bias=config.bias)
-        self.mlp = MLP(config, layers)
+        self.ln_2 = norm_layer(config, layers)
+        self.mlp = SwiGLU(config, layers) if config.mlp == 'swiglu' else MLP(config, layers)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.ln_1(x), rope)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -138,20 +222,26 @@ class GPT(nn.Module):
         assert config.block_size is not None
         if config.device_name not in PEAK_FLOPS:
             raise ValueError(f"unknown device_name {config.device_name!r}; choose from {sorted(PEAK_FLOPS)}")
+        if architecture_error(config):
+            raise ValueError(architecture_error(config))
         self.config = config
         layers = get_contextual_config()  # read now, not at import: see layer_config.py
 
-        self.transformer = nn.ModuleDict(dict(
-            wte=layers['Embedding'](config.vocab_size, config.n_embd),
-            wpe=layers['Embedding'](config.block_size, config.n_embd),
+        # built in nanoGPT's order (wte, wpe, drop, h, ln_f), which fixes the random draws of the init
+        self.transformer = nn.ModuleDict(dict(wte=layers['Embedding'](config.vocab_size, config.n_embd)))
+        if config.pos_emb == 'learned':  # rope rotates Q and K instead and has no parameters
+            self.transformer.wpe = layers['Embedding'](config.block_size, config.n_embd)
+        self.transformer.update(dict(
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, i, layers) for i in range(config.n_layer)]),
-            ln_f=layers['LayerNorm'](config.n_embd, bias=config.bias),
+            ln_f=norm_layer(config, layers),
         ))
         self.lm_head = layers['Linear'](config.n_embd, config.vocab_size, bias=False)
-        # weight tying (Press & Wolf 2017), nanoGPT's wte.weight = lm_head.weight; when both layers
-        # measure, tie_weights also links them so the shared weight's per-example norm is exact
-        tie_weights(self.transformer.wte, self.lm_head)
+        if config.tie_embeddings:
+            # weight tying (Press & Wolf 2017), nanoGPT's wte.weight = lm_head.weight; when both layers
+            # measure, tie_weights also links them so the shared weight's per-example norm is exact.
+            # Untied, wte and lm_head are two parameters, each measured by its own layer.
+            tie_weights(self.transformer.wte, self.lm_head)
         # tokens seen in training, checkpointed with the weights (the LR schedule is in tokens)
         self.register_buffer('tokens_processed', torch.zeros((), dtype=torch.int64))
 
@@ -163,11 +253,15 @@ class GPT(nn.Module):
         print("number of parameters: %.2fM" % (self.get_num_params() / 1e6,))
 
     def get_num_params(self, non_embedding=True):
-        """Parameter count; by default without the position embeddings (the token embeddings
-        count, since they are also the output head's weights)."""
+        """Parameter count; by default without the embeddings' lookup tables: the position embeddings
+        (if learned) and, untied, the token embeddings. Tied, those count, since they are also the
+        output head's weights (what estimate_mfu needs: the parameters that cost matmul flops)."""
         n_params = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n_params -= self.transformer.wpe.weight.numel()
+            if 'wpe' in self.transformer:
+                n_params -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n_params -= self.transformer.wte.weight.numel()
         return n_params
 
     def _init_weights(self, module):
@@ -182,11 +276,17 @@ class GPT(nn.Module):
         b, t = idx.size()
         if t > self.config.block_size:
             raise ValueError(f"Cannot forward sequence of length {t}, block size is only {self.config.block_size}")
-        # positions get a batch dimension so the position embedding sees per-example gradients
-        pos = torch.arange(0, t, dtype=torch.long, device=idx.device).expand(b, t)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx)
+        rope = None
+        if self.config.pos_emb == 'rope':
+            rope = rope_angles(t, self.config.n_embd // self.config.n_head, idx.device)
+        else:
+            # positions get a batch dimension so the position embedding sees per-example gradients
+            pos = torch.arange(0, t, dtype=torch.long, device=idx.device).expand(b, t)
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, rope)
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)
@@ -201,8 +301,9 @@ class GPT(nn.Module):
         """Model surgery to use a smaller block size than the model was built with."""
         assert block_size <= self.config.block_size
         self.config.block_size = block_size
-        self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
-        self.transformer.wpe.num_embeddings = block_size
+        if 'wpe' in self.transformer:  # rope's angles are computed for each forward's length
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+            self.transformer.wpe.num_embeddings = block_size
 
     @classmethod
     def from_pretrained(cls, model_type, override_args=None):
@@ -241,7 +342,7 @@ class GPT(nn.Module):
         return model
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW; matrices (>= 2-D) are weight-decayed, biases and LayerNorm gains are not."""
+        """AdamW; matrices (>= 2-D) are weight-decayed, biases and LayerNorm / RMSNorm gains are not."""
         params = [p for p in self.parameters() if p.requires_grad]
         decay_params = [p for p in params if p.dim() >= 2]
         nodecay_params = [p for p in params if p.dim() < 2]
@@ -408,19 +509,25 @@ def load_optimizer_state(checkpoint, optimizer, scaler):
 
 # the architecture of a resumed run is the checkpoint's; other settings may change on the command line
 ARCHITECTURE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size',
-                     'cos_attn', 'spectral_c_attn', 'fp32_attention_layers')
+                     'cos_attn', 'spectral_c_attn', 'fp32_attention_layers',
+                     'norm', 'mlp', 'pos_emb', 'tie_embeddings')
+# newer than every checkpoint without them: such a checkpoint holds GPT-2's layout, their defaults
+LAYOUT_ARGS = tuple(ARCHITECTURE_CHOICES) + ('tie_embeddings',)
 
 
 def resume_model(path, model_args, config, device='cpu'):
     """
     --init_from=resume: (model, checkpoint) from the ckpt.pt at `path`, model_args updated in place
     with the checkpoint's architecture (nanoGPT's and the reference's lack the newer fields, which
-    keep model_args' values). `config` is the run's, for nanoGPT's checkpoints, which count no
+    keep model_args' values, except LAYOUT_ARGS: GPTConfig's defaults, the layout those checkpoints
+    hold, whatever the run asks for). `config` is the run's, for nanoGPT's checkpoints, which count no
     tokens: they get their iterations of the step they were configured with. Build it inside the
     layer config the run measures with. Raises CheckpointError, one line.
     """
     checkpoint = read_checkpoint(path, device)
-    model_args.update({k: checkpoint['model_args'][k] for k in ARCHITECTURE_ARGS if k in checkpoint['model_args']})
+    saved = checkpoint['model_args']
+    model_args.update({k: saved[k] for k in ARCHITECTURE_ARGS if k in saved})
+    model_args.update({k: getattr(GPTConfig, k) for k in LAYOUT_ARGS if k not in saved})
     model = GPT(GPTConfig(**model_args))
     try:
         then = {**config, **checkpoint.get('config', {})}

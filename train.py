@@ -21,7 +21,8 @@ import torch
 import gnstracking
 from configurator import ConfigError, check_device, check_train_config, configure, die
 from layer_config import classes_for_flags, set_contextual_config
-from model import GPT, GPTConfig, CheckpointError, load_optimizer_state, resume_model, write_checkpoint
+from model import (GPT, GPTConfig, LAYOUT_ARGS, CheckpointError, load_optimizer_state, resume_model,
+                   write_checkpoint)
 from model import fully_shard_gpt, gather_fsdp_state, load_fsdp_optimizer_state  # FSDP
 from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, stopped_message
@@ -52,6 +53,11 @@ n_head = 12
 n_embd = 768
 dropout = 0.0
 bias = False
+# Llama-style options (model.GPTConfig); the defaults are GPT-2's
+norm = 'layernorm'  # or 'rmsnorm'
+mlp = 'gelu'  # or 'swiglu'
+pos_emb = 'learned'  # or 'rope'
+tie_embeddings = True  # lm_head shares wte's weight
 cos_attn = []  # block indices with cosine attention
 spectral_c_attn = []  # block indices with spectral-normalised Q/K/V
 fp32_attention_layers = []  # block indices whose attention runs in float32
@@ -189,7 +195,8 @@ if os.path.exists(meta_path):
 
 model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
                   vocab_size=None, dropout=dropout, cos_attn=cos_attn, spectral_c_attn=spectral_c_attn,
-                  fp32_attention_layers=fp32_attention_layers, device_name=device_name)
+                  fp32_attention_layers=fp32_attention_layers, device_name=device_name,
+                  norm=norm, mlp=mlp, pos_emb=pos_emb, tie_embeddings=tie_embeddings)
 checkpoint = None
 layer_classes = classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
 with set_contextual_config(**layer_classes):
@@ -212,7 +219,7 @@ with set_contextual_config(**layer_classes):
             model = GPT.from_pretrained(init_from, dict(dropout=dropout))
         except CheckpointError as e:
             die(f"--init_from={init_from} {e}")
-        for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size'):
+        for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size') + LAYOUT_ARGS:
             model_args[k] = getattr(model.config, k)
 if block_size < model.config.block_size:
     model.crop_block_size(block_size)

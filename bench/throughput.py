@@ -15,6 +15,12 @@ Settings (train.py's flags for each; any `flag=value[+flag=value...]` is one too
     all-shim     --linearclass=shim --embeddingclass=shim --lnclass=shim  every parameter
     hooks-sogns  --gns_hooks=sogns                       SOGNS hooks on plain Linears
     hooks-exact  --gns_hooks=exact                       ghost-norm hooks on plain Linears
+    llama-nn     --norm=rmsnorm --mlp=swiglu --pos_emb=rope --tie_embeddings=False   a Llama-style
+                 model (config/train_shakespeare_char_llama_cpu.py's layout), no measurement
+    llama-rms-shim   llama-nn's flags and --lnclass=shim     its normalisations only
+    llama-all-gns    llama-nn's flags and --linearclass=gns --embeddingclass=gns --lnclass=shim
+Every ratio is against nn, so a llama-* row's holds the architecture's cost too: the measurement's
+own is its ratio over llama-nn's.
 
 Reported per setting: median milliseconds per iteration over all timed iterations, tokens/s,
 their ratio to the nn baseline (tokens/s over tokens/s), the same ratio taken round by round
@@ -54,6 +60,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from csv_tools import ToolParser  # noqa: E402
 
+# train.py's flags of a Llama-style model (model.GPTConfig's options)
+LLAMA = dict(norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False)
 # setting -> train.py flags that differ from the plain model (layer_config.FLAG_CLASSES maps the
 # layer flags' values to classes)
 SETTINGS = {
@@ -64,6 +72,9 @@ SETTINGS = {
     'all-shim': dict(linearclass='shim', embeddingclass='shim', lnclass='shim'),
     'hooks-sogns': dict(gns_hooks='sogns'),
     'hooks-exact': dict(gns_hooks='exact'),
+    'llama-nn': LLAMA,
+    'llama-rms-shim': dict(LLAMA, lnclass='shim'),
+    'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
 }
 BASELINE = 'nn'
 DTYPES = ('float32', 'bfloat16', 'float16')

@@ -6,6 +6,7 @@ sums of their squared norms as a layer sees them in backward, g_b / B times the 
 follow buffered.py's buffer convention, with the buffers filled from the oracle as a
 per-example-norm layer would fill them.
 """
+import itertools
 import warnings
 
 import pytest
@@ -77,13 +78,24 @@ def gpt_loss(forward, idx, targets):
 # ---------------------------------------------------------------- the tests' tiny GPT
 
 MEASURED = dict(Linear=PEGradNormShimLinear, Embedding=PEGradNormEmbedding, LayerNorm=PEGradNormSeparatedLayerNorm)
+TINY_GPT = dict(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16)
 
 
 def tiny_gpt(seed=0, **layers):
     """One block, 16 features, 8 tokens of a 32-token vocabulary; layers: layer_config's classes."""
     torch.manual_seed(seed)
     with set_contextual_config(**layers):
-        return GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+        return GPT(GPTConfig(**TINY_GPT))
+
+
+# GPTConfig's Llama-style options, every combination of them as keyword arguments (and a test id)
+LLAMA = dict(norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False)
+ARCHITECTURES = [dict(zip(LLAMA, values)) for values in itertools.product(
+    ('layernorm', 'rmsnorm'), ('gelu', 'swiglu'), ('learned', 'rope'), (True, False))]
+
+
+def arch_id(arch):
+    return '-'.join(str(v) for v in arch.values())
 
 
 def gpt_batches(n, b, seed=5):

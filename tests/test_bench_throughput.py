@@ -117,6 +117,16 @@ def test_a_run_is_train_py_timed_by_its_log_after_the_warmup(tmp_path, monkeypat
     assert os.listdir(tmp_path) == ["data"]  # the run's out_dir is removed
 
 
+def test_a_llama_setting_runs_train_py_with_the_llama_style_flags(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    throughput = load_bench()
+    args = tiny_args(throughput, str(tmp_path))
+    run = throughput.run_train(ROOT, "llama-all-gns", args, str(tmp_path), args.warmup + args.iters)
+    assert len(run["dts"]) == 3 and all(dt > 0 for dt in run["dts"])
+    for flag, value in throughput.LLAMA.items():  # as train.py read them
+        assert f"Overriding: {flag} = {value!r}" in run["stdout"]
+
+
 def test_a_profiled_run_profiles_the_iterations_after_the_warmup(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     throughput = load_bench()

@@ -5,7 +5,9 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from gns_fixtures import ARCHITECTURES, LLAMA, arch_id, one_thread  # noqa: F401  (one_thread: autouse)
 from layer_config import get_contextual_config, set_contextual_config
 from model import GPT, GPTConfig
 
@@ -64,10 +66,12 @@ def test_tokens_processed_is_an_int64_buffer_in_the_state_dict():
     assert other.tokens_processed.item() == 123
 
 
-def test_bias_off_and_options_run_forward_and_backward():
-    cfg = GPTConfig(**CFG, bias=False, cos_attn=[1], spectral_c_attn=[0], fp32_attention_layers=[1])
+@pytest.mark.parametrize('arch', [{}, LLAMA], ids=['gpt2', 'llama'])
+def test_bias_off_and_options_run_forward_and_backward(arch):
+    """cos_attn, spectral_c_attn and fp32_attention_layers under autocast, with rope too."""
+    cfg = GPTConfig(**CFG, bias=False, cos_attn=[1], spectral_c_attn=[0], fp32_attention_layers=[1], **arch)
     model = GPT(cfg)
-    assert model.transformer.h[0].ln_1.bias is None
+    assert getattr(model.transformer.h[0].ln_1, 'bias', None) is None
     assert model.transformer.h[1].attn.c_attn.bias is None
     idx = torch.randint(0, 65, (2, 16))
     with torch.autocast('cpu', dtype=torch.bfloat16):
@@ -140,3 +144,212 @@ def test_load_weights_maps_the_references_and_nanogpts_keys_and_refuses_what_doe
                        ({**sd, "transformer.h.0.mlp.gate.weight": torch.zeros(3)}, "mlp.gate.weight")]:
         with pytest.raises(CheckpointError, match=re.escape(words)):
             load_weights(GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1])), bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Llama-style options: norm, mlp, pos_emb, tie_embeddings
+
+def test_the_defaults_build_gpt2s_modules_and_state_dict_keys():
+    """Older configs and checkpoints are unaffected: GPTConfig() is nanoGPT's GPT-2 layout."""
+    model = GPT(GPTConfig(**dict(CFG, n_layer=1)))
+    block = ['ln_1.weight', 'ln_1.bias', 'attn.c_attn.weight', 'attn.c_attn.bias', 'attn.c_proj.weight',
+             'attn.c_proj.bias', 'ln_2.weight', 'ln_2.bias', 'mlp.c_fc.weight', 'mlp.c_fc.bias',
+             'mlp.c_proj.weight', 'mlp.c_proj.bias']
+    assert list(model.state_dict()) == (['tokens_processed', 'transformer.wte.weight', 'transformer.wpe.weight']
+                                        + [f'transformer.h.0.{k}' for k in block]
+                                        + ['transformer.ln_f.weight', 'transformer.ln_f.bias', 'lm_head.weight'])
+    assert [n for n, _ in model.transformer.named_children()] == ['wte', 'wpe', 'drop', 'h', 'ln_f']
+    assert all(type(m) is nn.LayerNorm for n, m in model.named_modules() if '.ln_' in n or n.endswith('ln_f'))
+    assert type(model.transformer.h[0].mlp.gelu) is nn.GELU
+
+
+def test_a_llama_style_model_has_its_own_modules_and_keys():
+    model = GPT(GPTConfig(**CFG, bias=False, **LLAMA))
+    sd = model.state_dict()
+    assert 'transformer.wpe.weight' not in sd and not hasattr(model.transformer, 'wpe')
+    # untied: two matrices, each a parameter of its own, both in the state_dict
+    assert model.transformer.wte.weight is not model.lm_head.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert 'transformer.wte.weight' in names and 'lm_head.weight' in names
+    assert 'transformer.wte.weight' in sd and 'lm_head.weight' in sd
+    for name in ('transformer.h.0.ln_1', 'transformer.h.1.ln_2', 'transformer.ln_f'):
+        norm = model.get_submodule(name)
+        assert type(norm) is nn.RMSNorm and norm.eps == 1e-5 and norm.weight.shape == (32,)
+        assert name + '.bias' not in sd
+    mlp = model.transformer.h[0].mlp
+    assert (mlp.c_fc.out_features, mlp.c_gate.out_features, mlp.c_proj.in_features) == (128,) * 3
+
+
+def test_rmsnorm_ignores_bias_and_swiglu_takes_it():
+    """RMSNorm has a gain only (Zhang & Sennrich 2019); the SwiGLU Linears follow config.bias."""
+    model = GPT(GPTConfig(**CFG, bias=True, norm='rmsnorm', mlp='swiglu'))
+    assert [n for n, _ in model.transformer.h[0].ln_1.named_parameters()] == ['weight']
+    assert 'transformer.h.0.ln_1.bias' not in model.state_dict()
+    assert all(getattr(model.transformer.h[0].mlp, n).bias is not None for n in ('c_fc', 'c_gate', 'c_proj'))
+
+
+def test_swiglu_hidden_width_rule():
+    """2/3 of 4 * n_embd, rounded up to a multiple of 64: the three matrices hold about GELU's 8 * n_embd^2."""
+    from model import swiglu_hidden
+    for n_embd in range(8, 2049, 8):
+        h = swiglu_hidden(n_embd)
+        assert h % 64 == 0 and 8 * n_embd / 3 <= h < 8 * n_embd / 3 + 64, n_embd
+    assert swiglu_hidden(768) == 2048
+
+
+def test_swiglu_gates_through_silu():
+    torch.manual_seed(0)
+    mlp = GPT(GPTConfig(**CFG, mlp='swiglu')).transformer.h[0].mlp
+    x = torch.randn(2, 5, 32)
+    by_hand = mlp.c_proj(F.silu(mlp.c_gate(x)) * mlp.c_fc(x))
+    torch.testing.assert_close(mlp(x), by_hand)
+    assert not torch.allclose(mlp(x), mlp.c_proj(F.silu(mlp.c_fc(x)) * mlp.c_gate(x)))
+
+
+def test_rope_rotates_by_position_so_attention_sees_relative_positions():
+    """RoFormer's property (Su et al. 2021, eq. 16): <R_m q, R_n k> depends on m - n only; rotations keep
+    norms; position 0 is the identity."""
+    from model import apply_rope, rope_angles
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    cos, sin = rope_angles(40, 8, 'cpu')
+
+    def at(x, t):
+        return apply_rope(x, cos[t:t + 1], sin[t:t + 1])
+    for m, n, shift in [(3, 1, 7), (10, 25, 4), (0, 0, 30)]:
+        torch.testing.assert_close((at(q, m) * at(k, n)).sum(), (at(q, m + shift) * at(k, n + shift)).sum(),
+                                   rtol=1e-6, atol=1e-6)
+    assert not torch.allclose((at(q, 3) * at(k, 1)).sum(), (at(q, 3) * at(k, 2)).sum())
+    torch.testing.assert_close(at(q, 17).norm(), q.norm(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(at(q, 0), q)
+    assert at(q.to(torch.bfloat16), 5).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize('arch', ARCHITECTURES, ids=arch_id)
+def test_every_option_combination_trains_generates_and_crops(arch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, **arch))
+    idx, targets = torch.randint(0, 65, (4, 16)), torch.randint(0, 65, (4, 16))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (4, 16, 65) and abs(loss.item() - math.log(65)) < 0.1
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    assert ('wpe' in model.transformer) == (arch['pos_emb'] == 'learned')
+    assert (model.transformer.wte.weight is model.lm_head.weight) == arch['tie_embeddings']
+    model.eval()
+    assert model.generate(idx[:1, :3], max_new_tokens=20, top_k=5).shape == (1, 23)
+    model.crop_block_size(8)
+    assert model(idx[:, :8])[0].shape == (4, 1, 65)
+    with pytest.raises(ValueError):
+        model(idx[:, :9])
+
+
+def test_rope_sees_the_order_of_the_tokens():
+    """Without wpe, positions reach the model through rope alone: the same tokens in another order
+    give the last position other logits."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, pos_emb='rope')).eval()
+    idx = torch.randint(0, 65, (1, 16))
+    swapped = torch.cat([idx[:, :-1].flip(1), idx[:, -1:]], dim=1)
+    assert not torch.allclose(model(idx)[0], model(swapped)[0])
+
+
+def test_the_layer_config_builds_rmsnorm_where_the_model_normalises_with_it():
+    class MyRMSNorm(nn.RMSNorm):
+        pass
+
+    class MyLayerNorm(nn.LayerNorm):
+        pass
+
+    with set_contextual_config(RMSNorm=MyRMSNorm, LayerNorm=MyLayerNorm):
+        rms = GPT(GPTConfig(**CFG, norm='rmsnorm'))
+        ln = GPT(GPTConfig(**CFG))
+    norms = lambda m: [type(x) for n, x in m.named_modules() if n.split('.')[-1].startswith('ln_')]  # noqa: E731
+    assert norms(rms) == [MyRMSNorm] * 5 and norms(ln) == [MyLayerNorm] * 5
+
+
+@pytest.mark.parametrize('arch', ARCHITECTURES, ids=arch_id)
+def test_parameter_counts_leave_out_lookup_tables(arch):
+    model = GPT(GPTConfig(**CFG, **arch))
+    total = sum(p.numel() for p in model.parameters())
+    assert model.get_num_params(non_embedding=False) == total
+    wpe = 16 * 32 if arch['pos_emb'] == 'learned' else 0
+    wte = 0 if arch['tie_embeddings'] else 65 * 32  # tied, it is also the head's matmul
+    assert model.get_num_params() == total - wpe - wte
+    assert model.estimate_mfu(4, 0.1) > 0
+
+
+def test_configure_optimizers_leaves_rmsnorm_gains_undecayed():
+    model = GPT(GPTConfig(**CFG, bias=False, **LLAMA))
+    decay, nodecay = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu').param_groups
+    gains = [p for n, p in model.named_parameters() if '.ln_' in n or 'ln_f' in n]
+    assert len(nodecay['params']) == len(gains) == 5 and all(any(p is g for g in gains) for p in nodecay['params'])
+    assert len(decay['params']) == len(list(model.parameters())) - 5
+
+
+@pytest.mark.parametrize('change, words', [
+    (dict(norm='batchnorm'), "norm='batchnorm' is not one of layernorm, rmsnorm"),
+    (dict(mlp='relu'), "mlp='relu' is not one of gelu, swiglu"),
+    (dict(pos_emb='alibi'), "pos_emb='alibi' is not one of learned, rope"),
+    (dict(tie_embeddings='yes'), "tie_embeddings='yes' must be True or False"),
+    (dict(pos_emb='rope', n_embd=30, n_head=2), "head size n_embd / n_head = 30 / 2 must be even"),
+])
+def test_an_architecture_that_cannot_be_built_is_one_line(change, words):
+    with pytest.raises(ValueError) as error:
+        GPT(GPTConfig(**{**CFG, **change}))
+    assert words in str(error.value) and '\n' not in str(error.value)
+
+
+# --------------------------------------------------------------------------------------------
+# Llama-style checkpoints
+
+def save_run(model, path, model_args):
+    """A checkpoint as train.py writes it (the fields resume_model reads)."""
+    from model import write_checkpoint
+    config = dict(gradient_accumulation_steps=1, batch_size=4, block_size=16)
+    write_checkpoint({'model': model.state_dict(), 'model_args': model_args, 'iter_num': 3, 'config': config}, path)
+
+
+def test_a_llama_style_checkpoint_round_trips(tmp_path):
+    from dataclasses import asdict
+
+    from model import config_from_checkpoint, load_weights, read_checkpoint, resume_model
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, bias=False, **LLAMA))
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # untied: the two matrices differ, and each must come back
+    model_args = asdict(model.config)
+    path = str(tmp_path / 'ckpt.pt')
+    save_run(model, path, model_args)
+    idx = torch.randint(0, 65, (2, 16))
+    checkpoint = read_checkpoint(path)
+    # sample.py's way: the config from model_args, then the weights
+    loaded = GPT(config_from_checkpoint(checkpoint['model_args']))
+    load_weights(loaded, checkpoint['model'])
+    assert loaded.config == model.config
+    torch.testing.assert_close(loaded(idx, idx)[1], model(idx, idx)[1], rtol=0, atol=0)
+    # train.py's resume: the checkpoint's architecture, whatever the run's flags say
+    run_args = dict(asdict(GPTConfig(**CFG)), norm='layernorm', mlp='gelu', pos_emb='learned', tie_embeddings=True)
+    resumed, _ = resume_model(path, run_args, config={})
+    assert {k: run_args[k] for k in LLAMA} == LLAMA
+    assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_an_older_checkpoint_resumes_as_gpt2_whatever_the_flags_say(tmp_path):
+    """A checkpoint without the new model_args holds GPT-2's layout: with bias=False its LayerNorm
+    gains would fit an RMSNorm model's keys, so the run's --norm=rmsnorm must not be taken."""
+    from dataclasses import asdict
+
+    from model import config_from_checkpoint, resume_model
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, bias=False))
+    old_args = {k: v for k, v in asdict(model.config).items() if k not in LLAMA}
+    path = str(tmp_path / 'ckpt.pt')
+    save_run(model, path, old_args)
+    assert config_from_checkpoint(old_args) == model.config
+    run_args = dict(asdict(GPTConfig(**CFG, bias=False)), **{**LLAMA, 'tie_embeddings': True})
+    resumed, _ = resume_model(path, run_args, config={})
+    assert {k: run_args[k] for k in LLAMA} == {k: getattr(GPTConfig, k) for k in LLAMA}
+    assert type(resumed.transformer.ln_f) is nn.LayerNorm
+    idx = torch.randint(0, 65, (2, 16))
+    torch.testing.assert_close(resumed(idx, idx)[1], model(idx, idx)[1], rtol=0, atol=0)

@@ -2,7 +2,8 @@
 The whole GPT with every combination of per-example-norm layer classes: every measured
 parameter present (the tied wte/lm_head weight included when both sides measure), each norm
 equal to brute force (vmap over examples of the plain GPT's per-example loss), with two
-micro-steps of gradient accumulation, bias on and off, eager and compiled.
+micro-steps of gradient accumulation, bias on and off, eager and compiled; and the same for
+each combination of the Llama-style options (RMSNorm, SwiGLU, rope, untied embeddings).
 """
 import functools
 import itertools
@@ -17,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from buffered import (PEGradNormEmbedding, PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding,  # noqa: E402
                       PEGradNormShimLinear, find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
 from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
-from gns_fixtures import gpt_loss, sqgradnorm_sums  # noqa: E402
+from gns_fixtures import ARCHITECTURES, LLAMA, TINY_GPT, arch_id, gpt_loss, sqgradnorm_sums  # noqa: E402
+from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
 from model import GPT, GPTConfig  # noqa: E402
 
 TORCH_CLASSES = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)  # not measured
@@ -26,26 +28,30 @@ B, T, STEPS = 4, 16, 2
 pytestmark = [pytest.mark.filterwarnings("ignore:tied weight")]
 
 
-def config(bias):
-    return GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=65, dropout=0.0, bias=bias)
+def config(bias, options=()):
+    """The GPT of these tests; options: GPTConfig fields as (key, value) pairs (hashable, for reference's cache)."""
+    return GPTConfig(**{**dict(n_layer=2, n_head=2, n_embd=32, block_size=T, vocab_size=65, dropout=0.0, bias=bias),
+                        **dict(options)})
 
 
-def build_with(classes, bias):
+def build_with(classes, bias, options=()):
     with set_contextual_config(**classes):
-        return GPT(config(bias))
+        return GPT(config(bias, options))
 
 
-def build(linear, embedding, layernorm, bias):
+def build(linear, embedding, layernorm, bias, options=()):
     """A GPT with the classes of train.py's --linearclass, --embeddingclass, --lnclass values."""
-    return build_with(classes_for_flags(linearclass=linear, embeddingclass=embedding, lnclass=layernorm), bias)
+    return build_with(classes_for_flags(linearclass=linear, embeddingclass=embedding, lnclass=layernorm), bias, options)
 
 
 @functools.lru_cache(maxsize=None)
-def reference(bias, dtype=torch.float32):
-    """(plain GPT state, micro-batches, brute-force norms, plain .grad) for one bias setting."""
+def reference(bias, dtype=torch.float32, options=()):
+    """(plain GPT state, micro-batches, brute-force norms, plain .grad) for one bias setting and options."""
     torch.manual_seed(0)
-    plain = GPT(config(bias)).to(dtype)
-    batches = [(torch.randint(0, 65, (B, T)), torch.randint(0, 65, (B, T))) for _ in range(STEPS)]
+    cfg = config(bias, options)
+    plain = GPT(cfg).to(dtype)
+    shape = (B, cfg.block_size)
+    batches = [(torch.randint(0, cfg.vocab_size, shape), torch.randint(0, cfg.vocab_size, shape)) for _ in range(STEPS)]
     expected = sqgradnorm_sums(plain, gpt_loss, batches)  # the shared brute-force oracle
     train(plain, batches)
     grads = {n: p.grad.clone() for n, p in plain.named_parameters()}
@@ -59,17 +65,20 @@ def train(model, batches):
         (loss / len(batches)).backward()
 
 
-def measured_names(names, classes):
-    """The trainable parameters whose layers measure (every class but torch's), in named_parameters order."""
-    measures = {kind: cls not in TORCH_CLASSES for kind, cls in classes.items()}
+def measured_names(names, classes, cfg):
+    """The trainable parameters whose layers measure (every class but torch's), in named_parameters order,
+    for a GPT of GPTConfig cfg built with `classes` (a kind not among them is torch's)."""
+    norm = "RMSNorm" if cfg.norm == "rmsnorm" else "LayerNorm"
+    measures = {kind: classes.get(kind, nn.Linear) not in TORCH_CLASSES for kind in ("Linear", "Embedding", norm)}
+    measures["norm"] = measures[norm]
 
     def measured(n):
-        if n == "transformer.wte.weight":  # tied to lm_head: needs both sides
-            return measures["Linear"] and measures["Embedding"]
+        if n == "transformer.wte.weight":  # tied to lm_head: needs both sides; untied, the embedding's alone
+            return measures["Embedding"] and (measures["Linear"] or not cfg.tie_embeddings)
         if n.startswith("transformer.wpe"):
             return measures["Embedding"]
         if ".ln_" in n:
-            return measures["LayerNorm"]
+            return measures["norm"]
         return measures["Linear"]
     return [n for n in names if measured(n)]
 
@@ -82,17 +91,18 @@ def check_against_brute_force(model, expected, names, rtol=1e-5):
         torch.testing.assert_close(buf.item(), expected[n].item(), rtol=rtol, atol=1e-12, msg=n)
 
 
-def check_gpt_against_brute_force(classes, bias):
+def check_gpt_against_brute_force(classes, bias, options=()):
     """
-    A GPT built with `classes` (set_contextual_config's keyword arguments: any classes) after two
-    micro-steps: every parameter its layers measure is found, each norm equal to brute force, and
-    .grad is the plain GPT's (bit for bit when every class keeps torch's own backward).
+    A GPT built with `classes` (set_contextual_config's keyword arguments: any classes) and GPTConfig
+    `options` ((key, value) pairs) after two micro-steps: every parameter its layers measure is found,
+    each norm equal to brute force, and .grad is the plain GPT's (bit for bit when every class keeps
+    torch's own backward).
     """
-    state, batches, expected, plain_grads = reference(bias)
-    model = build_with(classes, bias)
+    state, batches, expected, plain_grads = reference(bias, options=options)
+    model = build_with(classes, bias, options)
     model.load_state_dict(state)
     train(model, batches)
-    check_against_brute_force(model, expected, measured_names(list(state_names(model)), classes))
+    check_against_brute_force(model, expected, measured_names(list(state_names(model)), classes, model.config))
     # torch's backward, the norms beside it
     shims = (PEGradNormShimLinear, PEGradNormShimEmbedding, PEGradNormSeparatedRMSNorm)
     exact = all(cls in TORCH_CLASSES or issubclass(cls, shims) for cls in classes.values())
@@ -101,6 +111,7 @@ def check_gpt_against_brute_force(classes, bias):
             assert torch.equal(p.grad, plain_grads[n]), n
         else:
             torch.testing.assert_close(p.grad, plain_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    return model
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -109,6 +120,48 @@ def test_gpt_norms_match_brute_force(linear, embedding, layernorm, bias):
     """Every combination of train.py's layer flag values, from layer_config's table."""
     check_gpt_against_brute_force(
         classes_for_flags(linearclass=linear, embeddingclass=embedding, lnclass=layernorm), bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Llama-style options, on the tests' tiny GPT (one block, 16 features, 8 tokens): there are many
+
+def llama_options(arch):
+    return tuple({**TINY_GPT, **arch}.items())
+
+
+@pytest.mark.parametrize("lnclass", list(FLAG_CLASSES["lnclass"]))
+@pytest.mark.parametrize("linear,embedding", list(itertools.product(["gns", "shim"], repeat=2)))
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=arch_id)
+def test_llama_style_gpt_norms_match_brute_force(arch, linear, embedding, lnclass):
+    """
+    Every combination of norm, mlp, pos_emb and tie_embeddings with the measured Linear and Embedding
+    classes and each --lnclass value, whose table gives the class of whichever normalisation the
+    model uses (torch's RMSNorm, not measured, where it has none for RMSNorm). Untied, wte and lm_head
+    are two parameters, each measured by its own layer, with no cross term.
+    """
+    model = check_gpt_against_brute_force(
+        classes_for_flags(linearclass=linear, embeddingclass=embedding, lnclass=lnclass), False, llama_options(arch))
+    reported = [n for n, *_ in find_sqgradnorm_buffers(model)]
+    assert ("lm_head.weight" in reported) != arch["tie_embeddings"]  # tied, it is wte's, measured there
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=arch_id)
+def test_llama_style_gpt_with_biases(arch):
+    """bias=True: in the Linears (SwiGLU's three too) and LayerNorms; RMSNorm has none."""
+    lnclass = list(FLAG_CLASSES["lnclass"])[-1]
+    check_gpt_against_brute_force(
+        classes_for_flags(linearclass="gns", embeddingclass="shim", lnclass=lnclass), True, llama_options(arch))
+
+
+def test_compile_a_llama_style_gpt():
+    """rope's angles, SwiGLU, RMSNorm and the untied head trace in one graph, and the norms stay exact
+    (the tied head's link under compile: test_compile_tracing_every_tie_pairing)."""
+    options = llama_options(LLAMA)
+    state, batches, expected, _ = reference(False, options=options)
+    classes = classes_for_flags(linearclass="gns", embeddingclass="shim", lnclass="shim")
+    model = build_with(classes, False, options)
+    compiled_matches_eager(model, state, batches, "aot_eager")
+    check_against_brute_force(model, expected, measured_names(list(state_names(model)), classes, model.config))
 
 
 def state_names(model):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, run_train
+from gns_fixtures import LLAMA
 from test_data import fallback_only, gpt2_ranks, pip_fails  # noqa: F401  (gpt2_ranks is a fixture)
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPT, GPTConfig
@@ -85,7 +86,8 @@ def random_gpt(vocab_size, **config):
 
 def model_args_of(config, keys=None):
     keys = keys or ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout", "cos_attn",
-                    "spectral_c_attn", "fp32_attention_layers", "device_name")
+                    "spectral_c_attn", "fp32_attention_layers", "device_name", "norm", "mlp", "pos_emb",
+                    "tie_embeddings")
     return {k: getattr(config, k) for k in keys}
 
 
@@ -181,6 +183,16 @@ def test_every_layer_class_gives_the_samples_of_its_weights(layers, tiny_dataset
     # cosine attention in block 1 and float32 attention in block 0: model_args reach the model
     model = random_gpt(vocab_size, cos_attn=[1], fp32_attention_layers=[0])
     save_train_py_checkpoint(model, layers, tiny_dataset, tmp_path)
+    code, out, err = sample_here(monkeypatch, capsys, f"--out_dir={tmp_path}", *FLAGS, "--start=the ")
+    assert code == 0, err
+    assert out.endswith(samples_of(model, encode("the "), decode))
+
+
+def test_a_llama_style_checkpoint_gives_the_samples_of_its_weights(tiny_dataset, tmp_path, monkeypatch, capsys):
+    """RMSNorm, SwiGLU, rope and an untied head, from model_args: a GPT-2 layout would not load its weights."""
+    encode, decode, vocab_size = read_meta(tiny_dataset)
+    model = random_gpt(vocab_size, bias=False, **LLAMA)
+    save_train_py_checkpoint(model, "gns", tiny_dataset, tmp_path)
     code, out, err = sample_here(monkeypatch, capsys, f"--out_dir={tmp_path}", *FLAGS, "--start=the ")
     assert code == 0, err
     assert out.endswith(samples_of(model, encode("the "), decode))

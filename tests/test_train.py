@@ -403,12 +403,51 @@ def test_eval_only_writes_nothing_into_out_dir(tiny_dataset, tmp_path):
     (["--out_dir="], "--out_dir='' must name a directory"),
     (["--out_dir=/dev/null"], "--out_dir='/dev/null' must name a directory"),
     (["--max_nonfinite_steps=0"], "--max_nonfinite_steps=0 must be"),
+    (["--norm=batchnorm"], "--norm='batchnorm' is not one of layernorm, rmsnorm"),
+    (["--mlp=relu"], "--mlp='relu' is not one of gelu, swiglu"),
+    (["--pos_emb=alibi"], "--pos_emb='alibi' is not one of learned, rope"),
+    (["--tie_embeddings=maybe"], "--tie_embeddings expects bool"),
+    (["--pos_emb=rope", "--n_embd=30"], "--pos_emb='rope' rotates pairs of features, so the head size "
+                                        "n_embd / n_head = 30 / 2 must be even"),
 ])
 def test_every_bad_value_is_one_line_and_exit_2(tiny_dataset, tmp_path, args, words):
     code, stderr = train_until_exit(f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}", *TINY, *args)
     assert code == 2, stderr
     err = stderr.strip().splitlines()
     assert len(err) == 1 and words in err[0], stderr
+
+
+LLAMA_CONFIG = os.path.join(REPO, "config", "train_shakespeare_char_llama_cpu.py")
+
+
+def test_the_llama_style_config_trains_measures_and_resumes_as_itself(tiny_dataset, tmp_path):
+    """config/train_shakespeare_char_llama_cpu.py for two iterations (the demo's model, little evaluation),
+    then two more from its checkpoint with GPT-2's architecture on the command line: the checkpoint's wins."""
+    from gns_fixtures import LLAMA
+    from layer_config import classes_for_flags
+    out = tmp_path / "out"
+    step = 12 * 64  # the config's tokens per iteration
+    common = [LLAMA_CONFIG, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_iters=1", "--eval_interval=2",
+              "--log_interval=1"]
+    run_train(*common, f"--max_tokens={2 * step}")
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    assert {k: ckpt["model_args"][k] for k in LLAMA} == LLAMA and ckpt["model_args"]["bias"] is False
+    sd = ckpt["model"]
+    assert "transformer.wpe.weight" not in sd and "transformer.h.3.mlp.c_gate.weight" in sd
+    assert not torch.equal(sd["lm_head.weight"], sd["transformer.wte.weight"])  # untied: trained apart
+    with open(out / "log.csv") as f:
+        header = f.readline().strip().split(",")
+    measured = {c.split("/")[2] for c in header if c.startswith("train/gns/") and c.endswith("/norm")}
+    assert {"transformer.wte.weight", "lm_head.weight", "transformer.h.0.mlp.c_gate.weight"} <= measured
+    assert not any("wpe" in n for n in measured)
+    rmsnorm_measured = classes_for_flags(lnclass="shim").get("RMSNorm", torch.nn.RMSNorm) is not torch.nn.RMSNorm
+    assert ("transformer.ln_f.weight" in measured) == rmsnorm_measured  # with the table's RMSNorm class, if any
+    p = run_train(*common, f"--max_tokens={4 * step}", "--init_from=resume", "--norm=layernorm", "--mlp=gelu",
+                  "--pos_emb=learned", "--tie_embeddings=True")
+    assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [3, 4]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    assert {k: ckpt["model_args"][k] for k in LLAMA} == LLAMA and ckpt["iter_num"] == 4
+    assert ckpt["model"].keys() == sd.keys()
 
 
 def test_bad_input_from_the_command_line_exits_2_in_a_real_process(tiny_dataset, tmp_path):
