@@ -546,7 +546,7 @@ def resume_model(path, model_args, config, device='cpu'):
 def fully_shard_gpt(model, device_type, world_size, bf16_params=False):
     """
     Shard `model` in place with FSDP2's fully_shard over all `world_size` ranks, after broadcasting
-    rank 0's weights: each block its own unit, then the root, which keeps wte = lm_head (one tied
+    rank 0's weights: each block its own unit, then the root, which keeps wte and lm_head (tied: one
     parameter in one unit), wpe and ln_f. The per-example-norm buffers stay plain, unsharded,
     per-rank tensors (fully_shard shards parameters only), summed over ranks as under DDP.
     bf16_params: gather bfloat16 weights for compute, reduce gradients in float32. Build the
