@@ -89,6 +89,9 @@ def check_train_config(config):
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in config[key]):
             die(f"--{key}={config[key]!r} must list block indices 0..{n_layer - 1}")
     world_size = int(os.environ.get('WORLD_SIZE', 1)) if 'RANK' in os.environ else 1  # torchrun's
+    if config.get('fsdp') and 'RANK' not in os.environ:
+        die("--fsdp=True shards the model over processes: launch with torchrun, "
+            "e.g. torchrun --standalone --nproc_per_node=2 train.py ... --fsdp=True")
     gas = config['gradient_accumulation_steps']
     if gas % world_size and not config['bs_schedule']:
         die(f"gradient_accumulation_steps={gas} is not divisible by the {world_size} DDP processes (it counts "

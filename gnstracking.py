@@ -12,7 +12,8 @@ The exact per-example estimator (b = 1) reads, after the last micro-step and bef
 scaler.unscale_ and clipping, |G_B|^2 = ||p.grad||^2 and the per-example-norm buffers
 (buffered.py), which hold S = sum_b ||g_b / B||^2, so |G_1|^2 = B S. Under DDP over W ranks each
 rank's layers see its own mean loss; once buffers and counts are summed over ranks,
-|G_1|^2 = B S / W^2. Under a float16 GradScaler gradients carry s and buffers s^2.
+|G_1|^2 = B S / W^2 (under FSDP too; there p.grad is each rank's shard and |G_B|^2 the sum over
+ranks of the shards' squares). Under a float16 GradScaler gradients carry s and buffers s^2.
 
 Every estimator (ExactGNS here, ddpgns.DDPGNS, microbatch_gns.MicrobatchEstimator,
 gnshooks.HooksEstimator) is an Estimator; estimators_for() builds a run's list:
@@ -252,6 +253,21 @@ def _unwrap(model):
             return model
 
 
+def _grad_sqnorms(grads, device):
+    """||grad||^2 of each gradient, float32 0-dim tensors on `device`. FSDP's gradients are DTensor
+    shards: each rank squares its own shard and one all-reduce of them all sums the ranks' squares
+    (never a gather of the full gradients)."""
+    mesh = getattr(grads[0], "device_mesh", None)
+    if mesh is None:
+        return [sum_of_squares(g).to(device) for g in grads]
+    if not all(pl.is_shard() for g in grads for pl in g.placements):
+        raise ValueError("the gradients are DTensors that are not sharded (FSDP shards them): "
+                         "summing each rank's squares would count them more than once")
+    squares = torch.stack([sum_of_squares(g.to_local()).to(device) for g in grads])
+    torch.distributed.all_reduce(squares, group=mesh.get_group())
+    return list(squares.unbind())
+
+
 class MeasurementTracker:
     """
     Reads, once per optimizer step, every measured parameter's gradient and per-example-norm
@@ -353,7 +369,7 @@ class MeasurementTracker:
         # One host-device transfer for everything: stack on device, then a single .tolist().
         scale = current_scale(self.scaler)
         device = live[0][1].grad.device
-        values = [sum_of_squares(p.grad).to(device) for _, p, _, _ in live]
+        values = _grad_sqnorms([p.grad for _, p, _, _ in live], device)
         values += [sq.to(device) for _, _, sq, _ in live]
         values += [count.to(device) for _, _, _, count in live]
         if isinstance(scale, torch.Tensor):
@@ -540,7 +556,7 @@ class ExactGNS(Estimator):
         zero_sqgradnorm_buffers(self.model)
 
 
-def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None):
+def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None, fsdp=False):
     """
     The estimators of a run, in the order their columns go into log.csv: the exact per-example one
     whenever `model` (the plain model, or its DDP/compile wrapper) has per-example-norm layers; the
@@ -548,6 +564,8 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
     asked; the DDP one (ddpgns.py, on ddp_model, the DistributedDataParallel wrapper) when
     world_size > 1. Build it after the DDP wrapper, before the first forward; the hooks go on the
     model's modules and parameters. With a checkpoint dict, their states resume (load_states).
+    fsdp: the model is sharded with FSDP2 over world_size ranks: no DDP estimator (its comm hook is
+    DDP's), the exact one all-reduces its buffers and squares the gradient shards (_grad_sqnorms).
     """
     import ddpgns
     import gnshooks
@@ -555,7 +573,7 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
     choices = ("none", *gnshooks.ADD_HOOKS)
     if hooks not in choices:
         raise ValueError(f"hooks={hooks!r} is not one of {', '.join(choices)}")
-    if world_size > 1 and ddp_model is None:
+    if world_size > 1 and ddp_model is None and not fsdp:
         raise ValueError(f"world_size={world_size}: the DDP estimator needs the DistributedDataParallel model "
                          f"(ddp_model=...)")
     model = _unwrap(model)
@@ -566,7 +584,7 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
         estimators.append(gnshooks.HooksEstimator(model, hooks))
     if microbatch:
         estimators.append(microbatch_gns.MicrobatchEstimator(model))
-    if world_size > 1:
+    if world_size > 1 and not fsdp:
         estimators.append(ddpgns.DDPGNS(ddp_model))
     if checkpoint is not None:
         load_states(estimators, checkpoint)

@@ -538,3 +538,76 @@ def resume_model(path, model_args, config, device='cpu'):
     except (CheckpointError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     return model, checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 (--fsdp=True under torchrun): sharding, and checkpoints in the single-process format
+
+def fully_shard_gpt(model, device_type, world_size, bf16_params=False):
+    """
+    Shard `model` in place with FSDP2's fully_shard over all `world_size` ranks, after broadcasting
+    rank 0's weights: each block its own unit, then the root, which keeps wte and lm_head (tied: one
+    parameter in one unit), wpe and ln_f. The per-example-norm buffers stay plain, unsharded,
+    per-rank tensors (fully_shard shards parameters only), summed over ranks as under DDP.
+    bf16_params: gather bfloat16 weights for compute, reduce gradients in float32. Build the
+    optimizer afterwards, on the sharded parameters.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # rank 0's weights everywhere first, as DDP does (each rank seeds its own: dropout differs by rank)
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(t, src=0)
+    kw = dict(mesh=init_device_mesh(device_type, (world_size,)))
+    if bf16_params:
+        kw['mp_policy'] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _fsdp_state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _optimizer_fqns(model, optimizer):
+    """The parameters' names in optimizer.state_dict()'s order: its integer ids index this list."""
+    names = {}
+    for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        names.setdefault(id(p), name)
+    return [names[id(p)] for group in optimizer.param_groups for p in group['params']]
+
+
+def gather_fsdp_state(model, optimizer):
+    """
+    (model state, optimizer state) of a sharded model, gathered in full onto rank 0's CPU, in the
+    format a single process writes (model.state_dict(), optimizer.state_dict() keyed by integer
+    ids), so ckpt.pt loads anywhere; ({}, {}) on the other ranks. A collective: call on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    model_state = get_model_state_dict(model, options=_fsdp_state_options())
+    named = get_optimizer_state_dict(model, optimizer, options=_fsdp_state_options())
+    if not model_state:
+        return {}, {}
+    index = {name: i for i, name in enumerate(_optimizer_fqns(model, optimizer))}
+    optim_state = {'state': {index[name]: state for name, state in named['state'].items()},
+                   'param_groups': [{**g, 'params': [index[name] for name in g['params']]}
+                                    for g in named['param_groups']]}
+    return model_state, optim_state
+
+
+def load_fsdp_optimizer_state(checkpoint, model, optimizer, scaler):
+    """load_optimizer_state() for a sharded model: each rank shards the full state it read."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    try:
+        saved = checkpoint['optimizer']
+        fqns = _optimizer_fqns(model, optimizer)
+        named = {'state': {fqns[i]: state for i, state in saved['state'].items()},
+                 'param_groups': [{**g, 'params': [fqns[i] for i in g['params']]} for g in saved['param_groups']]}
+        set_optimizer_state_dict(model, optimizer, named, options=_fsdp_state_options())
+    except (KeyError, IndexError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"the optimizer state does not fit this model ({str(e)[:120]})") from None
+    if 'scaler' in checkpoint:
+        scaler.load_state_dict(checkpoint['scaler'])

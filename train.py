@@ -23,6 +23,7 @@ from configurator import ConfigError, check_device, check_train_config, configur
 from layer_config import classes_for_flags, set_contextual_config
 from model import (GPT, GPTConfig, LAYOUT_ARGS, CheckpointError, load_optimizer_state, resume_model,
                    write_checkpoint)
+from model import fully_shard_gpt, gather_fsdp_state, load_fsdp_optimizer_state  # FSDP
 from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, stopped_message
 from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
@@ -100,6 +101,7 @@ bs_update_tokens = None  # at most one change per this many tokens; None: max_to
 bs_allow_decrease = False
 # system
 backend = 'nccl'  # 'nccl' for GPUs, 'gloo' for CPU
+fsdp = False  # under torchrun, shard weights, gradients and optimizer state (FSDP2) instead of DDP's replicas
 device = 'cuda'  # 'cpu', 'cuda', 'cuda:1', 'mps'
 # float32, bfloat16 or float16 (autocast); without CUDA float32 (float16 on a CPU is emulated, slow)
 dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'
@@ -223,24 +225,30 @@ if block_size < model.config.block_size:
     model.crop_block_size(block_size)
     model_args['block_size'] = block_size
 model.to(device)
+if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
+    fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
 # data order seeded by the iteration we start from (a resumed run does not replay the start);
 # evaluation, on the master alone, has generators of its own (the ranks' training batches stay in step)
 batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
 eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
 
-scaler = torch.amp.GradScaler(device_type, enabled=(dtype == 'float16'))
+GradScaler = torch.amp.GradScaler
+if fsdp:  # FSDP: a float16 overflow in one rank's shards must skip the step on every rank (found_inf all-reduced)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as GradScaler
+scaler = GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
     try:
-        load_optimizer_state(checkpoint, optimizer, scaler)
+        (load_fsdp_optimizer_state(checkpoint, model, optimizer, scaler) if fsdp else  # FSDP
+         load_optimizer_state(checkpoint, optimizer, scaler))
     except CheckpointError as e:
         die(f"--init_from=resume: {ckpt_path}: {e}")
 raw_model = model  # the module whose state is checkpointed, whatever wraps it below
 if compile:
     print("compiling the model... (takes a ~minute)")
     model = torch.compile(model)
-eval_model = model  # evaluation runs on the master alone, so it must not go through DDP
-if ddp:
+eval_model = model  # evaluation runs on the master alone, so it must not go through DDP (FSDP: on every rank)
+if ddp and not fsdp:
     # broadcast_buffers=False: every rank keeps its own per-example-norm buffers (rank 0's must
     # not overwrite the others' each forward), and tokens_processed advances alike everywhere
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None,
@@ -248,8 +256,8 @@ if ddp:
 
 # the GNS estimators (gnstracking.py): the exact per-example one whenever a layer measures, the DDP
 # one under DDP, the Linear hooks and the micro-batch one when asked; their live EMAs resume
-estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp else None, world_size=ddp_world_size,
-                                        hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint)
+estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp and not fsdp else None, world_size=ddp_world_size,
+                                        hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint, fsdp=fsdp)
 if gns_hooks != 'none' and compile:
     print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
 
@@ -290,6 +298,10 @@ def estimate_loss():
                 logits, loss = eval_model(X, Y)
             losses[k] = loss.item()
         out[split] = losses.mean().item()
+    if fsdp:  # FSDP: every rank evaluated its slice of the same batches; their mean is the batches' loss
+        means = torch.tensor([out['train'], out['val']], device=device)
+        torch.distributed.all_reduce(means)
+        out = dict(zip(('train', 'val'), (means / ddp_world_size).tolist()))
     eval_model.train()
     return out
 
@@ -306,10 +318,16 @@ def stop(message, code):
 def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
-    if not torch.stack([torch.isfinite(p).all() for p in params]).all():
+    # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
+    model_state, optim_state = (gather_fsdp_state(raw_model, optimizer) if fsdp else
+                                (raw_model.state_dict(), optimizer.state_dict()))
+    if not master_process:
+        return
+    weights = [v for v in model_state.values() if v.is_floating_point()] if fsdp else params
+    if not torch.stack([torch.isfinite(p).all() for p in weights]).all():
         print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
         return
-    ckpt = {'model': raw_model.state_dict(), 'optimizer': optimizer.state_dict(), 'scaler': scaler.state_dict(),
+    ckpt = {'model': model_state, 'optimizer': optim_state, 'scaler': scaler.state_dict(),
             'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
     gnstracking.save_states(estimators, ckpt)
     if bs_controller == 'gns':
@@ -325,10 +343,11 @@ def save_checkpoint():
 def evaluate_and_checkpoint():
     global best_val_loss
     losses = estimate_loss()
-    print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-    # eval_tokens: what the evaluated model has seen (the row's tokens_processed counts its step too,
-    # which comes after the row's evaluation, except for the final evaluation)
-    logger.log({'train/loss': losses['train'], 'val/loss': losses['val'], 'eval_tokens': tokens_processed})
+    if master_process:  # FSDP: every rank evaluates and checkpoints, the master logs
+        print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        # eval_tokens: what the evaluated model has seen (the row's tokens_processed counts its step too,
+        # which comes after the row's evaluation, except for the final evaluation)
+        logger.log({'train/loss': losses['train'], 'val/loss': losses['val'], 'eval_tokens': tokens_processed})
     if losses['val'] < best_val_loss or always_save_checkpoint:
         best_val_loss = min(best_val_loss, losses['val'])
         if local_iter_num > 0:  # nothing new to save before this process has taken a step
@@ -360,7 +379,7 @@ while eval_only or not finished(tokens_processed, iter_num):
     last_step = finished(tokens_processed + tokens_this_step, iter_num + 1)
 
     # the last step's evaluation comes after it (below): readers of log.csv find GNS on every row
-    if master_process and (eval_only or (iter_num % eval_interval == 0 and not last_step)):
+    if (master_process or fsdp) and (eval_only or (iter_num % eval_interval == 0 and not last_step)):
         evaluate_and_checkpoint()
     if eval_only:
         if master_process:
@@ -370,7 +389,7 @@ while eval_only or not finished(tokens_processed, iter_num):
     # forward/backward with gradient accumulation; the per-example-norm layers add into their
     # buffers on every micro-step
     for micro_step in range(gradient_accumulation_steps):
-        if ddp:
+        if ddp and not fsdp:  # (FSDP reduce-scatters every micro-step: no unsharded gradient is kept)
             # sync gradients only on the last micro-step (nanoGPT's no_sync shortcut)
             model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)
         with ctx:
@@ -386,7 +405,7 @@ while eval_only or not finished(tokens_processed, iter_num):
     scaler.unscale_(optimizer)
     # the norm is computed (and logged) whether or not it clips
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0.0 else float('inf'))
-    grad_normf = grad_norm.item()  # the same on every rank: DDP has averaged the gradients
+    grad_normf = grad_norm.item()  # the same on every rank: DDP has averaged the gradients (FSDP: a replicated DTensor)
     if scaler.is_enabled() or math.isfinite(grad_normf):
         scaler.step(optimizer)  # GradScaler skips a float16 step that overflowed by itself
         nonfinite_steps = 0
@@ -417,15 +436,15 @@ while eval_only or not finished(tokens_processed, iter_num):
                   f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}" + (f", {gns}" if gns else ""))
     iter_num += 1
     local_iter_num += 1
+    if last_step and (master_process or fsdp):  # the final evaluation (and checkpoint), on the last step's row
+        evaluate_and_checkpoint()
     if master_process:
-        if last_step:  # the final evaluation (and checkpoint), on the last step's row
-            evaluate_and_checkpoint()
         log_step()
     if not last_step and nonfinite_steps >= max_nonfinite_steps:
         stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
              f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
-        if master_process and always_save_checkpoint:
+        if (master_process or fsdp) and always_save_checkpoint:
             save_checkpoint()
         stop(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp),
              code=128 + signals.received)
