@@ -105,18 +105,19 @@ def summarise(logs, target):
                          steps_to_target=first_reaching(steps, losses, target), final_val_loss=losses[-1],
                          steps=len(log), tokens=int(log['tokens_processed'].iloc[-1])))
     runs = pd.DataFrame(runs)
-    table = runs.groupby('setting', sort=False).agg(['mean', 'min', 'max'])
+    table = runs.groupby('setting', sort=False).agg(['mean', 'min', 'max', 'count'])  # count: seeds that reached it
     return runs, table
 
 
 def markdown(table, target, seeds):
-    lines = [f"target validation loss {target:.4f}; mean over {seeds} seed(s) [min-max]", "",
+    lines = [f"target validation loss {target:.4f}; mean over the {seeds} seed(s) that reach it [min-max]", "",
              "| setting | tokens to target | steps to target | final val loss |", "|---|---|---|---|"]
     for setting, row in table.iterrows():
         cells = []
         for column, fmt in (('tokens_to_target', ',.0f'), ('steps_to_target', ',.0f'), ('final_val_loss', '.4f')):
-            mean, low, high = row[(column, 'mean')], row[(column, 'min')], row[(column, 'max')]
-            cells.append("not reached" if math.isnan(mean) else f"{mean:{fmt}} [{low:{fmt}}-{high:{fmt}}]")
+            mean, low, high, count = (row[(column, k)] for k in ('mean', 'min', 'max', 'count'))
+            some = f" ({int(count)} of {seeds} seeds)" if count < seeds else ""
+            cells.append("not reached" if math.isnan(mean) else f"{mean:{fmt}} [{low:{fmt}}-{high:{fmt}}]{some}")
         lines.append(f"| {setting} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

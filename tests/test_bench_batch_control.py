@@ -26,6 +26,17 @@ def test_first_reaching_interpolates_between_evaluations():
     assert batch_control.first_reaching(xs, np.array([4.0, 2.0, 3.0]), 3.0) == pytest.approx(50.0)
 
 
+def test_the_table_says_how_many_seeds_reached_the_target():
+    logs = {}
+    for seed, losses in ((1, [4.0, 3.0, 2.0]), (2, [4.0, 3.5, 3.0])):
+        logs[("fixed-floor", seed)] = pd.DataFrame({"tokens_processed": [100, 200, 300], "val/loss": losses,
+                                                   "eval_tokens": [0, 200, 300]})
+    runs, table = batch_control.summarise(logs, target=2.5)
+    assert runs.tokens_to_target.tolist()[0] == pytest.approx(250.0) and math.isnan(runs.tokens_to_target[1])
+    text = batch_control.markdown(table, 2.5, seeds=2)
+    assert "| fixed-floor | 250 [250-250] (1 of 2 seeds) | 2 [2-2] (1 of 2 seeds) | 2.5000 [2.0000-3.0000] |" in text
+
+
 def test_evaluations_count_the_optimizer_steps_before_each_evaluation():
     log = pd.DataFrame({"tokens_processed": [10, 30, 60, 100], "val/loss": [4.0, np.nan, 3.0, 2.0],
                         "eval_tokens": [0, np.nan, 30, 100]})
