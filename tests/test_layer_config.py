@@ -14,6 +14,9 @@ from conftest import REPO, TINY
 from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
 from test_bench_throughput import TINY as BENCH_TINY, load_bench
 from test_model_gns import check_gpt_against_brute_force
+# autouse here too: check_gpt_against_brute_force caches its plain GPT's gradients, which must come
+# from the one thread its own module runs on for its bit-for-bit comparison to hold in any order
+from gns_fixtures import one_thread  # noqa: E402,F401
 from test_train import train_until_exit
 
 TORCH = dict(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
