@@ -92,6 +92,9 @@ def check_train_config(config):
     if config.get('fsdp') and 'RANK' not in os.environ:
         die("--fsdp=True shards the model over processes: launch with torchrun, "
             "e.g. torchrun --standalone --nproc_per_node=2 train.py ... --fsdp=True")
+    if config.get('fsdp') and (config['gns_hooks'] != 'none' or config['microbatch_gns']):
+        die("--fsdp=True measures with the per-example-norm layers alone: --gns_hooks and --microbatch_gns "
+            "read whole, unsharded gradients (run them under DDP)")
     gas = config['gradient_accumulation_steps']
     if gas % world_size and not config['bs_schedule']:
         die(f"gradient_accumulation_steps={gas} is not divisible by the {world_size} DDP processes (it counts "

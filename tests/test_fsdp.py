@@ -48,6 +48,18 @@ def test_fsdp_without_torchrun_is_one_line_and_exit_2(tiny_dataset, tmp_path):
     assert len(err) == 1 and "--fsdp=True shards the model over processes: launch with torchrun" in err[0], stderr
 
 
+@pytest.mark.parametrize("flag", ["--gns_hooks=exact", "--gns_hooks=sogns", "--microbatch_gns=True"])
+def test_fsdp_with_an_estimator_that_reads_whole_gradients_is_one_line_and_exit_2(tiny_dataset, tmp_path, monkeypatch,
+                                                                                 flag):
+    monkeypatch.setenv("RANK", "0")  # as under torchrun: refused before any process group is made
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, stderr = train_until_exit(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}",
+                                    "--gradient_accumulation_steps=2", "--fsdp=True", flag)
+    assert code == 2
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and "--gns_hooks and --microbatch_gns read whole, unsharded gradients" in err[0], stderr
+
+
 @pytest.mark.slow
 def test_fsdp_logs_what_one_process_logs_on_the_same_global_batch(runs):
     one_dir, two_dir, _ = runs
