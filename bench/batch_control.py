@@ -14,7 +14,7 @@ between evaluations), and the final validation loss. The target is --target_loss
 the highest final validation loss of all runs, which every run reaches.
 
     python data/shakespeare_char/prepare.py
-    python bench/batch_control.py                       # ~30 minutes on 2 CPU cores
+    python bench/batch_control.py                       # ~5 minutes on 2 idle CPU cores (10 runs)
     python bench/batch_control.py --seeds 1 --max_tokens 200000 --settings fixed-floor,gns-total
 
 Runs go to OUT_DIR/<setting>-s<seed> (a finished run is not run again: delete it to redo it),

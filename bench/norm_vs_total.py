@@ -8,7 +8,7 @@ median ratio of the normalisation-only GNS to the total GNS and their Pearson r,
 after both EMAs have filled their window.
 
     python data/shakespeare_char/prepare.py
-    python bench/norm_vs_total.py                     # 2 families x 2 seeds, ~15 minutes on 2 CPU cores
+    python bench/norm_vs_total.py                     # 2 families x 2 seeds, ~4 minutes on 2 idle CPU cores
     python bench/norm_vs_total.py --seeds 1 --max_tokens 100000
 
 Runs go to OUT_DIR/<family>-s<seed> (a finished run is not run again), the table to
