@@ -16,6 +16,7 @@ Scripts written for nanoGPT (or the reference implementation) apply it their way
 import math
 import os
 import sys
+import tokenize
 from ast import literal_eval
 
 
@@ -158,11 +159,39 @@ def _coerce(key, value, default):
     return _checked(f"--{key}", parsed, default, repr(value))
 
 
+def key_comments(path):
+    """From the script at path, for each top-level `key = value  # comment` line: the comment, and the
+    comment lines standing right above it (a group's heading). --help shows both beside the keys:
+    the script's defaults are their own documentation. Returns {key: (heading lines, comment)}."""
+    keys, comments, heading = {}, {}, []
+    try:
+        with open(path) as f:
+            for token in tokenize.generate_tokens(f.readline):
+                if token.type == tokenize.COMMENT and token.start[1] == 0:
+                    heading.append(token.string)
+                elif token.type == tokenize.COMMENT:
+                    comments[token.start[0]] = token.string.lstrip("#").strip()
+                elif token.type == tokenize.NAME and token.start[1] == 0:
+                    keys[token.start[0]] = (token.string, heading)
+                    heading = []
+                elif token.type not in (tokenize.NL, tokenize.NEWLINE) and token.start[1] == 0:
+                    heading = []
+    except (OSError, SyntaxError, tokenize.TokenError):
+        return {}
+    return {name: (above, comments.get(row, "")) for row, (name, above) in keys.items()}
+
+
 def help_text(config, doc=""):
-    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
-    lines = [doc.strip(), "", f"usage: python {script} [config/file.py ...] [--key=value ...]", "", "keys and defaults:"]
-    lines += [f"  --{k}={v!r}" for k, v in config.items()]
-    return "\n".join(lines)
+    script = sys.argv[0] if sys.argv and sys.argv[0] else "train.py"
+    lines = [doc.strip(), "", f"usage: python {os.path.basename(script)} [config/file.py ...] [--key=value ...]", "",
+             "keys and defaults:"]
+    comments = key_comments(script)
+    width = min(40, max((len(f"--{k}={v!r}") for k, v in config.items()), default=0))
+    for k, v in config.items():
+        heading, comment = comments.get(k, ((), ""))
+        lines += [f"  {line}" for line in heading if not line.startswith("# ---")]
+        lines.append(f"  --{k}={v!r}".ljust(width + 2) + f"  {comment}")
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def configure(argv, config, doc=""):

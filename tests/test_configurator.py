@@ -58,6 +58,20 @@ def test_help_lists_keys(capsys):
     assert "Train a GPT." in out and "--batch_size=12" in out
 
 
+def test_help_shows_each_keys_comment_from_the_script(tmp_path, monkeypatch, capsys):
+    script = tmp_path / "train_like.py"
+    script.write_text("# the batch\nbatch_size = 12  # examples per micro-step\nwarmup = None\n"
+                      "if True:\n    dropout = 0.1  # not a top-level key\nlabel = 'a#b'  # the real comment\n")
+    monkeypatch.setattr("sys.argv", [str(script), "--help"])
+    with pytest.raises(SystemExit):
+        configure(["--help"], dict(batch_size=12, warmup=None, dropout=0.0, label='a#b'), "doc")
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("  --batch_size=12"))
+    assert lines[at].endswith("  examples per micro-step") and lines[at - 1] == "  # the batch"
+    assert "  --warmup=None" in lines and "  --dropout=0.0" in lines  # no comment: nothing beside it
+    assert any(line.startswith("  --label='a#b'") and line.endswith("  the real comment") for line in lines)
+
+
 def test_paper_config_splits_over_the_gpus_it_names():
     """config/train_cgpt_111M_owt.py: the paper's step of 120 sequences of 2048 tokens, with global
     accumulation steps that train.py can divide over 1, 2, 4 or 8 DDP processes."""

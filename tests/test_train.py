@@ -164,7 +164,11 @@ def test_default_dtype_follows_cuda():
         want = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     else:
         want = "float32"
-    assert f"--dtype={want!r}" in run_train("--help").stdout
+    out = run_train("--help").stdout
+    assert f"--dtype={want!r}" in out
+    # each key with what its comment in train.py says
+    assert any(line.startswith("  --grad_clip=1.0") and line.endswith("clip gradients at this norm, or disable if == 0.0")
+               for line in out.splitlines())
 
 
 def read_log(out_dir):
