@@ -203,6 +203,18 @@ def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chun
 
 
 @triton.jit
+def _sum_rows(Part, first_row, n_rows, D, cols, col_ok, TILE: tl.constexpr, BLOCK_C: tl.constexpr):
+    # rows first_row .. first_row + n_rows of the float32 [rows, D] partial sums, summed over these columns
+    acc = tl.zeros([TILE, BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, n_rows, TILE):
+        rows = r0 + tl.arange(0, TILE)
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        offsets = (first_row + rows).to(tl.int64)[:, None] * D + cols[None, :]
+        acc += tl.load(Part + offsets, mask=mask, other=0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def _reduce_examples_kernel(PartW, PartB, ExW, ExB, SqW, SqB, n_chunks, D, n_column_blocks,
                             NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
                             BLOCK_C: tl.constexpr, CHUNK_TILE: tl.constexpr):
@@ -212,23 +224,13 @@ def _reduce_examples_kernel(PartW, PartB, ExW, ExB, SqW, SqB, n_chunks, D, n_col
     block = tl.program_id(1)
     cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < D
-    acc_w = tl.zeros([CHUNK_TILE, BLOCK_C], dtype=tl.float32)
-    acc_b = tl.zeros([CHUNK_TILE, BLOCK_C], dtype=tl.float32)
-    for c0 in range(0, n_chunks, CHUNK_TILE):
-        chunks = c0 + tl.arange(0, CHUNK_TILE)
-        mask = (chunks < n_chunks)[:, None] & col_ok[None, :]
-        offsets = (example * n_chunks + chunks).to(tl.int64)[:, None] * D + cols[None, :]
-        if NEED_DW:
-            acc_w += tl.load(PartW + offsets, mask=mask, other=0.0)
-        if NEED_DB:
-            acc_b += tl.load(PartB + offsets, mask=mask, other=0.0)
     out = example.to(tl.int64) * D + cols
     if NEED_DW:
-        g_w = tl.sum(acc_w, axis=0)
+        g_w = _sum_rows(PartW, example * n_chunks, n_chunks, D, cols, col_ok, CHUNK_TILE, BLOCK_C)
         tl.store(ExW + out, g_w, mask=col_ok)
         tl.store(SqW + example * n_column_blocks + block, tl.sum(g_w * g_w, axis=0))
     if NEED_DB:
-        g_b = tl.sum(acc_b, axis=0)
+        g_b = _sum_rows(PartB, example * n_chunks, n_chunks, D, cols, col_ok, CHUNK_TILE, BLOCK_C)
         tl.store(ExB + out, g_b, mask=col_ok)
         tl.store(SqB + example * n_column_blocks + block, tl.sum(g_b * g_b, axis=0))
 
@@ -243,20 +245,12 @@ def _finish_kernel(PartW, PartB, DW, DB, SqW, SqB, WeightSq, BiasSq, Count,
     block = tl.program_id(0)
     cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < D
-    acc_w = tl.zeros([PART_TILE, BLOCK_C], dtype=tl.float32)
-    acc_b = tl.zeros([PART_TILE, BLOCK_C], dtype=tl.float32)
-    for p0 in range(0, n_parts, PART_TILE):
-        parts = p0 + tl.arange(0, PART_TILE)
-        mask = (parts < n_parts)[:, None] & col_ok[None, :]
-        offsets = parts.to(tl.int64)[:, None] * D + cols[None, :]
-        if NEED_DW:
-            acc_w += tl.load(PartW + offsets, mask=mask, other=0.0)
-        if NEED_DB:
-            acc_b += tl.load(PartB + offsets, mask=mask, other=0.0)
     if NEED_DW:
-        tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_ok)
+        g_w = _sum_rows(PartW, 0, n_parts, D, cols, col_ok, PART_TILE, BLOCK_C)
+        tl.store(DW + cols, g_w.to(DW.dtype.element_ty), mask=col_ok)
     if NEED_DB:
-        tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=col_ok)
+        g_b = _sum_rows(PartB, 0, n_parts, D, cols, col_ok, PART_TILE, BLOCK_C)
+        tl.store(DB + cols, g_b.to(DB.dtype.element_ty), mask=col_ok)
     if block == 0:
         sq_w = tl.zeros([SQ_TILE], dtype=tl.float32)
         sq_b = tl.zeros([SQ_TILE], dtype=tl.float32)
