@@ -25,15 +25,14 @@ the same figures from OUT_DIR. Any other --key=value goes to train.py for every 
 import argparse
 import math
 import os
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pandas as pd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.runs import add_run_options, check_train_flags, train_once  # noqa: E402
 from csv_tools import ToolParser, figure, load_log  # noqa: E402
 
 BATCH, BLOCK, FLOOR, CEILING = 4, 64, 1, 8  # micro-batch examples and tokens; accumulation floor and ceiling
@@ -65,17 +64,7 @@ def train(out_dir, setting, seed, max_tokens, extra):
              'lr_decay_tokens': max_tokens}
     if setting == 'schedule':
         flags['bs_schedule_points'] = [(0, FLOOR), (max_tokens, CEILING)]
-    done = os.path.exists(os.path.join(where, 'log.csv')) and load_log(where)[0]['tokens_processed'].max() >= max_tokens
-    if not done:
-        command = [sys.executable, os.path.join(ROOT, 'train.py'), *(f"--{k}={v!r}" for k, v in flags.items()), *extra]
-        started = time.time()
-        os.makedirs(where, exist_ok=True)
-        with open(os.path.join(where, 'train.out'), 'w') as out:
-            code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
-        if code != 0:
-            sys.exit(f"error: {setting} seed {seed} failed (exit {code}); see {where}/train.out")
-        print(f"  {setting} seed {seed}: {time.time() - started:.0f} s", flush=True)
-    return load_log(where)[0]
+    return load_log(train_once(where, flags, extra, f"{setting} seed {seed}"))[0]
 
 
 def evaluations(log):
@@ -132,9 +121,7 @@ def gns_read(log):
 def main(argv=None):
     parser = ToolParser(prog='bench/batch_control.py', description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--out_dir', default='out-batch-control', help="where the runs go (default: out-batch-control)")
-    parser.add_argument('--seeds', type=int, default=2, help="seeds per setting (default: 2)")
-    parser.add_argument('--max_tokens', type=int, default=100_000, help="the token budget of every run (default: 100000)")
+    add_run_options(parser, 'out-batch-control', 'setting', 100_000, "the token budget of every run (default: 100000)")
     parser.add_argument('--target_loss', type=float, default=None,
                         help="validation loss to reach (default: the highest final validation loss of all runs)")
     parser.add_argument('--settings', default=','.join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
@@ -144,9 +131,7 @@ def main(argv=None):
     if unknown or args.seeds < 1 or args.max_tokens < CEILING * BATCH * BLOCK:
         parser.error(f"unknown setting(s) {', '.join(unknown)}" if unknown else
                      "--seeds must be >= 1 and --max_tokens at least one step at the ceiling")
-    bad = [a for a in extra if not (a.startswith('--') and '=' in a)]
-    if bad:
-        parser.error(f"expected --key=value for train.py, got {' '.join(bad)}")
+    check_train_flags(parser, extra)
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"{len(settings) * args.seeds} runs of {args.max_tokens:,} tokens into {args.out_dir}", flush=True)
     logs = {(s, seed): train(args.out_dir, s, seed, args.max_tokens, extra)

@@ -17,15 +17,14 @@ OUT_DIR/results.csv and OUT_DIR/results.md. Any other --key=value goes to train.
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
-import time
 
 import pandas as pd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from csv_tools import ToolParser, load_log  # noqa: E402
+from bench.runs import add_run_options, check_train_flags, train_once  # noqa: E402
+from csv_tools import ToolParser  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))
 gns_analysis = importlib.util.module_from_spec(spec)
@@ -39,21 +38,11 @@ FAMILIES = {
 
 
 def train(out_dir, family, seed, max_tokens, extra):
+    """One run of train.py (skipped when its log already reaches max_tokens); returns its folder."""
     where = os.path.join(out_dir, f"{family}-s{seed}")
-    done = os.path.exists(os.path.join(where, 'log.csv')) and load_log(where)[0]['tokens_processed'].max() >= max_tokens
-    if not done:
-        flags = {**FAMILIES[family], 'seed': seed, 'out_dir': where, 'max_tokens': max_tokens,
-                 'lr_decay_tokens': max_tokens, 'always_save_checkpoint': False}
-        command = [sys.executable, os.path.join(ROOT, 'train.py'), CONFIG,
-                   *(f"--{k}={v!r}" for k, v in flags.items()), *extra]
-        os.makedirs(where, exist_ok=True)
-        started = time.time()
-        with open(os.path.join(where, 'train.out'), 'w') as out:
-            code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
-        if code != 0:
-            sys.exit(f"error: {family} seed {seed} failed (exit {code}); see {where}/train.out")
-        print(f"  {family} seed {seed}: {time.time() - started:.0f} s", flush=True)
-    return where
+    flags = {**FAMILIES[family], 'seed': seed, 'out_dir': where, 'max_tokens': max_tokens,
+             'lr_decay_tokens': max_tokens, 'always_save_checkpoint': False}
+    return train_once(where, flags, extra, f"{family} seed {seed}", CONFIG)
 
 
 def normalisation_vs_total(run, alpha):
@@ -67,17 +56,13 @@ def normalisation_vs_total(run, alpha):
 def main(argv=None):
     parser = ToolParser(prog='bench/norm_vs_total.py', description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--out_dir', default='out-norm-vs-total', help="where the runs go (default: out-norm-vs-total)")
-    parser.add_argument('--seeds', type=int, default=2, help="seeds per model family (default: 2)")
-    parser.add_argument('--max_tokens', type=int, default=384_000, help="tokens per run (default: 384000, 500 steps)")
+    add_run_options(parser, 'out-norm-vs-total', 'model family', 384_000, "tokens per run (default: 384000, 500 steps)")
     parser.add_argument('--alpha', type=float, default=gns_analysis.EMA_BETA,
                         help=f"the EMA's alpha, as gns-analysis.py's (default: {gns_analysis.EMA_BETA})")
     args, extra = parser.parse_known_args(argv)
     if args.seeds < 1 or args.max_tokens < 1 or not 0 <= args.alpha < 1:
         parser.error("--seeds and --max_tokens must be >= 1 and --alpha in [0, 1)")
-    bad = [a for a in extra if not (a.startswith('--') and '=' in a)]
-    if bad:
-        parser.error(f"expected --key=value for train.py, got {' '.join(bad)}")
+    check_train_flags(parser, extra)
     print(f"{len(FAMILIES) * args.seeds} runs of {args.max_tokens:,} tokens into {args.out_dir}", flush=True)
     rows = []
     for family in FAMILIES:
