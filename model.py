@@ -9,13 +9,9 @@ The Linear / Embedding / LayerNorm / RMSNorm classes come from layer_config, rea
 is constructed, so the same file builds a plain GPT or one whose layers measure per-example
 gradient norms (buffered.py, fused_gns.py).
 """
-import errno
 import inspect
 import math
-import os
-import re
-import shutil
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -325,6 +321,7 @@ class GPT(nn.Module):
             from transformers import GPT2LMHeadModel
             model_hf = GPT2LMHeadModel.from_pretrained(model_type)
         except Exception as e:  # no transformers package, or no network to the model hub
+            from checkpoint import CheckpointError
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise CheckpointError(f"needs the transformers package and network access to download the "
                                   f"weights, and that failed: {why}") from None
@@ -383,165 +380,10 @@ class GPT(nn.Module):
         return idx
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints: this fork's, nanoGPT's and the reference implementation's (CerebrasResearch/nanoGNS)
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message is one line for the user."""
-
-
-# what a GPT cannot be built without; the other GPTConfig fields default when a checkpoint lacks them
-REQUIRED_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')
-
-
-def read_checkpoint(path, device='cpu'):
-    """The dict in a ckpt.pt, or CheckpointError if it is missing, damaged or not a training checkpoint."""
-    if not os.path.isfile(path):
-        raise CheckpointError(f"there is no checkpoint at {path}")
-    try:
-        checkpoint = torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:  # truncated, empty, random bytes: torch and pickle raise many kinds
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why})") from None
-    if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get('model'), dict)
-            and isinstance(checkpoint.get('model_args'), dict)):
-        raise CheckpointError(f"{path} is not a training checkpoint (no 'model' and 'model_args' in it)")
-    missing = [k for k in REQUIRED_MODEL_ARGS if k not in checkpoint['model_args']]
-    if missing:
-        raise CheckpointError(f"{path} lacks model_args {', '.join(missing)}; cannot rebuild its model")
-    return checkpoint
-
-
-def write_checkpoint(checkpoint, path):
-    """torch.save to path atomically: path.tmp, fsynced, then renamed, so a crash mid-write leaves
-    the previous file intact. A failed write (a full disk) leaves no partial file and raises
-    CheckpointError, one line saying why."""
-    try:
-        with open(path + '.tmp', 'wb') as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + '.tmp', path)
-    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
-        if os.path.exists(path + '.tmp'):
-            os.remove(path + '.tmp')
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-        full = getattr(e, 'errno', None) == errno.ENOSPC or free < (1 << 26)
-        why = f"the disk is full ({free:,} bytes free)" if full else str(e).strip().splitlines()[0][:160]
-        raise CheckpointError(f"cannot write {path}: {why}") from None
-
-
-def config_from_checkpoint(model_args):
-    """The GPTConfig of a checkpoint's model_args; fields it lacks (nanoGPT's and the reference's
-    have fewer) take GPTConfig's defaults, fields this GPT does not know are ignored."""
-    known = {f.name for f in fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in model_args.items() if k in known})
-
-
-def _state_dict_key(key):
-    """This fork's name for a checkpoint key, or None for a key that holds no weight."""
-    for prefix in ('_orig_mod.', 'module.'):  # left by torch.compile / a DDP wrapper
-        if key.startswith(prefix):
-            key = key[len(prefix):]
-    if key.endswith('_upegsqnorm'):  # the reference's per-example-norm running sums
-        return None
-    key = key.replace('.c_attn.qkv.', '.c_attn.')  # the reference wraps c_attn in a FusedQKVLinear
-    return re.sub(r'\.(ln_\w+)\.affine\.', r'.\1.', key)  # its separated LayerNorm keeps the gain in .affine
-
-
-def _holds_no_weight(key, value):
-    """Checkpoint entries with no counterpart here that carry nothing to lose: nanoGPT's causal
-    mask (torch < 2), the reference's fixed 1.1 Q/K/V scale and its zero 'bias' buffer in a
-    separated LayerNorm built with bias=False."""
-    if key.endswith('.attn.bias') and value.dim() == 4:
-        return True
-    if key.endswith('c_attn.scale'):
-        return value.numel() == 1 and abs(float(value) - 1.1) < 1e-6
-    return re.search(r'\.ln_\w+\.bias$', key) is not None and not value.any()
-
-
-def load_weights(model, state_dict, tokens_processed=None):
-    """
-    Load a checkpoint's weights into `model`, whether this fork, nanoGPT or the reference
-    implementation wrote it (their key names mapped, per-example-norm buffers dropped). A
-    checkpoint without `tokens_processed` (nanoGPT's) gets the given count. Returns notes (what
-    was mapped or dropped); raises CheckpointError for anything that does not fit.
-    """
-    expected = model.state_dict()
-    loaded, mapped, dropped = {}, 0, 0
-    for key, value in state_dict.items():
-        name = _state_dict_key(key)
-        if name is None or (name not in expected and _holds_no_weight(name, value)):
-            dropped += 1
-            continue
-        if name not in expected:
-            raise CheckpointError(f"the checkpoint has {key!r}, which this GPT does not "
-                                  f"(is the checkpoint from another model?)")
-        if tuple(value.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{key!r} has shape {tuple(value.shape)} in the checkpoint but "
-                                  f"{tuple(expected[name].shape)} here")
-        mapped += name != key
-        loaded[name] = value
-    notes = []
-    if 'tokens_processed' not in loaded:
-        loaded['tokens_processed'] = torch.tensor(int(tokens_processed or 0), dtype=torch.int64)
-        notes.append(f"the checkpoint has no tokens_processed; counting from {int(tokens_processed or 0):,}")
-    missing = [k for k in expected if k not in loaded]
-    if missing:
-        raise CheckpointError(f"the checkpoint lacks {', '.join(missing[:3])}"
-                              f"{' and %d more' % (len(missing) - 3) if len(missing) > 3 else ''}")
-    model.load_state_dict(loaded)
-    if mapped or dropped:
-        notes.append(f"checkpoint keys: {mapped} renamed from another layout (nanoGPT's or the reference's), "
-                     f"{dropped} entries without weights dropped")
-    return notes
-
-
-def load_optimizer_state(checkpoint, optimizer, scaler):
-    """A resumed run's AdamW (and GradScaler) state; CheckpointError if it does not fit the model."""
-    try:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"the optimizer state does not fit this model ({str(e)[:120]})") from None
-    if 'scaler' in checkpoint:
-        scaler.load_state_dict(checkpoint['scaler'])
-
-
-# the architecture of a resumed run is the checkpoint's; other settings may change on the command line
-ARCHITECTURE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size',
-                     'cos_attn', 'spectral_c_attn', 'fp32_attention_layers',
-                     'norm', 'mlp', 'pos_emb', 'tie_embeddings')
-# newer than every checkpoint without them: such a checkpoint holds GPT-2's layout, their defaults
-LAYOUT_ARGS = tuple(ARCHITECTURE_CHOICES) + ('tie_embeddings',)
-
-
-def resume_model(path, model_args, config, device='cpu'):
-    """
-    --init_from=resume: (model, checkpoint) from the ckpt.pt at `path`, model_args updated in place
-    with the checkpoint's architecture (nanoGPT's and the reference's lack the newer fields, which
-    keep model_args' values, except LAYOUT_ARGS: GPTConfig's defaults, the layout those checkpoints
-    hold, whatever the run asks for). `config` is the run's, for nanoGPT's checkpoints, which count no
-    tokens: they get their iterations of the step they were configured with. Build it inside the
-    layer config the run measures with. Raises CheckpointError, one line.
-    """
-    checkpoint = read_checkpoint(path, device)
-    saved = checkpoint['model_args']
-    model_args.update({k: saved[k] for k in ARCHITECTURE_ARGS if k in saved})
-    model_args.update({k: getattr(GPTConfig, k) for k in LAYOUT_ARGS if k not in saved})
-    model = GPT(GPTConfig(**model_args))
-    try:
-        then = {**config, **checkpoint.get('config', {})}
-        steps = int(checkpoint.get('iter_num', 0))
-        counted = steps * int(then['gradient_accumulation_steps'] * then['batch_size'] * then['block_size'])
-        for note in load_weights(model, checkpoint['model'], tokens_processed=counted):
-            print(f"note: {note}")
-    except (CheckpointError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: {e}") from None
-    return model, checkpoint
-
 
 # ---------------------------------------------------------------------------------------------
-# FSDP2 (--fsdp=True under torchrun): sharding, and checkpoints in the single-process format
+# FSDP2 (--fsdp=True under torchrun): the model sharded over the ranks (its checkpoints: checkpoint.py)
+
 
 def fully_shard_gpt(model, device_type, world_size, bf16_params=False):
     """
@@ -565,49 +407,3 @@ def fully_shard_gpt(model, device_type, world_size, bf16_params=False):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
-
-
-def _fsdp_state_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
-def _optimizer_fqns(model, optimizer):
-    """The parameters' names in optimizer.state_dict()'s order: its integer ids index this list."""
-    names = {}
-    for name, p in model.named_parameters():  # a tied parameter once, under its first name
-        names.setdefault(id(p), name)
-    return [names[id(p)] for group in optimizer.param_groups for p in group['params']]
-
-
-def gather_fsdp_state(model, optimizer):
-    """
-    (model state, optimizer state) of a sharded model, gathered in full onto rank 0's CPU, in the
-    format a single process writes (model.state_dict(), optimizer.state_dict() keyed by integer
-    ids), so ckpt.pt loads anywhere; ({}, {}) on the other ranks. A collective: call on every rank.
-    """
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-    model_state = get_model_state_dict(model, options=_fsdp_state_options())
-    named = get_optimizer_state_dict(model, optimizer, options=_fsdp_state_options())
-    if not model_state:
-        return {}, {}
-    index = {name: i for i, name in enumerate(_optimizer_fqns(model, optimizer))}
-    optim_state = {'state': {index[name]: state for name, state in named['state'].items()},
-                   'param_groups': [{**g, 'params': [index[name] for name in g['params']]}
-                                    for g in named['param_groups']]}
-    return model_state, optim_state
-
-
-def load_fsdp_optimizer_state(checkpoint, model, optimizer, scaler):
-    """load_optimizer_state() for a sharded model: each rank shards the full state it read."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-    try:
-        saved = checkpoint['optimizer']
-        fqns = _optimizer_fqns(model, optimizer)
-        named = {'state': {fqns[i]: state for i, state in saved['state'].items()},
-                 'param_groups': [{**g, 'params': [fqns[i] for i in g['params']]} for g in saved['param_groups']]}
-        set_optimizer_state_dict(model, optimizer, named, options=_fsdp_state_options())
-    except (KeyError, IndexError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"the optimizer state does not fit this model ({str(e)[:120]})") from None
-    if 'scaler' in checkpoint:
-        scaler.load_state_dict(checkpoint['scaler'])

@@ -85,7 +85,8 @@ ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
 # the model: a plain GPT, whichever layer classes trained it (their norm buffers are not in the state_dict)
-from model import GPT, CheckpointError, config_from_checkpoint, load_weights, read_checkpoint  # noqa: E402
+from checkpoint import CheckpointError, config_from_checkpoint, load_weights, read_checkpoint  # noqa: E402
+from model import GPT  # noqa: E402
 
 checkpoint = None
 if init_from == 'resume':

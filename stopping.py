@@ -47,3 +47,14 @@ def stopped_message(signum, iter_num, tokens, checkpoint_held, distributed):
               else f"python {command} --init_from=resume")
     return (f"stopped by {signal.Signals(signum).name} after iter {iter_num} ({tokens:,} tokens); "
             f"ckpt.pt holds {checkpoint_held}; to go on: {resume}")
+
+
+def stop_early(message, code, logger=None):
+    """End the run before its last step with `message`, one line on stderr, said by the process that
+    holds the `logger` (the master). log.csv stays complete up to the last finished step: the values
+    of the step under way are dropped, and its row is redone on resume."""
+    if logger is not None:
+        print(message, file=sys.stderr)
+        logger.log_dict.clear()
+        logger.close()
+    sys.exit(code)

@@ -515,8 +515,8 @@ def lock_out_dir(out_dir):
     relaunch while this one still runs, a typo in a sweep) stops at once instead of writing over
     this one's log and checkpoints. flock is released by the kernel when a process dies, however it
     dies, so a lock left by a killed run is simply taken over (the file names its last holder).
-    Creates out_dir if need be. Returns (the open lock file: keep it, closing it releases the lock;
-    the previous holder's line or ''), or raises OutDirInUse, whose message is one line.
+    Creates out_dir if need be. Returns the open lock file (keep it: closing it releases the lock),
+    saying which holder it takes over, or raises OutDirInUse, whose message is one line.
     """
     import fcntl
     import socket
@@ -535,10 +535,12 @@ def lock_out_dir(out_dir):
                           f"or use another out_dir") from None
     f.seek(0)
     previous = f.read().strip()
+    if previous:  # a clean end empties the file: this holder was killed
+        print(f"note: taking over {out_dir}/train.lock from {previous}, which is no longer running")
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
-    return f, previous
+    return f
 
 
 def transform_format_string(s):

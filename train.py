@@ -14,18 +14,18 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import fields
 
 import numpy as np
 import torch
 
 import gnstracking
+from checkpoint import CheckpointError, init_model, load_optimizer_state, save_training_state
 from configurator import ConfigError, check_device, check_train_config, configure, die
 from layer_config import classes_for_flags, set_contextual_config
-from model import (GPT, GPTConfig, LAYOUT_ARGS, CheckpointError, load_optimizer_state, resume_model,
-                   write_checkpoint)
-from model import fully_shard_gpt, gather_fsdp_state, load_fsdp_optimizer_state  # FSDP
+from model import GPTConfig, fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
-from stopping import StopSignals, stopped_message
+from stopping import StopSignals, stop_early, stopped_message
 from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
 
 # -----------------------------------------------------------------------------
@@ -147,11 +147,9 @@ print(f"tokens per iteration will be: {gradient_accumulation_steps * tokens_per_
 
 if master_process and not eval_only:  # out_dir is this run's alone (eval_only writes nothing there)
     try:
-        out_dir_lock, previous = lock_out_dir(out_dir)
+        out_dir_lock = lock_out_dir(out_dir)
     except OutDirInUse as e:
         die(f"--out_dir={e}")
-    if previous:
-        print(f"note: taking over {out_dir}/train.lock from {previous}, which is no longer running")
 torch.manual_seed(seed + seed_offset)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
@@ -160,10 +158,9 @@ ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device
 
 # poor man's data loader: memory-map the token file anew each batch (avoids a memmap leak)
 data_dir = dataset if os.path.isdir(dataset) else os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
-for split in ('train', 'val'):
-    if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
-        die(f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing); "
-            f"run: python data/{dataset}/prepare.py")
+missing = [path for path in (os.path.join(data_dir, f'{split}.bin') for split in ('train', 'val')) if not os.path.exists(path)]
+if missing:
+    die(f"dataset {dataset!r} is not prepared ({missing[0]} is missing); run: python data/{dataset}/prepare.py")
 
 
 def get_batch(split, rng=None):
@@ -183,8 +180,6 @@ def get_batch(split, rng=None):
     return x.to(device), y.to(device)
 
 
-iter_num = 0
-best_val_loss = 1e9
 # vocab size from the dataset's meta.pkl (character-level datasets), else GPT-2's padded 50304
 meta_path = os.path.join(data_dir, 'meta.pkl')
 meta_vocab_size = None
@@ -193,42 +188,21 @@ if os.path.exists(meta_path):
         meta_vocab_size = pickle.load(f)['vocab_size']
     print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
 
-model_args = dict(n_layer=n_layer, n_head=n_head, n_embd=n_embd, block_size=block_size, bias=bias,
-                  vocab_size=None, dropout=dropout, cos_attn=cos_attn, spectral_c_attn=spectral_c_attn,
-                  fp32_attention_layers=fp32_attention_layers, device_name=device_name,
-                  norm=norm, mlp=mlp, pos_emb=pos_emb, tie_embeddings=tie_embeddings)
-checkpoint = None
-layer_classes = classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)
-with set_contextual_config(**layer_classes):
-    if init_from == 'scratch':
-        print("Initializing a new model from scratch")
-        model_args['vocab_size'] = meta_vocab_size if meta_vocab_size is not None else 50304
-        model = GPT(GPTConfig(**model_args))
-    elif init_from == 'resume':
-        ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        print(f"Resuming training from {out_dir}")
-        try:  # the checkpoint's architecture (and weights, from nanoGPT's and the reference's too)
-            model, checkpoint = resume_model(ckpt_path, model_args, config, device)
-            iter_num = int(checkpoint.get('iter_num', 0))
-            best_val_loss = float(checkpoint.get('best_val_loss', 1e9))
-        except (CheckpointError, TypeError, ValueError) as e:
-            die(f"--init_from=resume: {e}")
-    else:
-        print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
-        try:
-            model = GPT.from_pretrained(init_from, dict(dropout=dropout))
-        except CheckpointError as e:
-            die(f"--init_from={init_from} {e}")
-        for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size') + LAYOUT_ARGS:
-            model_args[k] = getattr(model.config, k)
-if block_size < model.config.block_size:
-    model.crop_block_size(block_size)
-    model_args['block_size'] = block_size
+# the flags named after GPTConfig's fields (n_layer, ..., norm, mlp, ...) are the model's arguments
+model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config} | {'vocab_size': meta_vocab_size or 50304}
+# from scratch, from out_dir/ckpt.pt (its architecture, and weights from nanoGPT's and the reference's
+# checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
+with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
+    try:
+        model, checkpoint = init_model(init_from, model_args, config, out_dir, device)
+    except (CheckpointError, TypeError, ValueError) as e:
+        die(f"--init_from={init_from}: {e}")
+iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint else 0
+best_val_loss = float(checkpoint.get('best_val_loss', 1e9)) if checkpoint else 1e9
 model.to(device)
 if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
     fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
-# data order seeded by the iteration we start from (a resumed run does not replay the start);
-# evaluation, on the master alone, has generators of its own (the ranks' training batches stay in step)
+# data order seeded by the iteration we start from (a resumed run does not replay the start); evaluation's own
 batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
 eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
 
@@ -239,10 +213,9 @@ scaler = GradScaler(device_type, enabled=(dtype == 'float16'))
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
     try:
-        (load_fsdp_optimizer_state(checkpoint, model, optimizer, scaler) if fsdp else  # FSDP
-         load_optimizer_state(checkpoint, optimizer, scaler))
+        load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=model if fsdp else None)
     except CheckpointError as e:
-        die(f"--init_from=resume: {ckpt_path}: {e}")
+        die(f"--init_from=resume: {out_dir}/ckpt.pt: {e}")
 raw_model = model  # the module whose state is checkpointed, whatever wraps it below
 if compile:
     print("compiling the model... (takes a ~minute)")
@@ -254,8 +227,7 @@ if ddp and not fsdp:
     model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None,
                 broadcast_buffers=False)
 
-# the GNS estimators (gnstracking.py): the exact per-example one whenever a layer measures, the DDP
-# one under DDP, the Linear hooks and the micro-batch one when asked; their live EMAs resume
+# GNS estimators: the per-example one if a layer measures, the DDP one, the hooks' and micro-batch one if asked
 estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp and not fsdp else None, world_size=ddp_world_size,
                                         hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint, fsdp=fsdp)
 if gns_hooks != 'none' and compile:
@@ -266,16 +238,12 @@ try:  # what sizes each step when it is not fixed: the editable schedule file, o
 except ValueError as e:
     die(str(e))
 
-# out_dir/log.csv (one row per iteration, crash-safe), config.json, and wandb if asked for;
-# eval_only writes neither (it must not replace a training run's log or config)
-logger = None
-if master_process:
-    try:
-        logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
-                            resume_step=iter_num if init_from == 'resume' else None,
-                            wandb_project=wandb_project, wandb_run_name=wandb_run_name)
-    except (ValueError, OSError) as e:
-        die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
+try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.json (not with eval_only), wandb
+    logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
+                        resume_step=iter_num if init_from == 'resume' else None, wandb_project=wandb_project,
+                        wandb_run_name=wandb_run_name) if master_process else None
+except (ValueError, OSError) as e:
+    die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 params = [p for p in raw_model.parameters() if p.requires_grad]
 last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (none was written)"
 # a host copy of the model's tokens_processed buffer: reading the device buffer would sync
@@ -306,38 +274,21 @@ def estimate_loss():
     return out
 
 
-def stop(message, code):
-    """End the run early with one line: the log is complete up to the last finished step."""
-    if master_process:
-        print(message, file=sys.stderr)
-        logger.log_dict.clear()  # the unfinished step's values: its row is redone on resume
-        logger.close()
-    sys.exit(code)
-
-
 def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
-    # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
-    model_state, optim_state = (gather_fsdp_state(raw_model, optimizer) if fsdp else
-                                (raw_model.state_dict(), optimizer.state_dict()))
-    if not master_process:
-        return
-    weights = [v for v in model_state.values() if v.is_floating_point()] if fsdp else params
-    if not torch.stack([torch.isfinite(p).all() for p in weights]).all():
-        print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
-        return
-    ckpt = {'model': model_state, 'optimizer': optim_state, 'scaler': scaler.state_dict(),
-            'model_args': model_args, 'iter_num': iter_num, 'best_val_loss': best_val_loss, 'config': config}
-    gnstracking.save_states(estimators, ckpt)
+    run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
+                 'best_val_loss': best_val_loss, 'config': config}
+    gnstracking.save_states(estimators, run_state)
     if bs_controller == 'gns':
-        ckpt['bs_controller'] = schedule.state_dict()
-    print(f"saving checkpoint to {out_dir}")
-    try:
-        write_checkpoint(ckpt, os.path.join(out_dir, 'ckpt.pt'))
+        run_state['bs_controller'] = schedule.state_dict()
+    try:  # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
+        if save_training_state(os.path.join(out_dir, 'ckpt.pt'), raw_model, optimizer, run_state, fsdp, master_process):
+            last_checkpoint = f"iter {iter_num}"
+        elif master_process:
+            print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
     except CheckpointError as e:
-        stop(f"{e}; ckpt.pt keeps {last_checkpoint}", code=1)
-    last_checkpoint = f"iter {iter_num}"
+        stop_early(f"{e}; ckpt.pt keeps {last_checkpoint}", 1, logger)
 
 
 def evaluate_and_checkpoint():
@@ -358,7 +309,7 @@ def log_step():  # a failed write (a full disk) ends the run: log.csv keeps its 
     try:
         logger.step()
     except LogWriteError as e:
-        stop(f"error: {e}", code=1)
+        stop_early(f"error: {e}", 1, logger)
 
 
 def finished(tokens, iters):
@@ -386,8 +337,7 @@ while eval_only or not finished(tokens_processed, iter_num):
             log_step()  # to wandb only
         break
 
-    # forward/backward with gradient accumulation; the per-example-norm layers add into their
-    # buffers on every micro-step
+    # forward/backward with gradient accumulation; the per-example-norm layers add into their buffers
     for micro_step in range(gradient_accumulation_steps):
         if ddp and not fsdp:  # (FSDP reduce-scatters every micro-step: no unsharded gradient is kept)
             # sync gradients only on the last micro-step (nanoGPT's no_sync shortcut)
@@ -398,8 +348,7 @@ while eval_only or not finished(tokens_processed, iter_num):
         X, Y = get_batch('train')  # prefetch the next batch while the GPU works
         scaler.scale(loss).backward()
 
-    # GNS: after the last micro-step (and DDP's all-reduce), before unscaling and clipping, on every
-    # rank; the estimators divide the loss scale out themselves
+    # GNS: after the last micro-step (and DDP's all-reduce), before unscaling (the estimators divide it out)
     examples_this_step = gradient_accumulation_steps * batch_size * ddp_world_size
     gns_row = gnstracking.measure_all(estimators, iter_num, examples_this_step, scaler)
     scaler.unscale_(optimizer)
@@ -441,13 +390,13 @@ while eval_only or not finished(tokens_processed, iter_num):
     if master_process:
         log_step()
     if not last_step and nonfinite_steps >= max_nonfinite_steps:
-        stop(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient "
-             f"and were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", code=1)
+        stop_early(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient and "
+                   f"were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", 1, logger)
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
         if (master_process or fsdp) and always_save_checkpoint:
             save_checkpoint()
-        stop(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp),
-             code=128 + signals.received)
+        stop_early(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp),
+                   128 + signals.received, logger)
 
 if master_process:
     logger.close()

@@ -1,0 +1,262 @@
+"""
+A training run's state on disk, out_dir/ckpt.pt: building train.py's model (from scratch, from a
+checkpoint, from GPT-2's weights), writing the checkpoint atomically and never from non-finite
+weights, and reading this fork's, nanoGPT's and the reference implementation's
+(CerebrasResearch/nanoGNS) checkpoints. Under FSDP the state is gathered to and scattered from
+the shards, and saved in the single-process format, so a checkpoint loads anywhere.
+"""
+import errno
+import os
+import re
+import shutil
+from dataclasses import fields
+
+import torch
+
+from model import ARCHITECTURE_CHOICES, GPT, GPTConfig
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message is one line for the user."""
+
+
+# what a GPT cannot be built without; the other GPTConfig fields default when a checkpoint lacks them
+REQUIRED_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')
+
+
+def read_checkpoint(path, device='cpu'):
+    """The dict in a ckpt.pt, or CheckpointError if it is missing, damaged or not a training checkpoint."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"there is no checkpoint at {path}")
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # truncated, empty, random bytes: torch and pickle raise many kinds
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why})") from None
+    if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get('model'), dict)
+            and isinstance(checkpoint.get('model_args'), dict)):
+        raise CheckpointError(f"{path} is not a training checkpoint (no 'model' and 'model_args' in it)")
+    missing = [k for k in REQUIRED_MODEL_ARGS if k not in checkpoint['model_args']]
+    if missing:
+        raise CheckpointError(f"{path} lacks model_args {', '.join(missing)}; cannot rebuild its model")
+    return checkpoint
+
+
+def write_checkpoint(checkpoint, path):
+    """torch.save to path atomically: path.tmp, fsynced, then renamed, so a crash mid-write leaves
+    the previous file intact. A failed write (a full disk) leaves no partial file and raises
+    CheckpointError, one line saying why."""
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)
+    except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+        if os.path.exists(path + '.tmp'):
+            os.remove(path + '.tmp')
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        full = getattr(e, 'errno', None) == errno.ENOSPC or free < (1 << 26)
+        why = f"the disk is full ({free:,} bytes free)" if full else str(e).strip().splitlines()[0][:160]
+        raise CheckpointError(f"cannot write {path}: {why}") from None
+
+
+def config_from_checkpoint(model_args):
+    """The GPTConfig of a checkpoint's model_args; fields it lacks (nanoGPT's and the reference's
+    have fewer) take GPTConfig's defaults, fields this GPT does not know are ignored."""
+    known = {f.name for f in fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in model_args.items() if k in known})
+
+
+def _state_dict_key(key):
+    """This fork's name for a checkpoint key, or None for a key that holds no weight."""
+    for prefix in ('_orig_mod.', 'module.'):  # left by torch.compile / a DDP wrapper
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    if key.endswith('_upegsqnorm'):  # the reference's per-example-norm running sums
+        return None
+    key = key.replace('.c_attn.qkv.', '.c_attn.')  # the reference wraps c_attn in a FusedQKVLinear
+    return re.sub(r'\.(ln_\w+)\.affine\.', r'.\1.', key)  # its separated LayerNorm keeps the gain in .affine
+
+
+def _holds_no_weight(key, value):
+    """Checkpoint entries with no counterpart here that carry nothing to lose: nanoGPT's causal
+    mask (torch < 2), the reference's fixed 1.1 Q/K/V scale and its zero 'bias' buffer in a
+    separated LayerNorm built with bias=False."""
+    if key.endswith('.attn.bias') and value.dim() == 4:
+        return True
+    if key.endswith('c_attn.scale'):
+        return value.numel() == 1 and abs(float(value) - 1.1) < 1e-6
+    return re.search(r'\.ln_\w+\.bias$', key) is not None and not value.any()
+
+
+def load_weights(model, state_dict, tokens_processed=None):
+    """
+    Load a checkpoint's weights into `model`, whether this fork, nanoGPT or the reference
+    implementation wrote it (their key names mapped, per-example-norm buffers dropped). A
+    checkpoint without `tokens_processed` (nanoGPT's) gets the given count. Returns notes (what
+    was mapped or dropped); raises CheckpointError for anything that does not fit.
+    """
+    expected = model.state_dict()
+    loaded, mapped, dropped = {}, 0, 0
+    for key, value in state_dict.items():
+        name = _state_dict_key(key)
+        if name is None or (name not in expected and _holds_no_weight(name, value)):
+            dropped += 1
+            continue
+        if name not in expected:
+            raise CheckpointError(f"the checkpoint has {key!r}, which this GPT does not "
+                                  f"(is the checkpoint from another model?)")
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{key!r} has shape {tuple(value.shape)} in the checkpoint but "
+                                  f"{tuple(expected[name].shape)} here")
+        mapped += name != key
+        loaded[name] = value
+    notes = []
+    if 'tokens_processed' not in loaded:
+        loaded['tokens_processed'] = torch.tensor(int(tokens_processed or 0), dtype=torch.int64)
+        notes.append(f"the checkpoint has no tokens_processed; counting from {int(tokens_processed or 0):,}")
+    missing = [k for k in expected if k not in loaded]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {', '.join(missing[:3])}"
+                              f"{' and %d more' % (len(missing) - 3) if len(missing) > 3 else ''}")
+    model.load_state_dict(loaded)
+    if mapped or dropped:
+        notes.append(f"checkpoint keys: {mapped} renamed from another layout (nanoGPT's or the reference's), "
+                     f"{dropped} entries without weights dropped")
+    return notes
+
+
+def load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=None):
+    """A resumed run's AdamW (and GradScaler) state; CheckpointError if it does not fit the model.
+    fsdp_model: the sharded model the optimizer steps (each rank shards the full state it read)."""
+    try:
+        if fsdp_model is None:
+            optimizer.load_state_dict(checkpoint['optimizer'])
+        else:
+            _load_fsdp_optimizer_state(checkpoint['optimizer'], fsdp_model, optimizer)
+    except (KeyError, IndexError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"the optimizer state does not fit this model ({str(e)[:120]})") from None
+    if 'scaler' in checkpoint:
+        scaler.load_state_dict(checkpoint['scaler'])
+
+
+# the architecture of a resumed run is the checkpoint's; other settings may change on the command line
+ARCHITECTURE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab_size',
+                     'cos_attn', 'spectral_c_attn', 'fp32_attention_layers',
+                     'norm', 'mlp', 'pos_emb', 'tie_embeddings')
+# newer than every checkpoint without them: such a checkpoint holds GPT-2's layout, their defaults
+LAYOUT_ARGS = tuple(ARCHITECTURE_CHOICES) + ('tie_embeddings',)
+
+
+def resume_model(path, model_args, config, device='cpu'):
+    """
+    --init_from=resume: (model, checkpoint) from the ckpt.pt at `path`, model_args updated in place
+    with the checkpoint's architecture (nanoGPT's and the reference's lack the newer fields, which
+    keep model_args' values, except LAYOUT_ARGS: GPTConfig's defaults, the layout those checkpoints
+    hold, whatever the run asks for). `config` is the run's, for nanoGPT's checkpoints, which count no
+    tokens: they get their iterations of the step they were configured with. Build it inside the
+    layer config the run measures with. Raises CheckpointError, one line.
+    """
+    checkpoint = read_checkpoint(path, device)
+    saved = checkpoint['model_args']
+    model_args.update({k: saved[k] for k in ARCHITECTURE_ARGS if k in saved})
+    model_args.update({k: getattr(GPTConfig, k) for k in LAYOUT_ARGS if k not in saved})
+    model = GPT(GPTConfig(**model_args))
+    try:
+        then = {**config, **checkpoint.get('config', {})}
+        steps = int(checkpoint.get('iter_num', 0))
+        counted = steps * int(then['gradient_accumulation_steps'] * then['batch_size'] * then['block_size'])
+        for note in load_weights(model, checkpoint['model'], tokens_processed=counted):
+            print(f"note: {note}")
+    except (CheckpointError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return model, checkpoint
+
+
+def init_model(init_from, model_args, config, out_dir, device='cpu'):
+    """
+    train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of
+    model_args ('scratch'), the one in out_dir/ckpt.pt ('resume', see resume_model) or OpenAI's
+    GPT-2 weights ('gpt2*'), cropped to the run's block_size. model_args is updated in place with
+    the architecture built. Build it inside the layer config the run measures with. Raises
+    CheckpointError, one line.
+    """
+    checkpoint = None
+    if init_from == 'scratch':
+        print("Initializing a new model from scratch")
+        model = GPT(GPTConfig(**model_args))
+    elif init_from == 'resume':
+        print(f"Resuming training from {out_dir}")
+        model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device)
+    else:
+        print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
+        model = GPT.from_pretrained(init_from, dict(dropout=model_args['dropout']))
+        model_args.update({k: getattr(model.config, k) for k in ARCHITECTURE_ARGS})
+    if config['block_size'] < model.config.block_size:
+        model.crop_block_size(config['block_size'])
+        model_args['block_size'] = config['block_size']
+    return model, checkpoint
+
+
+def save_training_state(path, model, optimizer, run_state, fsdp=False, writer=True):
+    """
+    Write `path` (write_checkpoint) with the model's and optimizer's state and run_state (the
+    scaler, the iteration, the config, the estimators' ...). Returns True when written, False when
+    not: the weights are not finite (a diverged run must not replace a good checkpoint), or this
+    process is not the `writer`. FSDP: a collective, the full state gathered onto the writer's CPU.
+    Raises CheckpointError when the write fails (a full disk).
+    """
+    model_state, optim_state = (gather_fsdp_state(model, optimizer) if fsdp else
+                                (model.state_dict(), optimizer.state_dict()))
+    if not writer:
+        return False
+    weights = [v for v in model_state.values() if v.is_floating_point()]
+    if not torch.stack([torch.isfinite(v).all() for v in weights]).all():
+        return False
+    print(f"saving checkpoint to {os.path.dirname(path)}")
+    write_checkpoint({'model': model_state, 'optimizer': optim_state, **run_state}, path)
+    return True
+
+
+
+# FSDP2: ckpt.pt in the single-process format, gathered from and scattered to the shards
+
+def _fsdp_state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _optimizer_fqns(model, optimizer):
+    """The parameters' names in optimizer.state_dict()'s order: its integer ids index this list."""
+    names = {}
+    for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        names.setdefault(id(p), name)
+    return [names[id(p)] for group in optimizer.param_groups for p in group['params']]
+
+
+def gather_fsdp_state(model, optimizer):
+    """
+    (model state, optimizer state) of a sharded model, gathered in full onto rank 0's CPU, in the
+    format a single process writes (model.state_dict(), optimizer.state_dict() keyed by integer
+    ids), so ckpt.pt loads anywhere; ({}, {}) on the other ranks. A collective: call on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    model_state = get_model_state_dict(model, options=_fsdp_state_options())
+    named = get_optimizer_state_dict(model, optimizer, options=_fsdp_state_options())
+    if not model_state:
+        return {}, {}
+    index = {name: i for i, name in enumerate(_optimizer_fqns(model, optimizer))}
+    optim_state = {'state': {index[name]: state for name, state in named['state'].items()},
+                   'param_groups': [{**g, 'params': [index[name] for name in g['params']]}
+                                    for g in named['param_groups']]}
+    return model_state, optim_state
+
+
+def _load_fsdp_optimizer_state(saved, model, optimizer):
+    """load_optimizer_state()'s FSDP part: the saved full state (integer ids) sharded onto this rank."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    fqns = _optimizer_fqns(model, optimizer)
+    named = {'state': {fqns[i]: state for i, state in saved['state'].items()},
+             'param_groups': [{**g, 'params': [fqns[i] for i in g['params']]} for g in saved['param_groups']]}
+    set_optimizer_state_dict(model, optimizer, named, options=_fsdp_state_options())

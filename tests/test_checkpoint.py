@@ -1,0 +1,133 @@
+"""checkpoint.py: reading other forks' checkpoints, resuming, building train.py's model, and
+writing ckpt.pt only from finite weights."""
+import re
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gns_fixtures import LLAMA, one_thread  # noqa: F401  (one_thread: autouse)
+from checkpoint import (CheckpointError, config_from_checkpoint, init_model, load_weights, read_checkpoint,
+                        resume_model, save_training_state, write_checkpoint)
+from model import GPT, GPTConfig
+
+CFG = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)
+
+
+def test_load_weights_maps_the_references_and_nanogpts_keys_and_refuses_what_does_not_fit():
+    torch.manual_seed(0)
+    source = GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1]))
+    sd = source.state_dict()
+    reference = {}
+    for k, v in sd.items():
+        k = k.replace(".attn.c_attn.weight", ".attn.c_attn.qkv.weight").replace(".ln_1.", ".ln_1.affine.")
+        reference[k] = v
+    reference["transformer.h.0.ln_1.affine.bias"] = torch.zeros(32)  # its bias=False separated LayerNorm
+    reference["transformer.h.0.ln_1.affine.weight_upegsqnorm"] = torch.tensor([2.0, 8.0])
+    reference["transformer.h.1.attn.c_attn.scale"] = torch.tensor(1.1)  # its spectral Q/K/V scale
+    reference["transformer.h.0.attn.bias"] = torch.ones(1, 1, 16, 16)  # nanoGPT's causal mask (torch < 2)
+    target = GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1]))
+    notes = load_weights(target, {"_orig_mod." + k: v for k, v in reference.items()})
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in sd.items())
+    assert any("renamed" in n for n in notes)
+    # nanoGPT's checkpoints count no tokens: the caller's count is used, and said so
+    notes = load_weights(target, {k: v for k, v in sd.items() if k != "tokens_processed"}, tokens_processed=640)
+    assert target.tokens_processed.item() == 640 and any("no tokens_processed" in n for n in notes)
+    # a non-zero bias has no place in a bias=False model, a weight of another shape or a key of another model neither
+    for bad, words in [({**sd, "transformer.h.0.ln_1.bias": torch.ones(32)}, "transformer.h.0.ln_1.bias"),
+                       ({**sd, "transformer.wpe.weight": torch.zeros(8, 32)}, "has shape (8, 32)"),
+                       ({k: v for k, v in sd.items() if k != "lm_head.weight"}, "lacks lm_head.weight"),
+                       ({**sd, "transformer.h.0.mlp.gate.weight": torch.zeros(3)}, "mlp.gate.weight")]:
+        with pytest.raises(CheckpointError, match=re.escape(words)):
+            load_weights(GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1])), bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Llama-style options: norm, mlp, pos_emb, tie_embeddings
+
+# --------------------------------------------------------------------------------------------
+# Llama-style checkpoints
+
+def save_run(model, path, model_args):
+    """A checkpoint as train.py writes it (the fields resume_model reads)."""
+    config = dict(gradient_accumulation_steps=1, batch_size=4, block_size=16)
+    write_checkpoint({'model': model.state_dict(), 'model_args': model_args, 'iter_num': 3, 'config': config}, path)
+
+
+def test_a_llama_style_checkpoint_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, bias=False, **LLAMA))
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # untied: the two matrices differ, and each must come back
+    model_args = asdict(model.config)
+    path = str(tmp_path / 'ckpt.pt')
+    save_run(model, path, model_args)
+    idx = torch.randint(0, 65, (2, 16))
+    checkpoint = read_checkpoint(path)
+    # sample.py's way: the config from model_args, then the weights
+    loaded = GPT(config_from_checkpoint(checkpoint['model_args']))
+    load_weights(loaded, checkpoint['model'])
+    assert loaded.config == model.config
+    torch.testing.assert_close(loaded(idx, idx)[1], model(idx, idx)[1], rtol=0, atol=0)
+    # train.py's resume: the checkpoint's architecture, whatever the run's flags say
+    run_args = dict(asdict(GPTConfig(**CFG)), norm='layernorm', mlp='gelu', pos_emb='learned', tie_embeddings=True)
+    resumed, _ = resume_model(path, run_args, config={})
+    assert {k: run_args[k] for k in LLAMA} == LLAMA
+    assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_an_older_checkpoint_resumes_as_gpt2_whatever_the_flags_say(tmp_path):
+    """A checkpoint without the new model_args holds GPT-2's layout: with bias=False its LayerNorm
+    gains would fit an RMSNorm model's keys, so the run's --norm=rmsnorm must not be taken."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG, bias=False))
+    old_args = {k: v for k, v in asdict(model.config).items() if k not in LLAMA}
+    path = str(tmp_path / 'ckpt.pt')
+    save_run(model, path, old_args)
+    assert config_from_checkpoint(old_args) == model.config
+    run_args = dict(asdict(GPTConfig(**CFG, bias=False)), **{**LLAMA, 'tie_embeddings': True})
+    resumed, _ = resume_model(path, run_args, config={})
+    assert {k: run_args[k] for k in LLAMA} == {k: getattr(GPTConfig, k) for k in LLAMA}
+    assert type(resumed.transformer.ln_f) is nn.LayerNorm
+    idx = torch.randint(0, 65, (2, 16))
+    torch.testing.assert_close(resumed(idx, idx)[1], model(idx, idx)[1], rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# train.py's model and checkpoint
+
+def test_init_model_builds_resumes_and_crops(tmp_path, capsys):
+    run_args = dict(GPTConfig(**CFG).__dict__, dropout=0.0)
+    torch.manual_seed(0)
+    model, checkpoint = init_model('scratch', dict(run_args), {'block_size': 16}, str(tmp_path))
+    assert checkpoint is None and model.config == GPTConfig(**run_args)
+    save_run(model, str(tmp_path / 'ckpt.pt'), dict(run_args))
+    # resume: the checkpoint's architecture and weights, cropped to the run's shorter block
+    asked = dict(run_args, n_layer=5, block_size=8)
+    resumed, checkpoint = init_model('resume', asked, {'block_size': 8}, str(tmp_path))
+    assert checkpoint['iter_num'] == 3 and asked['n_layer'] == 2 and asked['block_size'] == 8
+    assert resumed.config.block_size == 8 and resumed.transformer.wpe.weight.shape == (8, 32)
+    assert torch.equal(resumed.transformer.wte.weight, model.transformer.wte.weight)
+    with pytest.raises(CheckpointError, match="there is no checkpoint at"):
+        init_model('resume', dict(run_args), {'block_size': 16}, str(tmp_path / 'elsewhere'))
+    assert "Resuming training from" in capsys.readouterr().out
+
+
+def test_save_training_state_writes_only_finite_weights_and_only_from_the_writer(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    path = str(tmp_path / 'ckpt.pt')
+    assert save_training_state(path, model, optimizer, {'iter_num': 7}, writer=False) is False
+    assert not (tmp_path / 'ckpt.pt').exists()
+    assert save_training_state(path, model, optimizer, {'iter_num': 7, 'model_args': asdict(model.config)}) is True
+    saved = read_checkpoint(path)
+    assert saved['iter_num'] == 7 and set(saved['optimizer']) == {'state', 'param_groups'}
+    assert all(torch.equal(v, saved['model'][k]) for k, v in model.state_dict().items())
+    assert f"saving checkpoint to {tmp_path}" in capsys.readouterr().out
+    # a diverged model does not replace the good checkpoint
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float('nan')
+    assert save_training_state(path, model, optimizer, {'iter_num': 8, 'model_args': asdict(model.config)}) is False
+    assert read_checkpoint(path)['iter_num'] == 7 and sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pt']
