@@ -159,6 +159,17 @@ def _backward_kernel(X, DY, DX, W, Mean, Rstd, PartW, PartB, SqW, SqB,
 
 
 @triton.jit
+def _row_slice(X, DY, W, row, start, D, mean, rstd, BLOCK_D: tl.constexpr):
+    # columns start .. start + BLOCK_D of one row: their mask, dy, w * dy and x-hat (zero past D), in float32
+    cols = start + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    x = tl.load(X + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+    wdy = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return cols, col_ok, dy, wdy, tl.where(col_ok, (x - mean) * rstd, 0.0)
+
+
+@triton.jit
 def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chunks, rows_per_chunk,
                             NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_D: tl.constexpr,
                             RMS: tl.constexpr):
@@ -175,23 +186,13 @@ def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chun
         acc1 = tl.zeros([BLOCK_D], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_D], dtype=tl.float32)
         for start in range(0, D, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            col_ok = cols < D
-            x = tl.load(X + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-            wdy = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-            xhat = tl.where(col_ok, (x - mean) * rstd, 0.0)
+            cols, col_ok, dy, wdy, xhat = _row_slice(X, DY, W, row, start, D, mean, rstd, BLOCK_D)
             acc1 += xhat * wdy
             acc2 += wdy
         c1 = tl.sum(acc1, axis=0) / D
         c2 = 0.0 if RMS else tl.sum(acc2, axis=0) / D
         for start in range(0, D, BLOCK_D):
-            cols = start + tl.arange(0, BLOCK_D)
-            col_ok = cols < D
-            x = tl.load(X + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * D + cols, mask=col_ok, other=0.0).to(tl.float32)
-            wdy = dy * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
-            xhat = tl.where(col_ok, (x - mean) * rstd, 0.0)
+            cols, col_ok, dy, wdy, xhat = _row_slice(X, DY, W, row, start, D, mean, rstd, BLOCK_D)
             dx = (wdy - (xhat * c1 + c2)) * rstd
             tl.store(DX + row * D + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
             if NEED_DW:
