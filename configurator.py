@@ -57,6 +57,17 @@ def check_device(device):
     return kind
 
 
+def check_dataset(dataset, root):
+    """The folder of --dataset (a path to one, or a name under root/data/) if it holds train.bin and
+    val.bin, else die() saying how to prepare it."""
+    data_dir = dataset if os.path.isdir(dataset) else os.path.join(root, 'data', dataset)
+    for split in ('train', 'val'):
+        if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
+            die(f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing); "
+                f"run: python data/{dataset}/prepare.py")
+    return data_dir
+
+
 def check_train_config(config):
     """
     train.py's values, all checked before anything runs (die() at the first bad one), then its
@@ -96,6 +107,8 @@ def check_train_config(config):
     if config.get('fsdp') and (config['gns_hooks'] != 'none' or config['microbatch_gns']):
         die("--fsdp=True measures with the per-example-norm layers alone: --gns_hooks and --microbatch_gns "
             "read whole, unsharded gradients (run them under DDP)")
+    if config['gns_hooks'] != 'none' and config['compile']:
+        print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
     gas = config['gradient_accumulation_steps']
     if gas % world_size and not config['bs_schedule']:
         die(f"gradient_accumulation_steps={gas} is not divisible by the {world_size} DDP processes (it counts "

@@ -21,7 +21,7 @@ import torch
 
 import gnstracking
 from checkpoint import CheckpointError, init_model, load_optimizer_state, save_training_state
-from configurator import ConfigError, check_device, check_train_config, configure, die
+from configurator import ConfigError, check_dataset, check_device, check_train_config, configure, die
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
@@ -119,6 +119,7 @@ except ConfigError as e:
 check_train_config(config)  # every value, before anything runs: bad input is one line and exit 2
 globals().update(config)
 device_type = check_device(device)
+data_dir = check_dataset(dataset, root=os.path.dirname(os.path.abspath(__file__)))  # prepared, or exit 2
 # warnings (a resumed log's missing rows, a schedule edit refused) are one line each, like errors
 warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
 
@@ -157,21 +158,15 @@ ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
 # poor man's data loader: memory-map the token file anew each batch (avoids a memmap leak)
-data_dir = dataset if os.path.isdir(dataset) else os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', dataset)
-missing = [path for path in (os.path.join(data_dir, f'{split}.bin') for split in ('train', 'val')) if not os.path.exists(path)]
-if missing:
-    die(f"dataset {dataset!r} is not prepared ({missing[0]} is missing); run: python data/{dataset}/prepare.py")
 
 
 def get_batch(split, rng=None):
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
     if len(data) <= block_size:
         die(f"{split}.bin holds {len(data)} tokens, too few for block_size={block_size}")
-    # every rank draws the whole global micro-batch from the same generator and keeps its own
-    # slice, so the examples of a step do not depend on how many processes share them: a 2-rank
-    # run sees exactly the batches of a 1-process run with twice the batch_size
-    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,),
-                       generator=rng or batch_rng[split])
+    # every rank draws the global micro-batch and keeps its slice: the examples of a step do not depend
+    # on the processes sharing them (2 ranks see the batches of 1 process with twice the batch_size)
+    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,), generator=rng or batch_rng[split])
     ix = ix[ddp_rank * batch_size:(ddp_rank + 1) * batch_size]
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
@@ -189,7 +184,8 @@ if os.path.exists(meta_path):
     print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
 
 # the flags named after GPTConfig's fields (n_layer, ..., norm, mlp, ...) are the model's arguments
-model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config} | {'vocab_size': meta_vocab_size or 50304}
+model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}
+model_args['vocab_size'] = meta_vocab_size or 50304
 # from scratch, from out_dir/ckpt.pt (its architecture, and weights from nanoGPT's and the reference's
 # checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
@@ -224,14 +220,11 @@ eval_model = model  # evaluation runs on the master alone, so it must not go thr
 if ddp and not fsdp:
     # broadcast_buffers=False: every rank keeps its own per-example-norm buffers (rank 0's must
     # not overwrite the others' each forward), and tokens_processed advances alike everywhere
-    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None,
-                broadcast_buffers=False)
+    model = DDP(model, device_ids=[ddp_local_rank] if device_type == 'cuda' else None, broadcast_buffers=False)
 
 # GNS estimators: the per-example one if a layer measures, the DDP one, the hooks' and micro-batch one if asked
 estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp and not fsdp else None, world_size=ddp_world_size,
                                         hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint, fsdp=fsdp)
-if gns_hooks != 'none' and compile:
-    print("note: with --gns_hooks the compiled model runs its forward eagerly (dynamo cannot trace the hooks)")
 
 try:  # what sizes each step when it is not fixed: the editable schedule file, or the controller on the GNS
     schedule = step_sizes_for_run(config, estimators, ddp_world_size, master_process, device if ddp else None, checkpoint)

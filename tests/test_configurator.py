@@ -113,3 +113,19 @@ def test_a_nanogpt_style_script_that_execs_this_file_gets_its_overrides(tmp_path
     assert "got 32 1.0 shakespeare" in p.stdout
     p = subprocess.run([sys.executable, str(script), "--batch_size=abc"], cwd=root, capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "error: --batch_size expects int (default 12), got 'abc'"
+
+
+def test_check_dataset_finds_a_prepared_one_by_name_or_path_and_says_how_to_prepare_one(tmp_path, capsys):
+    from configurator import check_dataset
+    named = tmp_path / "data" / "tiny"
+    named.mkdir(parents=True)
+    for split in ("train", "val"):
+        (named / f"{split}.bin").write_bytes(b"\0\0")
+    assert check_dataset("tiny", root=str(tmp_path)) == str(named)
+    assert check_dataset(str(named), root="/nowhere") == str(named)
+    (named / "val.bin").unlink()
+    with pytest.raises(SystemExit) as e:
+        check_dataset("tiny", root=str(tmp_path))
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"error: dataset 'tiny' is not prepared ({named / 'val.bin'} is missing); "
+                                       f"run: python data/tiny/prepare.py\n")
