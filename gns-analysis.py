@@ -6,11 +6,11 @@ run logged, side by side.
     python gns-analysis.py out --alpha 0.999 --no-plots
     python gns-analysis.py out --prefix train/microbatch_gns
 
-Each estimator's columns (named in gnstracking.py: PREFIX/<param>/norm, /pegn, /batch_size and
+Each estimator's columns (named in gnsmath.py: PREFIX/<param>/norm, /pegn, /batch_size and
 /small_batch_size, or the DDP estimator's ddp/ totals) are summed over a group of parameters, then
 give per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, "An Empirical Model of
 Large-Batch Training", App. A), each smoothed on its own by the bias-corrected EMA over the steps
-that have one; GNS = EMA(tr S) / EMA(|G|^2). The maths is gnstracking.py's, the training run's.
+that have one; GNS = EMA(tr S) / EMA(|G|^2). The maths is gnsmath.py's, the training run's.
 
 The main estimator (--prefix, default train/gns) is broken down by layer type and transformer
 block, and its LayerNorm-only GNS compared with the total (Gray et al. 2024: the LayerNorm
@@ -37,8 +37,8 @@ import pandas as pd
 
 from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
-from gnstracking import (EMA_BETA, PREFIXES, debiased_ema, layer_type, parse_column, total_columns,
-                         unbiased_estimates)
+from gnsmath import (EMA_BETA, PREFIXES, debiased_ema, layer_type, parse_column, total_columns,
+                     unbiased_estimates)
 from reference_names import refuse_module_names
 
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
@@ -83,7 +83,7 @@ def tied_columns(columns):
 def find_estimators(df):
     """
     {prefix: {parameter name: {kind: column}}} of every estimator in the log: each prefix with a
-    column PREFIX/<name>/<kind> (kind in gnstracking.KINDS, a name without '/'), and 'ddp' with one
+    column PREFIX/<name>/<kind> (kind in gnsmath.KINDS, a name without '/'), and 'ddp' with one
     pseudo-parameter when the four raw ddp/ columns are there. Known prefixes first, then the
     others in the order of their first column, ddp last.
     """

@@ -1,12 +1,8 @@
 """
-The one home of the gradient noise scale maths, of log.csv's GNS column names, and of the small
-interface every estimator offers train.py's loop.
-
-Maths (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A): from the
-squared norms |G_B|^2 of a step's mean gradient over B examples and |G_b|^2, the mean squared norm
-of mean gradients over b examples, unbiased_estimates() gives |G|^2 and tr(S); each is smoothed by
-a bias-corrected EMA (GradientNoiseScale online, debiased_ema() over a log's columns) and the GNS
-is the ratio of the two EMAs, never an EMA of ratios.
+What a training run measures the gradient noise scale with: the exact per-example estimator and
+the small interface every estimator offers train.py's loop. The maths (McCandlish et al. 2018,
+App. A: the unbiased estimates, their bias-corrected EMA) and log.csv's column names are
+gnsmath.py's, imported here.
 
 The exact per-example estimator (b = 1) reads, after the last micro-step and before
 scaler.unscale_ and clipping, |G_B|^2 = ||p.grad||^2 and the per-example-norm buffers
@@ -33,159 +29,10 @@ import numpy as np
 import torch
 
 from buffered import find_sqgradnorm_buffers, sum_of_squares, zero_sqgradnorm_buffers
+# the maths and the column names, from their torch-free home; imported here by the estimators
+from gnsmath import (EMA_BETA, KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
+                     layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
 from reference_names import ReferenceNameError, refuse_module_names, refused
-
-# ---------------------------------------------------------------------------------------------
-# The maths: the unbiased estimates and their bias-corrected EMA (McCandlish et al. 2018, App. A)
-
-# the default smoothing: gns-analysis.py's --alpha, and the exact estimator's live GNS on the
-# status line, whose last value is therefore the analysis' total GNS
-EMA_BETA = 0.99
-
-
-def unbiased_estimates(big_sq, small_sq, B, b=1):
-    """
-    (|G|^2, tr(S)) from |G_B|^2 and |G_b|^2 (McCandlish et al. 2018, App. A, B_big = B, B_small = b):
-        |G|^2 ~ (B |G_B|^2 - b |G_b|^2) / (B - b),    tr(S) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B).
-    Floats or arrays, elementwise; NaN where B <= b or b < 1 (nothing to estimate from).
-    """
-    B, b = np.asarray(B, dtype=float), np.asarray(b, dtype=float)
-    ok = (b >= 1) & (B > b)
-    B, b = np.where(ok, B, np.nan), np.where(ok, b, np.nan)
-    with np.errstate(invalid="ignore"):  # inf - inf: a step that overflowed, NaN like any unmeasured one
-        sq_norm = (B * big_sq - b * small_sq) / (B - b)
-        trace = (small_sq - big_sq) / (1 / b - 1 / B)
-    return sq_norm, trace
-
-
-class GradientNoiseScale:
-    """
-    The simple gradient noise scale B_simple = tr(S) / |G|^2, online: an exponential moving average
-    of each unbiased estimate (ema = beta * ema + (1 - beta) * estimate, from 0), debiased like
-    Adam's by 1 - beta^updates, and the GNS the ratio of the two averages (as k-diffusion does).
-    debiased_ema() is the same average over a log's columns.
-
-    ema_sq_norm, ema_var: the EMAs of |G|^2 and tr(S), not debiased; beta_cumprod: beta^updates;
-    gradient_noise_scale: the GNS after the last update (NaN before the first). The GNS clamps each
-    (biased) average to eps first, so a GNS of ~0 or ~1/eps flags one that dipped below zero.
-    """
-
-    def __init__(self, beta=0.995, eps=1e-8):
-        self.beta = beta
-        self.eps = eps
-        self.ema_sq_norm = 0.0
-        self.ema_var = 0.0
-        self.beta_cumprod = 1.0
-        self.gradient_noise_scale = float('nan')
-
-    def update(self, sq_small, sq_big, n_small, n_big):
-        """
-        Add one step: sq_small is the mean squared norm of gradients over n_small examples each,
-        sq_big the squared norm of their mean over n_big examples. A non-finite input (a float16
-        overflow step, which GradScaler skips too) is ignored. Returns the current GNS.
-        """
-        if not 0 < n_small < n_big:
-            raise ValueError(f"GradientNoiseScale needs 0 < n_small < n_big, got {n_small} and {n_big}")
-        if not (math.isfinite(sq_small) and math.isfinite(sq_big)):
-            return self.gradient_noise_scale
-        sq_norm, var = map(float, unbiased_estimates(sq_big, sq_small, n_big, n_small))
-        self.ema_sq_norm = self.beta * self.ema_sq_norm + (1 - self.beta) * sq_norm
-        self.ema_var = self.beta * self.ema_var + (1 - self.beta) * var
-        self.beta_cumprod *= self.beta
-        self.gradient_noise_scale = self._ratio()
-        return self.gradient_noise_scale
-
-    def _ratio(self):
-        return max(self.ema_var, self.eps) / max(self.ema_sq_norm, self.eps)
-
-    def get_stats(self):
-        """(|G|^2, tr(S)): the debiased EMAs; NaN before the first update."""
-        if self.beta_cumprod == 1.0:
-            return float('nan'), float('nan')
-        debias = 1 - self.beta_cumprod
-        return self.ema_sq_norm / debias, self.ema_var / debias
-
-    def get_gns(self):
-        """EMA(tr(S)) / EMA(|G|^2), each clamped to eps; NaN before the first update."""
-        return self.gradient_noise_scale
-
-    def get_msg(self, prefix=''):
-        """{prefix}gtg, {prefix}trsigma (the debiased EMAs) and {prefix}gns, for a logger row."""
-        gtg, trsigma = self.get_stats()
-        return {f'{prefix}gtg': gtg, f'{prefix}trsigma': trsigma, f'{prefix}gns': self.get_gns()}
-
-    def state_dict(self):
-        return dict(beta=self.beta, eps=self.eps, ema_sq_norm=self.ema_sq_norm, ema_var=self.ema_var,
-                    beta_cumprod=self.beta_cumprod, gradient_noise_scale=self.gradient_noise_scale)
-
-    def load_state_dict(self, state):
-        """Loads state_dict()'s dict, or that of this fork's older checkpoints (ema_gtg, ema_trsigma)."""
-        state = dict(state)
-        for old, new in (('ema_gtg', 'ema_sq_norm'), ('ema_trsigma', 'ema_var')):
-            if old in state:
-                state[new] = state.pop(old)
-        unknown = set(state) - set(self.state_dict())
-        if unknown:
-            raise ValueError(f"GradientNoiseScale.load_state_dict: unknown keys {sorted(unknown)}")
-        # beta comes back too: beta_cumprod only debiases the EMAs for the beta that made them
-        for key, value in state.items():
-            setattr(self, key, value)
-        if 'gradient_noise_scale' not in state:  # older checkpoints did not store it
-            self.gradient_noise_scale = float('nan') if self.beta_cumprod == 1.0 else self._ratio()
-
-
-def debiased_ema(x, alpha):
-    """
-    (EMA, estimates seen) of the series x at every step: GradientNoiseScale's debiased average with
-    beta = alpha over x's finite entries; the others carry the previous EMA forward (NaN before the first).
-    """
-    import pandas as pd  # the analysis' dependency, not training's
-    x = pd.Series(np.where(np.isfinite(x), x, np.nan))
-    # pandas' adjusted EWM is exactly sum_i alpha^i x_{t-i} / sum_i alpha^i = the debiased EMA
-    ema = x.ewm(alpha=1 - alpha, adjust=True, ignore_na=True).mean().to_numpy()
-    seen = np.cumsum(x.notna().to_numpy())
-    return np.where(seen > 0, ema, np.nan), seen
-
-
-# ---------------------------------------------------------------------------------------------
-# log.csv's GNS columns, named here only. A per-parameter estimator logs for each parameter, under
-# its prefix, PREFIX/<name>/norm (|G_B|), /pegn (|G_b|), /batch_size (B) and, where b > 1,
-# /small_batch_size (b; absent: b = 1). The DDP estimator logs model totals under ddp/, named after
-# Measurement's fields (the reference's columns): ddp/big_batch_norm, ...
-
-PREFIXES = dict(exact="train/gns", hooks_exact="train/hooks_gns", hooks_sogns="train/sogns",
-                microbatch="train/microbatch_gns", ddp="ddp")
-# the kind of a cell -> the Measurement field it holds
-KINDS = {"norm": "big_batch_norm", "pegn": "small_batch_norm", "batch_size": "big_batch_size",
-         "small_batch_size": "small_batch_size"}
-
-
-def column(prefix, name, kind):
-    """PREFIX/<name>/<kind>; a prefix that is empty or ends in '/' is used as it is."""
-    return f"{prefix}{'' if prefix == '' or prefix.endswith('/') else '/'}{name}/{kind}"
-
-
-def parameter_columns(prefix, name, norm, pegn, batch_size, small_batch_size=None):
-    """One parameter's cells of one step; small_batch_size where given (b = 1 without it)."""
-    cells = {column(prefix, name, "norm"): norm, column(prefix, name, "pegn"): pegn,
-             column(prefix, name, "batch_size"): batch_size}
-    if small_batch_size is not None:
-        cells[column(prefix, name, "small_batch_size")] = small_batch_size
-    return cells
-
-
-def parse_column(col):
-    """(prefix, parameter name, kind) of a per-parameter column PREFIX/<name>/<kind>, else None."""
-    parts = col.rsplit("/", 2)
-    if len(parts) == 3 and all(parts) and parts[2] in KINDS:
-        return tuple(parts)
-    return None
-
-
-def total_columns(prefix):
-    """{kind: column} of an estimator logging model totals, e.g. ddp/big_batch_norm for 'norm'."""
-    return {kind: f"{prefix}/{field}" for kind, field in KINDS.items()}
-
 
 # ---------------------------------------------------------------------------------------------
 # What every estimator reads from the run besides the gradients: the loss scale, the processes
@@ -228,17 +75,6 @@ class Measurement:
         where = ", ".join(f"{key} {meta[key]}" for key in ("name", "step") if key in meta)
         return (f"{where + ': ' if where else ''}|G_B| {self.big_batch_norm:.4g} over {self.big_batch_size} examples, "
                 f"|G_b| {self.small_batch_norm:.4g} over {self.small_batch_size}")
-
-
-def layer_type(name):
-    """A parameter's group by its name: LayerNorm for ln_1, ln_2, ln_f, ... (the normalisation
-    layers, whatever their kind); Embedding for wte, wpe; Linear for everything else."""
-    parts = name.split(".")
-    if any(p.startswith("ln_") for p in parts):
-        return "LayerNorm"
-    if any(p in ("wte", "wpe") for p in parts):
-        return "Embedding"
-    return "Linear"
 
 
 def _unwrap(model):

@@ -11,6 +11,7 @@ import torch
 
 import buffered
 import ddpgns
+import gnsmath
 import gnstracking
 from conftest import REPO
 from csv_tools import load_log
@@ -586,62 +587,10 @@ def test_a_script_written_for_the_reference_runs_unchanged(tmp_path):
     assert [r["iter_num"] for r in ran["rows"]] == [0, 1, 2, 3]
 
 
-# ---------------------------------------------------------------- the maths and the column names, one home
-
-def test_unbiased_estimates_take_floats_and_arrays_alike():
-    B, b = np.array([16, 16, 8, 4]), np.array([1, 4, 8, 1])
-    big, small = np.array([1.0, 2.0, 3.0, 0.5]), np.array([9.0, 4.0, 5.0, 2.5])
-    sq_norms, traces = gnstracking.unbiased_estimates(big, small, B, b)
-    for i in range(len(B)):
-        sq_norm, trace = gnstracking.unbiased_estimates(float(big[i]), float(small[i]), int(B[i]), int(b[i]))
-        assert np.array_equal(sq_norm, sq_norms[i], equal_nan=True) and np.array_equal(trace, traces[i], equal_nan=True)
-    # E|G_n|^2 = |G|^2 + tr(S)/n at n = b and n = B, solved by hand; B == b: nothing to estimate
-    assert traces[1] == pytest.approx((4.0 - 2.0) / (1 / 4 - 1 / 16)) and sq_norms[1] == pytest.approx(2.0 - traces[1] / 16)
-    assert np.isnan(sq_norms[2]) and np.isnan(traces[2])
-
-
-def test_online_and_vectorised_ema_are_the_same_average_step_by_step():
-    """GradientNoiseScale (train.py's status line, the DDP columns) and debiased_ema (gns-analysis.py)."""
-    rng = np.random.default_rng(4)
-    n, beta, B, b = 40, 0.9, 32, 4
-    sq_big = rng.uniform(1, 2, n)
-    sq_small = sq_big * rng.uniform(2, 6, n)  # both estimates positive: the GNS is their plain ratio
-    sq_small[[3, 17]] = np.inf  # overflow steps: skipped by both
-    sq_big[25] = np.nan
-    online = gnstracking.GradientNoiseScale(beta=beta)
-    sq_norm, trace = gnstracking.unbiased_estimates(sq_big, sq_small, B, b)
-    sq_norm_ema, seen = gnstracking.debiased_ema(sq_norm, beta)
-    trace_ema, _ = gnstracking.debiased_ema(trace, beta)
-    for t in range(n):
-        online.update(sq_small[t], sq_big[t], b, B)
-        gtg, trsigma = online.get_stats()
-        assert gtg == pytest.approx(sq_norm_ema[t], rel=1e-12) and trsigma == pytest.approx(trace_ema[t], rel=1e-12)
-        assert online.get_gns() == pytest.approx(trace_ema[t] / sq_norm_ema[t], rel=1e-12)
-    assert seen[-1] == n - 3 and online.beta_cumprod == pytest.approx(beta ** (n - 3))
-    assert all(type(v) is float for v in online.state_dict().values()), "plain floats: a weights_only checkpoint"
-
+# ---------------------------------------------------------------- the maths' home is gnsmath.py (tests/test_gnsmath.py)
 
 def test_ddpgns_keeps_the_same_gradient_noise_scale_class():
-    assert ddpgns.GradientNoiseScale is gnstracking.GradientNoiseScale
-
-
-def test_column_names():
-    name = "transformer.h.0.ln_1.weight"
-    assert gnstracking.column("train/gns", name, "pegn") == f"train/gns/{name}/pegn"
-    assert gnstracking.column("train/gns/", name, "norm") == gnstracking.column("train/gns", name, "norm")
-    assert gnstracking.parameter_columns("train/microbatch_gns", "w", 1.0, 2.0, 16, 4) == {
-        "train/microbatch_gns/w/norm": 1.0, "train/microbatch_gns/w/pegn": 2.0,
-        "train/microbatch_gns/w/batch_size": 16, "train/microbatch_gns/w/small_batch_size": 4}
-    assert list(gnstracking.parameter_columns("p", "w", 1.0, 2.0, 16)) == ["p/w/norm", "p/w/pegn", "p/w/batch_size"]
-    for col in gnstracking.parameter_columns("train/hooks_gns", name, 1.0, 2.0, 16, 4):
-        assert gnstracking.parse_column(col) == ("train/hooks_gns", name, col.rsplit("/", 1)[1])
-    assert gnstracking.parse_column("train/lossf") is None and gnstracking.parse_column("a/b/gns") is None
-    # the DDP estimator's totals: Measurement's fields, as ddp_gns_log writes them
-    totals = gnstracking.total_columns("ddp")
-    gns = gnstracking.GradientNoiseScale()
-    gns.update(4.0, 1.0, 2, 8)
-    assert list(totals.values()) == list(ddpgns.ddp_gns_log(gns, 4.0, 1.0, 2, 8))[:4]
-    assert totals["pegn"] == "ddp/small_batch_norm"
+    assert ddpgns.GradientNoiseScale is gnstracking.GradientNoiseScale is gnsmath.GradientNoiseScale
 
 
 def test_accumulate_measurements_writes_a_small_batch_above_one():

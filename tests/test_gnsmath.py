@@ -1,0 +1,82 @@
+"""gnsmath.py: McCandlish et al.'s unbiased estimates, the online and the vectorised bias-corrected
+EMA (the same average), log.csv's column names, and that none of it needs torch."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gnsmath
+from conftest import REPO
+
+
+def test_unbiased_estimates_take_floats_and_arrays_alike():
+    B, b = np.array([16, 16, 8, 4]), np.array([1, 4, 8, 1])
+    big, small = np.array([1.0, 2.0, 3.0, 0.5]), np.array([9.0, 4.0, 5.0, 2.5])
+    sq_norms, traces = gnsmath.unbiased_estimates(big, small, B, b)
+    for i in range(len(B)):
+        sq_norm, trace = gnsmath.unbiased_estimates(float(big[i]), float(small[i]), int(B[i]), int(b[i]))
+        assert np.array_equal(sq_norm, sq_norms[i], equal_nan=True) and np.array_equal(trace, traces[i], equal_nan=True)
+    # E|G_n|^2 = |G|^2 + tr(S)/n at n = b and n = B, solved by hand; B == b: nothing to estimate
+    assert traces[1] == pytest.approx((4.0 - 2.0) / (1 / 4 - 1 / 16)) and sq_norms[1] == pytest.approx(2.0 - traces[1] / 16)
+    assert np.isnan(sq_norms[2]) and np.isnan(traces[2])
+
+
+def test_online_and_vectorised_ema_are_the_same_average_step_by_step():
+    """GradientNoiseScale (train.py's status line, the DDP columns) and debiased_ema (gns-analysis.py)."""
+    rng = np.random.default_rng(4)
+    n, beta, B, b = 40, 0.9, 32, 4
+    sq_big = rng.uniform(1, 2, n)
+    sq_small = sq_big * rng.uniform(2, 6, n)  # both estimates positive: the GNS is their plain ratio
+    sq_small[[3, 17]] = np.inf  # overflow steps: skipped by both
+    sq_big[25] = np.nan
+    online = gnsmath.GradientNoiseScale(beta=beta)
+    sq_norm, trace = gnsmath.unbiased_estimates(sq_big, sq_small, B, b)
+    sq_norm_ema, seen = gnsmath.debiased_ema(sq_norm, beta)
+    trace_ema, _ = gnsmath.debiased_ema(trace, beta)
+    for t in range(n):
+        online.update(sq_small[t], sq_big[t], b, B)
+        gtg, trsigma = online.get_stats()
+        assert gtg == pytest.approx(sq_norm_ema[t], rel=1e-12) and trsigma == pytest.approx(trace_ema[t], rel=1e-12)
+        assert online.get_gns() == pytest.approx(trace_ema[t] / sq_norm_ema[t], rel=1e-12)
+    assert seen[-1] == n - 3 and online.beta_cumprod == pytest.approx(beta ** (n - 3))
+    assert all(type(v) is float for v in online.state_dict().values()), "plain floats: a weights_only checkpoint"
+
+
+def test_column_names():
+    name = "transformer.h.0.ln_1.weight"
+    assert gnsmath.column("train/gns", name, "pegn") == f"train/gns/{name}/pegn"
+    assert gnsmath.column("train/gns/", name, "norm") == gnsmath.column("train/gns", name, "norm")
+    assert gnsmath.parameter_columns("train/microbatch_gns", "w", 1.0, 2.0, 16, 4) == {
+        "train/microbatch_gns/w/norm": 1.0, "train/microbatch_gns/w/pegn": 2.0,
+        "train/microbatch_gns/w/batch_size": 16, "train/microbatch_gns/w/small_batch_size": 4}
+    assert list(gnsmath.parameter_columns("p", "w", 1.0, 2.0, 16)) == ["p/w/norm", "p/w/pegn", "p/w/batch_size"]
+    for col in gnsmath.parameter_columns("train/hooks_gns", name, 1.0, 2.0, 16, 4):
+        assert gnsmath.parse_column(col) == ("train/hooks_gns", name, col.rsplit("/", 1)[1])
+    assert gnsmath.parse_column("train/lossf") is None and gnsmath.parse_column("a/b/gns") is None
+    # the DDP estimator's totals: Measurement's fields, as ddp_gns_log writes them
+    import ddpgns
+    totals = gnsmath.total_columns("ddp")
+    gns = gnsmath.GradientNoiseScale()
+    gns.update(4.0, 1.0, 2, 8)
+    assert list(totals.values()) == list(ddpgns.ddp_gns_log(gns, 4.0, 1.0, 2, 8))[:4]
+    assert totals["pegn"] == "ddp/small_batch_norm"
+
+
+def test_layer_types_by_parameter_name():
+    assert gnsmath.layer_type("transformer.h.3.ln_2.weight") == "LayerNorm"
+    assert gnsmath.layer_type("transformer.ln_f.bias") == "LayerNorm"
+    assert gnsmath.layer_type("transformer.wte.weight") == "Embedding" == gnsmath.layer_type("transformer.wpe.weight")
+    assert gnsmath.layer_type("transformer.h.0.attn.c_attn.weight") == "Linear" == gnsmath.layer_type("lm_head.weight")
+
+
+def test_the_maths_and_the_analysis_load_without_torch():
+    """gns-analysis.py starts in about a second: it needs the maths and pandas, not torch."""
+    code = ("import importlib.util, sys; import gnsmath\n"
+            "spec = importlib.util.spec_from_file_location('gns_analysis', 'gns-analysis.py')\n"
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "print(sorted(m for m in ('torch', 'buffered', 'gnstracking') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
