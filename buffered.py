@@ -812,7 +812,7 @@ class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
 class _RMSNormTap(torch.autograd.Function):
     """
     Identity on the output of torch's rms_norm; its backward adds sum_b ||dgamma_b||^2 with
-    dgamma_b = sum_t dy * xhat (DESIGN.md §6) and hands dy on untouched. xhat = x * rstd is
+    dgamma_b = sum_t dy * xhat (LayerNorm's rule without centring) and hands dy on untouched. xhat = x * rstd is
     recomputed from the input in float32 (float64 for float64), as torch computes it: CUDA
     autocast runs rms_norm in float32, and a float32 copy of a half-precision x is exact.
     """

@@ -90,8 +90,9 @@ def check_train_config(config):
     if config['n_embd'] % config['n_head']:
         die(f"--n_embd={config['n_embd']} must be a multiple of --n_head={config['n_head']}")
     from model import architecture_error  # the model's own check of --norm, --mlp, --pos_emb, --tie_embeddings
-    if architecture_error(config):
-        die(f"--{architecture_error(config)}")
+    error = architecture_error(config)
+    if error:
+        die(f"--{error}")
     for key, low, high in (('dropout', 0, 1), ('beta1', 0, 1), ('beta2', 0, 1), ('min_lr', 0, math.inf),
                            ('weight_decay', 0, math.inf), ('grad_clip', 0, math.inf)):
         check_number(config, key, low, high)

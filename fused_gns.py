@@ -49,7 +49,7 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
 
 class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
     """Takes torch's nn.RMSNorm arguments; eps None is torch's default (machine epsilon of the
-    computation type). Measures Σ_b ||dγ_b||² of its gain (DESIGN.md §6)."""
+    computation type). Measures Σ_b ||dγ_b||² of its gain, dγ_b = Σ_t dy_bt ⊙ x̂_bt."""
     separated = "PEGradNormSeparatedRMSNorm"
 
     def forward(self, x):

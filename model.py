@@ -218,8 +218,9 @@ class GPT(nn.Module):
         assert config.block_size is not None
         if config.device_name not in PEAK_FLOPS:
             raise ValueError(f"unknown device_name {config.device_name!r}; choose from {sorted(PEAK_FLOPS)}")
-        if architecture_error(config):
-            raise ValueError(architecture_error(config))
+        error = architecture_error(config)
+        if error:
+            raise ValueError(error)
         self.config = config
         layers = get_contextual_config()  # read now, not at import: see layer_config.py
 

@@ -157,9 +157,8 @@ torch.backends.cudnn.allow_tf32 = True
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
+
 # poor man's data loader: memory-map the token file anew each batch (avoids a memmap leak)
-
-
 def get_batch(split, rng=None):
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
     if len(data) <= block_size:

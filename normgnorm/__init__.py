@@ -14,7 +14,7 @@ accumulated in float32 whatever the input dtype. The gradient the layer sees is 
 mean loss, so these are Σ_b ||g_b / B||² as buffered.py defines them.
 
 RMSNorm (x̂ = x * rstd, rstd = 1 / sqrt(mean(x²) + eps), y = γ ⊙ x̂, no β) is the same without the
-centring (DESIGN.md §6): its dγ_b has the same form, and every implementation runs it through
+centring (Zhang & Sennrich 2019): its dγ_b has the same form, and every implementation runs it through
 the LayerNorm code with the mean left out (`rms=True` in forward, `mean` None in backward).
 
 One autograd Function, `PEGLayerNorm` (called with the reference implementation's arguments),

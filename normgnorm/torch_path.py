@@ -23,7 +23,7 @@ def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db):
         dγ_b = Σ_t dy_bt ⊙ (x_bt - mean_bt) rstd_bt,    dβ_b = Σ_t dy_bt,
     as [B, D] tensors in float32 (float64 for float64 inputs), None where not needed, from
     dy3, x3 [B, T, D] and the row statistics mean3, rstd3 [B, T, 1]; mean3 None for RMSNorm's
-    dγ_b = Σ_t dy_bt ⊙ x_bt rstd_bt (DESIGN.md §6). One centring pass, the product with dy in
+    dγ_b = Σ_t dy_bt ⊙ x_bt rstd_bt (no centring). One centring pass, the product with dy in
     place, then the rstd-weighted sum over t as a batched matrix-vector product: fewer passes
     over [B, T, D] than forming x̂ first, and as precise (x is centred before the product, as
     torch's own backward does).

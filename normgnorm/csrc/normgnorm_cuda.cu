@@ -10,7 +10,7 @@
 // registers; ITEMS = 32 spills some). x, y, dy, dx are float32 / float16 / bfloat16; weight,
 // bias, statistics, partial sums and the buffers are float32, and so is all arithmetic.
 // RMSNorm runs the same kernels with a null mean: no centring (mean taken as 0), no bias, and
-// dx without the mean's term (DESIGN.md §6).
+// dx without the mean's term (RMSNorm, Zhang & Sennrich 2019).
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
