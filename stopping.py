@@ -49,7 +49,7 @@ def stopped_message(signum, iter_num, tokens, checkpoint_held, distributed):
             f"ckpt.pt holds {checkpoint_held}; to go on: {resume}")
 
 
-def stop_early(message, code, logger=None):
+def stop_early(message, code, logger=None, distributed=False):
     """End the run before its last step with `message`, one line on stderr, said by the process that
     holds the `logger` (the master). log.csv stays complete up to the last finished step: the values
     of the step under way are dropped, and its row is redone on resume."""
@@ -57,4 +57,17 @@ def stop_early(message, code, logger=None):
         print(message, file=sys.stderr)
         logger.log_dict.clear()
         logger.close()
+    leave(code, distributed)
+
+
+def leave(code, distributed):
+    """Exit with `code`. A torchrun rank skips the interpreter's finalization (everything is written
+    and closed before this is called): gloo's worker threads can still be dropping tensors whose
+    release takes the GIL, and before Python 3.14 a thread that takes the GIL while the interpreter
+    finalizes is ended by pthread_exit, whose unwinding through C++ noexcept code aborts the whole
+    process ("terminate called without an active exception", SIGABRT) after a run that did its work."""
+    if distributed:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)

@@ -25,7 +25,7 @@ from configurator import ConfigError, check_dataset, check_device, check_train_c
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
-from stopping import StopSignals, stop_early, stopped_message
+from stopping import StopSignals, leave, stop_early, stopped_message
 from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
 
 # -----------------------------------------------------------------------------
@@ -383,12 +383,12 @@ while eval_only or not finished(tokens_processed, iter_num):
         log_step()
     if not last_step and nonfinite_steps >= max_nonfinite_steps:
         stop_early(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient and "
-                   f"were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", 1, logger)
+                   f"were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", 1, logger, ddp)
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
         if (master_process or fsdp) and always_save_checkpoint:
             save_checkpoint()
         stop_early(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp),
-                   128 + signals.received, logger)
+                   128 + signals.received, logger, ddp)
 
 if master_process:
     logger.close()
@@ -397,6 +397,6 @@ if master_process:
     if not eval_only:
         out_dir_lock.truncate(0)  # a clean end: the next run finds no holder to take over from
 if ddp:
-    # leave together: a gloo rank tearing down while its peer still talks can abort the process
-    torch.distributed.barrier()
+    torch.distributed.barrier()  # leave together: a rank tearing down while its peer still talks aborts
     destroy_process_group()
+    leave(0, distributed=True)

@@ -54,3 +54,35 @@ def test_the_stopped_message_gives_the_resume_command(monkeypatch):
     assert line == ("stopped by SIGTERM after iter 12 (34,567 tokens); ckpt.pt holds iter 12; "
                     "to go on: python train.py config/x.py '--out_dir=a b' --init_from=resume")
     assert "torchrun command" in stopped_message(signal.SIGINT, 1, 1, "nothing", distributed=True)
+
+
+# a gloo callback that takes the GIL back while the main thread has already begun to exit: on
+# Python < 3.14 the interpreter's finalization ends that thread mid-C++, which aborts the process
+GLOO_CALLBACK_AT_EXIT = """
+import os, sys, threading, time, torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+from stopping import leave
+dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=0, world_size=1)
+running = threading.Event()
+def busy(fut):  # on a gloo thread: keeps releasing the GIL and taking it back, for 3 s
+    running.set()
+    for _ in range(3000):
+        time.sleep(0.001)
+dist.all_reduce(torch.ones(10), async_op=True).get_future().then(busy)
+running.wait(60)
+print("written before leaving")
+{exit}
+"""
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_a_torchrun_rank_leaves_with_its_code_while_gloo_threads_still_run(distributed, tmp_path):
+    code = GLOO_CALLBACK_AT_EXIT.format(repo=REPO, store=str(tmp_path / "store"),
+                                        exit=f"leave(3, distributed={distributed})")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert "written before leaving" in p.stdout
+    if distributed:
+        assert p.returncode == 3, p.stderr[-2000:]
+    elif sys.version_info < (3, 14):  # the hazard leave() avoids is real here: sys.exit dies of it
+        assert p.returncode < 0, p
