@@ -1,9 +1,12 @@
 """Shared fixtures: the repo root on sys.path, a tiny character dataset, and a helper that
 runs train.py in a subprocess the way a user would."""
+import fcntl
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -48,6 +51,65 @@ def run_train(*args, cwd=REPO, timeout=300, check=True, torchrun_procs=0):
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return p
+
+
+def made_once(tmp_path_factory, name, make, timeout=900):
+    """The folder `name`, filled by make(folder) once per test run. Each pytest-xdist worker builds its
+    own copy of a module or session fixture, so a fixture that runs train.py (or torchrun, or a bench
+    script) for several tests would run it on both workers: the first worker to get here makes the
+    folder and the other waits for it, at most `timeout` seconds (make's own runs have timeouts)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # .../pytest-N/popen-gwK: the parent is this run's, shared by its workers
+    folder, done = root / f"made-{name}", root / f"made-{name}.done"
+    deadline = time.monotonic() + timeout
+    with open(root / f"made-{name}.lock", "w") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"waited {timeout} s for another worker to make {folder}"
+                time.sleep(0.2)
+        try:
+            if not done.exists():
+                shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+                folder.mkdir()
+                make(folder)
+                done.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return folder
+
+
+def run_bench(script, *args, timeout=300):
+    """Run bench/`script` with the given flags as train.py's tests run it; returns the CompletedProcess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench", script), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# the batch-size experiment (two settings) and both model families of the normalisation-only vs
+# total comparison on 1-layer GPTs; the flags are the tests' to read
+BATCH_CONTROL = ["--seeds=1", "--max_tokens=4096", "--settings=fixed-floor,gns-total", "--n_layer=1",
+                 "--n_embd=16", "--n_head=2", "--eval_iters=2", "--bs_warmup_steps=2", "--warmup_tokens=0"]
+NORM_VS_TOTAL = ["--seeds=1", "--max_tokens=3072", "--alpha=0.5", "--n_layer=1", "--n_embd=16", "--n_head=2",
+                 "--batch_size=4", "--block_size=16", "--eval_iters=2", "--eval_interval=1000"]
+
+
+@pytest.fixture(scope="session")
+def bench_runs(tiny_dataset, tmp_path_factory):
+    """{script: (out_dir, its stdout)} of bench/batch_control.py and bench/norm_vs_total.py on the tiny
+    dataset, made once for their end-to-end tests and the notebook's; treat the folders as read-only."""
+    runs = {}
+    for script, flags in (("batch_control.py", BATCH_CONTROL), ("norm_vs_total.py", NORM_VS_TOTAL)):
+        def make(folder):
+            p = run_bench(script, f"--out_dir={folder / 'runs'}", f"--dataset={tiny_dataset}", *flags)
+            assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+            (folder / "stdout.txt").write_text(p.stdout)
+        folder = made_once(tmp_path_factory, script.split(".")[0], make)
+        runs[script] = folder / "runs", (folder / "stdout.txt").read_text()
+    return runs
 
 
 def write_long_log(path, rows, params):

@@ -3,6 +3,7 @@ of two settings on the tiny dataset (every run is train.py's own; the numbers co
 import importlib.util
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from conftest import REPO
+from conftest import BATCH_CONTROL, REPO, run_bench
 
 spec = importlib.util.spec_from_file_location("batch_control", os.path.join(REPO, "bench", "batch_control.py"))
 batch_control = importlib.util.module_from_spec(spec)
@@ -45,15 +46,8 @@ def test_evaluations_count_the_optimizer_steps_before_each_evaluation():
 
 
 @pytest.mark.slow
-def test_two_settings_end_to_end(tiny_dataset, tmp_path):
-    out = tmp_path / "runs"
-    command = [sys.executable, os.path.join(REPO, "bench", "batch_control.py"), f"--out_dir={out}", "--seeds=1",
-               "--max_tokens=4096", "--settings=fixed-floor,gns-total", f"--dataset={tiny_dataset}",
-               "--n_layer=1", "--n_embd=16", "--n_head=2", "--eval_iters=2", "--bs_warmup_steps=2",
-               "--warmup_tokens=0"]
-    p = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+def test_two_settings_end_to_end(bench_runs, tiny_dataset, tmp_path):
+    out, stdout = bench_runs["batch_control.py"]
     runs = pd.read_csv(out / "results.csv")
     assert runs.setting.tolist() == ["fixed-floor", "gns-total"] and (runs.tokens == 4096).all()
     floor = pd.read_csv(out / "fixed-floor-s1" / "log.csv")
@@ -64,9 +58,10 @@ def test_two_settings_end_to_end(tiny_dataset, tmp_path):
     finals = [pd.read_csv(out / f"{s}-s1" / "log.csv")["val/loss"].dropna().iloc[-1] for s in runs.setting]
     assert runs.final_val_loss.tolist() == pytest.approx(finals)
     assert f"target validation loss {max(finals):.4f}" in (out / "results.md").read_text()
-    assert "| fixed-floor |" in p.stdout and "validation loss vs tokens" in p.stdout
-    # a finished run is not run again
-    again = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "| fixed-floor |" in stdout and "validation loss vs tokens" in stdout
+    # a finished run is not run again (in a copy: the notebook's test reads these runs)
+    shutil.copytree(out, tmp_path / "runs")
+    again = run_bench("batch_control.py", f"--out_dir={tmp_path / 'runs'}", f"--dataset={tiny_dataset}", *BATCH_CONTROL)
     assert again.returncode == 0 and "fixed-floor seed 1:" not in again.stdout
 
 

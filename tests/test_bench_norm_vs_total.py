@@ -12,14 +12,8 @@ from conftest import REPO
 
 
 @pytest.mark.slow
-def test_both_families_end_to_end(tiny_dataset, tmp_path):
-    out = tmp_path / "runs"
-    command = [sys.executable, os.path.join(REPO, "bench", "norm_vs_total.py"), f"--out_dir={out}", "--seeds=1",
-               "--max_tokens=1536", "--alpha=0.5", f"--dataset={tiny_dataset}", "--n_layer=1", "--n_embd=16",
-               "--n_head=2", "--batch_size=4", "--block_size=16", "--eval_iters=2", "--eval_interval=1000"]
-    p = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+def test_both_families_end_to_end(bench_runs):
+    out, _ = bench_runs["norm_vs_total.py"]
     runs = pd.read_csv(out / "results.csv")
     assert runs.family.tolist() == ["gpt2", "llama"]
     # the Llama-style run is what its flags ask for: RMSNorm gains, untied head, no positions table

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, made_once
 from ddpgns import DDPGradientStatsHook, GradientNoiseScale, ddp_gns_log
 from gns_fixtures import MEASURED, gpt_loss, per_example_grads, tiny_gpt
 from reference_names import ReferenceNameError
@@ -162,37 +162,38 @@ def test_the_reference_hooks_bucket_list_is_refused():
 # two processes, gloo on CPU: one launch shared by the tests below
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           os.path.join(REPO, "tests", "ddp_worker.py"), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, f"ddp_worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+def ddp_worker_ranks(tmp_path_factory):
+    def make(out):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+               os.path.join(REPO, "tests", "ddp_worker.py"), str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+        assert p.returncode == 0, f"ddp_worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    out = made_once(tmp_path_factory, "ddp_worker", make)
     return [json.load(open(out / f"rank{r}.json")) for r in range(WORLD)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hook_small_batch_norm_is_the_mean_of_each_ranks_local_gradient_norm(ranks, dtype):
+def test_hook_small_batch_norm_is_the_mean_of_each_ranks_local_gradient_norm(ddp_worker_ranks, dtype):
     rtol = 1e-5 if dtype == "float32" else 1e-3  # bf16: the hook sums in float32, the oracle in float64
     for step in range(2):  # step 1 also checks the reset and the loss-scale division
-        local = [r[dtype][step]['local_sq'] for r in ranks]
+        local = [r[dtype][step]['local_sq'] for r in ddp_worker_ranks]
         assert abs(local[0] - local[1]) > 1e-2 * local[0]  # different data: the mean is not trivial
-        for r in ranks:
+        for r in ddp_worker_ranks:
             assert r[dtype][step]['sq_small'] == pytest.approx(sum(local) / WORLD, rel=rtol)
             # get_stats(): the reference's one float, that same mean
             assert r[dtype][step]['stats_type'] == 'float' and r[dtype][step]['stats'] == r[dtype][step]['sq_small']
     # the first synchronised backward has DDP's one big bucket, later ones its real buckets
-    assert all(r[dtype][1]['n_buckets'] > 1 for r in ranks)
+    assert all(r[dtype][1]['n_buckets'] > 1 for r in ddp_worker_ranks)
     # silent on the micro-step that does not synchronise; reset by each get_stats()
-    assert all(s['buckets_after_no_sync'] == 0 and s['second_call_raises'] for r in ranks for s in r[dtype])
+    assert all(s['buckets_after_no_sync'] == 0 and s['second_call_raises'] for r in ddp_worker_ranks for s in r[dtype])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hook_averages_like_default_ddp_and_measures_the_average(ranks, dtype):
-    for r in ranks:
+def test_hook_averages_like_default_ddp_and_measures_the_average(ddp_worker_ranks, dtype):
+    for r in ddp_worker_ranks:
         for s in r[dtype]:
             assert s['max_diff_hooked_plain'] == 0.0  # bit-identical to DDP's default hook
             assert s['max_diff_hooked_by_hand'] == 0.0
@@ -202,8 +203,8 @@ def test_hook_averages_like_default_ddp_and_measures_the_average(ranks, dtype):
 
 
 @pytest.mark.slow
-def test_buffer_allreduce_sums_in_one_collective_and_gives_the_global_pegn(ranks):
-    b0, b1 = ranks[0]['buffers'], ranks[1]['buffers']
+def test_buffer_allreduce_sums_in_one_collective_and_gives_the_global_pegn(ddp_worker_ranks):
+    b0, b1 = ddp_worker_ranks[0]['buffers'], ddp_worker_ranks[1]['buffers']
     assert b0['collectives'] == 1 and b1['collectives'] == 1
     assert b0['before'] != b1['before']
     for name in b0['before']:
@@ -222,9 +223,9 @@ def test_buffer_allreduce_sums_in_one_collective_and_gives_the_global_pegn(ranks
 
 
 @pytest.mark.slow
-def test_ddp_gns_matches_a_problem_with_known_noise_scale(ranks):
-    k = ranks[0]['known']
-    assert ranks[1]['known'] == k  # every rank computes the same estimate
+def test_ddp_gns_matches_a_problem_with_known_noise_scale(ddp_worker_ranks):
+    k = ddp_worker_ranks[0]['known']
+    assert ddp_worker_ranks[1]['known'] == k  # every rank computes the same estimate
     assert math.isfinite(k['gns']) and k['gns'] > 0
     # replay the logged raw norms: the EMA can be recomputed offline from the CSV columns
     replay = GradientNoiseScale(beta=k['beta'])
@@ -272,12 +273,12 @@ def one_process_reference(ddp_worker):
 
 
 @pytest.mark.slow
-def test_every_estimator_through_the_interface_on_two_ranks_equals_one_process(ranks):
+def test_every_estimator_through_the_interface_on_two_ranks_equals_one_process(ddp_worker_ranks):
     """train.py's loop through gnstracking's interface under DDP and a GradScaler: the exact
     (buffers all-reduced), hook and micro-batch estimators log what one process logs on the same
     global batch, and the DDP estimator the brute-force norms of each rank's own gradient."""
     import ddp_worker
-    got = [r['interface'] for r in ranks]
+    got = [r['interface'] for r in ddp_worker_ranks]
     assert got[0]['names'] == ['train/gns', 'train/hooks_gns', 'train/microbatch_gns', 'ddp']
     assert got[0]['steps'] == got[1]['steps'] and got[0]['states'] == got[1]['states']  # every rank alike
     want, exact_state = one_process_reference(ddp_worker)

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_train
+from conftest import REPO, TINY, made_once, run_train
 from test_train import train_until_exit
 
 # per-rank batch 2 over 2 ranks against batch 4 in one process; gradient_accumulation_steps is global
@@ -31,13 +31,15 @@ def assert_same_columns(one, two, rows):
 
 
 @pytest.fixture(scope="module", params=list(LAYERS))
-def runs(request, tiny_dataset, tmp_path_factory):
+def fsdp_runs(request, tiny_dataset, tmp_path_factory):
     """(one-process out_dir, FSDP out_dir, flags) after 3 steps each, with the same global batches."""
-    d = tmp_path_factory.mktemp(f"fsdp_{request.param}")
     common = [*TINY, f"--dataset={tiny_dataset}", "--max_iters=3", "--eval_interval=2", "--backend=gloo",
               *LAYERS[request.param]]
-    run_train(*common, f"--out_dir={d / 'one'}", *ONE)
-    run_train(*common, f"--out_dir={d / 'two'}", *TWO, "--fsdp=True", torchrun_procs=2)
+
+    def make(d):
+        run_train(*common, f"--out_dir={d / 'one'}", *ONE)
+        run_train(*common, f"--out_dir={d / 'two'}", *TWO, "--fsdp=True", torchrun_procs=2)
+    d = made_once(tmp_path_factory, f"fsdp_{request.param}", make)
     return d / "one", d / "two", common
 
 
@@ -61,8 +63,8 @@ def test_fsdp_with_an_estimator_that_reads_whole_gradients_is_one_line_and_exit_
 
 
 @pytest.mark.slow
-def test_fsdp_logs_what_one_process_logs_on_the_same_global_batch(runs):
-    one_dir, two_dir, _ = runs
+def test_fsdp_logs_what_one_process_logs_on_the_same_global_batch(fsdp_runs):
+    one_dir, two_dir, _ = fsdp_runs
     one, two = pd.read_csv(one_dir / "log.csv"), pd.read_csv(two_dir / "log.csv")
     gns_cols = [c for c in one.columns if c.startswith("train/gns/")]
     assert len(gns_cols) == 3 * 15  # every parameter: 6 per block x 2, ln_f, wte (tied), wpe
@@ -73,8 +75,8 @@ def test_fsdp_logs_what_one_process_logs_on_the_same_global_batch(runs):
 
 
 @pytest.mark.slow
-def test_an_fsdp_checkpoint_is_a_single_process_one(runs, tmp_path):
-    one_dir, two_dir, common = runs
+def test_an_fsdp_checkpoint_is_a_single_process_one(fsdp_runs, tmp_path):
+    one_dir, two_dir, common = fsdp_runs
     one, two = (torch.load(d / "ckpt.pt", weights_only=False) for d in (one_dir, two_dir))
     assert list(two["model"]) == list(one["model"])  # the full state dict, tied head included
     for k, v in one["model"].items():
@@ -99,10 +101,10 @@ def test_an_fsdp_checkpoint_is_a_single_process_one(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resumed_fsdp_run_continues_the_log_like_one_process(runs, tmp_path):
+def test_a_resumed_fsdp_run_continues_the_log_like_one_process(fsdp_runs, tmp_path):
     """Resume shards the checkpoint's weights and optimizer state again: steps 3-4 of a resumed FSDP run
     log what a resumed single process logs."""
-    one_dir, two_dir, common = runs
+    one_dir, two_dir, common = fsdp_runs
     resumed = {}
     for name, d, flags, procs in (("one", one_dir, ONE, 0), ("two", two_dir, [*TWO, "--fsdp=True"], 2)):
         out = tmp_path / name

@@ -21,30 +21,17 @@ TINY_RUNS = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--b
 
 
 @pytest.mark.slow
-def test_notebook_writes_every_figure(tmp_path, tiny_dataset):
+def test_notebook_writes_every_figure(tmp_path, tiny_dataset, bench_runs):
     runs = tmp_path / "runs"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "figure_runs.py"), "--out_dir", str(runs),
                            "--dataset", tiny_dataset, *TINY_RUNS], capture_output=True, text=True, cwd=ROOT,
-                          timeout=240)
+                          timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled"))
     assert done.returncode == 0, done.stdout + done.stderr
     with open(runs / "schedule" / "grad_accum_schedule.txt") as f:
         assert "15_360, 4" in f.read()  # the schedule grows to the fixed run's accumulation
-
-    # and two settings of the batch-size experiment, for (f)
-    control = tmp_path / "control"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "batch_control.py"), f"--out_dir={control}",
-                           "--seeds=1", "--max_tokens=4096", "--settings=fixed-floor,gns-total",
-                           f"--dataset={tiny_dataset}", "--n_layer=1", "--n_embd=16", "--n_head=2", "--eval_iters=2",
-                           "--bs_warmup_steps=2"], capture_output=True, text=True, cwd=ROOT, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-    # and both model families of the normalisation-only vs total comparison, for (g)
-    families = tmp_path / "families"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "norm_vs_total.py"), f"--out_dir={families}",
-                           "--seeds=1", "--max_tokens=3072", "--alpha=0.5", f"--dataset={tiny_dataset}", "--n_layer=1",
-                           "--n_embd=16", "--n_head=2", "--batch_size=4", "--block_size=16", "--eval_iters=2",
-                           "--eval_interval=1000"], capture_output=True, text=True, cwd=ROOT, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
+    # and, for (f) and (g), two settings of the batch-size experiment and both model families of
+    # the normalisation-only vs total comparison (bench_runs)
+    control, families = bench_runs["batch_control.py"][0], bench_runs["norm_vs_total.py"][0]
 
     # the notebook on those runs, as for full-scale runs made elsewhere: --notebook_only
     env = dict(os.environ, GNS_ALPHA="0.9", GNS_RUN_BATCH_CONTROL=str(control), GNS_RUN_NORM_VS_TOTAL=str(families))

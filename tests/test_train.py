@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_train
+from conftest import REPO, TINY, made_once, run_train
 
 
 def train_until_exit(*args):
@@ -315,10 +315,12 @@ def foreign_checkpoint(ckpt, kind):
 @pytest.fixture(scope="module")
 def three_step_run(tiny_dataset, tmp_path_factory):
     """A run of ours after 3 steps, and what its checkpoint evaluates to."""
-    out = tmp_path_factory.mktemp("three_steps") / "out"
-    common = [*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", f"--out_dir={out}"]
-    run_train(*common, "--max_iters=3", "--lnclass=shim")
-    return out, val_losses(run_train(*common, "--init_from=resume", "--eval_only=True").stdout)
+    def make(folder):
+        common = [*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", f"--out_dir={folder / 'out'}"]
+        run_train(*common, "--max_iters=3", "--lnclass=shim")
+        (folder / "eval.txt").write_text(run_train(*common, "--init_from=resume", "--eval_only=True").stdout)
+    folder = made_once(tmp_path_factory, "three_steps", make)
+    return folder / "out", val_losses((folder / "eval.txt").read_text())
 
 
 @pytest.mark.slow
@@ -340,9 +342,8 @@ def test_resume_from_a_nanogpt_or_reference_checkpoint(tiny_dataset, three_step_
 
 @pytest.fixture(scope="module")
 def one_step_run(tiny_dataset, tmp_path_factory):
-    out = tmp_path_factory.mktemp("one_step") / "out"
-    run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=1")
-    return out
+    make = lambda folder: run_train(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={folder / 'out'}", "--max_iters=1")
+    return made_once(tmp_path_factory, "one_step", make) / "out"
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "not a checkpoint", "wrong model"])
