@@ -44,6 +44,7 @@ a row with its ratios against the same repo's nn: how a change is shown to cost 
 import argparse
 import csv
 import json
+import math
 import os
 import pickle
 import re
@@ -331,6 +332,8 @@ def parse_args(argv):
                              f"compilation among them {quick('warmup')}")
     parser.add_argument('--quick', action='store_true', help="a small model and few iterations: a few minutes on 2 CPU cores")
     parser.add_argument('--csv', metavar='PATH', help="also write the results to this CSV file")
+    parser.add_argument('--no_memory', action='store_true',
+                        help="skip the one extra run of each setting that measures its peak memory")
     parser.add_argument('--profile', type=settings_list, metavar='SETTINGS',
                         help=f"after timing, profile these settings and the baseline (torch.profiler over the timed "
                              f"iterations of {PROFILE_PASSES} interleaved runs): top ops, backward nodes, and the ops "
@@ -399,8 +402,10 @@ def main(argv=None):
                     f"{name(*k)} {statistics.median(times[k][-1]) * 1e3:.1f}" for k in keys) + " ms/iter", flush=True)
             if args.profile:
                 profile(repos, list(args.profile), args, work)
-            print("peak memory: one more run of each ...", flush=True)
-            memory = {k: run_train(*k, args, work, MEMORY_ITERS, memory=True)['peak'] for k in keys}
+            memory = {k: math.nan for k in keys}
+            if not args.no_memory:
+                print("peak memory: one more run of each ...", flush=True)
+                memory = {k: run_train(*k, args, work, MEMORY_ITERS, memory=True)['peak'] for k in keys}
         except BenchError as e:
             print(f"bench/throughput.py: error: {e}", file=sys.stderr)
             return e.code
@@ -432,13 +437,15 @@ def main(argv=None):
               f"{row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x  {row['repo']:<12} {row['flags']}")
     print(f"(vs nn: tokens/s over the same checkout's baseline, from the medians over all timed iterations; by "
           f"round: the median and range of each round's ratio to the same round's baseline, which cancels drift "
-          f"between rounds, a wide range says the machine was noisy; peak memory: {mem_what}, one run each)")
+          f"between rounds, a wide range says the machine was noisy; peak memory: "
+          f"{'not measured (--no_memory)' if args.no_memory else mem_what + ', one run each'})")
     if args.csv:
-        try:
-            with open(args.csv, 'w', newline='') as f:
+        try:  # whole or not at all: an interrupted write leaves the previous file
+            with open(args.csv + '.tmp', 'w', newline='') as f:
                 writer = csv.DictWriter(f, fieldnames=list(rows[0]))
                 writer.writeheader()
                 writer.writerows(rows)
+            os.replace(args.csv + '.tmp', args.csv)
         except OSError as e:
             print(f"bench/throughput.py: error: cannot write {args.csv} ({e.strerror})", file=sys.stderr)
             return 1
