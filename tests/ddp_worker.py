@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddpgns  # noqa: E402
+from stopping import leave  # noqa: E402
 import gnstracking  # noqa: E402
 from buffered import register_sqgradnorm_buffers  # noqa: E402
 from gns_fixtures import MEASURED, example_sqnorms, per_example_grads, tiny_gpt  # noqa: E402
@@ -198,8 +199,9 @@ def main():
                   interface=every_estimator(rank, world))
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
         json.dump(result, f)
-    dist.barrier()  # leave together (see test_microbatch_gns._ddp_worker)
+    dist.barrier()  # leave together, and as train.py's ranks do (stopping.leave says why)
     dist.destroy_process_group()
+    leave(0, distributed=True)
 
 
 if __name__ == '__main__':

@@ -9,6 +9,7 @@ import torch
 from gns_fixtures import one_thread  # noqa: F401  (an autouse fixture)
 from gns_fixtures import gpt_batches, gpt_loss, per_example_grads, tiny_gpt
 from microbatch_gns import MicrobatchGNS
+from stopping import leave
 
 
 def direct(model, batches):
@@ -113,10 +114,9 @@ def _ddp_worker(rank, world_size, port, out_path):
     logged.update(gnshooks.hook_measurements(raw, 'sogns'))
     if rank == 0:
         torch.save(logged, out_path)
-    # leave together: a gloo peer torn down while the other still holds the connection can
-    # abort it ('terminate called without an active exception', seen once in ~30 runs)
-    torch.distributed.barrier()
+    torch.distributed.barrier()  # leave together, and as train.py's ranks do (stopping.leave says why)
     torch.distributed.destroy_process_group()
+    leave(0, distributed=True)
 
 
 @pytest.mark.slow
