@@ -280,7 +280,7 @@ def save_checkpoint():
         elif master_process:
             print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
     except CheckpointError as e:
-        stop_early(f"{e}; ckpt.pt keeps {last_checkpoint}", 1, logger)
+        stop_early(f"{e}; ckpt.pt keeps {last_checkpoint}", 1, logger, ddp)
 
 
 def evaluate_and_checkpoint():
@@ -301,7 +301,7 @@ def log_step():  # a failed write (a full disk) ends the run: log.csv keeps its 
     try:
         logger.step()
     except LogWriteError as e:
-        stop_early(f"error: {e}", 1, logger)
+        stop_early(f"error: {e}", 1, logger, ddp)
 
 
 def finished(tokens, iters):
@@ -387,6 +387,8 @@ while eval_only or not finished(tokens_processed, iter_num):
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
         if (master_process or fsdp) and always_save_checkpoint:
             save_checkpoint()
+        if ddp:  # torchrun stops the other ranks once one exits: none leaves before ckpt.pt is written
+            torch.distributed.barrier()
         stop_early(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp),
                    128 + signals.received, logger, ddp)
 

@@ -144,7 +144,8 @@ def test_a_signalled_fsdp_run_checkpoints_on_every_rank_and_resumes(tiny_dataset
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 os.path.join(REPO, "train.py")]
     proc = subprocess.Popen([*launcher, *flags, "--max_iters=100000"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            start_new_session=True)
     try:
         end = time.time() + 120
         while not ((out / "log.csv").exists() and len((out / "log.csv").read_text().splitlines()) > 3):
@@ -157,8 +158,8 @@ def test_a_signalled_fsdp_run_checkpoints_on_every_rank_and_resumes(tiny_dataset
             os.kill(pid, signal.SIGTERM)
         proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # the launcher and its ranks: orphaned ranks would hold the pipes open
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     done = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
     df = pd.read_csv(out / "log.csv")

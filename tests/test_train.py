@@ -531,6 +531,52 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(
     assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [done + 1, done + 2]
 
 
+# rank 0 takes 3 s to write ckpt.pt, as a large model's checkpoint on a slow disk does
+SLOW_CHECKPOINT = """
+import sys, time
+sys.path.insert(0, {root!r})
+import checkpoint
+write = checkpoint.write_checkpoint
+def slow_write(*args, **kwargs):
+    time.sleep(3)
+    return write(*args, **kwargs)
+checkpoint.write_checkpoint = slow_write
+"""
+
+
+@pytest.mark.slow
+def test_signalled_ddp_ranks_wait_for_the_masters_checkpoint_before_leaving(tiny_dataset, tmp_path):
+    """torchrun stops every rank once one has exited; a rank that left while the master still wrote
+    ckpt.pt would have the master killed mid-write (its second signal), the checkpoint lost."""
+    import signal
+    site, out = tmp_path / "site", tmp_path / "out"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_CHECKPOINT.format(root=REPO))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                os.path.join(REPO, "train.py")]
+    flags = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=1000", "--backend=gloo",
+             "--gradient_accumulation_steps=2", "--max_iters=100000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(site))
+    proc = subprocess.Popen([*launcher, *flags], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: logged_rows(out) >= 3, proc, timeout=120)
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:  # the ranks, not the launcher
+            ranks = [int(pid) for pid in f.read().split()]
+        assert len(ranks) == 2
+        for pid in ranks:
+            os.kill(pid, signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # the launcher and its ranks: orphaned ranks would hold the pipes open
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    stopped = re.search(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds iter (\d+)", stderr)
+    assert stopped and stopped.group(1) == stopped.group(2), stderr[-3000:]
+    assert "again: stopping now" not in stderr, stderr[-3000:]
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == int(stopped.group(1))
+
+
 @pytest.mark.slow
 def test_a_diverging_float32_run_stops_and_keeps_its_last_good_checkpoint(tiny_dataset, tmp_path):
     out = tmp_path / "out"
