@@ -432,9 +432,10 @@ def main(argv=None):
     print(header)
     print('-' * (len(header) + 40))
     for row in rows:
+        memory_text = f"{'-':>9} {'-':>6}" if args.no_memory else f"{row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x"
         print(f"{row['setting']:<{width}} {row['ms_per_iter']:9.2f} {row['tokens_per_s']:10,.0f} {row['ratio']:6.3f}x "
               f"{row['ratio_rounds']:9.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) "
-              f"{row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x  {row['repo']:<12} {row['flags']}")
+              f"{memory_text}  {row['repo']:<12} {row['flags']}")
     print(f"(vs nn: tokens/s over the same checkout's baseline, from the medians over all timed iterations; by "
           f"round: the median and range of each round's ratio to the same round's baseline, which cancels drift "
           f"between rounds, a wide range says the machine was noisy; peak memory: "
