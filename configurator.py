@@ -68,12 +68,16 @@ def check_dataset(dataset, root):
     return data_dir
 
 
-def check_train_config(config):
+def check_train_config(config, places=None):
     """
     train.py's values, all checked before anything runs (die() at the first bad one), then its
     lengths made tokens: a length given in nanoGPT's iterations counts tokens of the configured
     step; unset, they are nanoGPT's 600000 iterations of training and of decay, 2000 of warmup.
+    A length set in one unit by a later place (configure()'s `places`: a file, or the command line)
+    replaces the other unit's setting by an earlier place, as any later setting does in nanoGPT;
+    both units from one place is an error.
     """
+    places = places or {}
     from layer_config import FLAG_CLASSES  # here: imports torch
     choices = {**{flag: tuple(values) for flag, values in FLAG_CLASSES.items()},
                'gns_hooks': ('none', 'sogns', 'exact'), 'dtype': ('float32', 'bfloat16', 'float16'),
@@ -141,7 +145,15 @@ def check_train_config(config):
             if config[given] is not None:
                 check_number(config, given, 1 if key == 'max' else 0, whole=given.endswith('iters'))
         if tokens is not None and iters is not None:
-            die(f"--{key}_tokens and --{key}_iters set the same length twice; set one of them")
+            (where_t, at_t), (where_i, at_i) = (places.get(f'{key}_{unit}', ('the defaults', -1))
+                                                for unit in ('tokens', 'iters'))
+            if where_t == where_i:
+                die(f"--{key}_tokens and --{key}_iters set the same length twice ({where_t}); set one of them")
+            replaced, by, where = (f'{key}_tokens', f'{key}_iters', where_i) if at_i > at_t \
+                else (f'{key}_iters', f'{key}_tokens', where_t)
+            print(f"note: {by}={config[by]!r} from {where} replaces {replaced}={config[replaced]!r}")
+            config[replaced] = None
+            tokens, iters = config[f'{key}_tokens'], config[f'{key}_iters']
         if tokens is None:
             config[f'{key}_tokens'] = (iters if iters is not None else default_iters) * tokens_per_iter
 
@@ -208,11 +220,14 @@ def help_text(config, doc=""):
     return "\n".join(line.rstrip() for line in lines)
 
 
-def configure(argv, config, doc=""):
+def configure(argv, config, doc="", places=None):
     """Apply config files and --key=value overrides in argv to the dict `config`, in place.
-    Only keys already in `config` may be set. Returns the list of what was applied."""
+    Only keys already in `config` may be set. Returns the list of what was applied. If given, the
+    dict `places` gets, for each key set, (where: the file or 'the command line', position in argv)
+    of its last setting: check_train_config lets a later place's length replace an earlier one's."""
     applied = []
-    for arg in argv:
+    places = {} if places is None else places
+    for position, arg in enumerate(argv):
         if arg in ("-h", "--help"):
             try:
                 print(help_text(config, doc), flush=True)
@@ -238,6 +253,7 @@ def configure(argv, config, doc=""):
                     raise ConfigError(f"config file {arg} sets unknown key {key!r}")
                 if value is not config[key]:
                     config[key] = _checked(f"{key} (set in {arg})", value, config[key], repr(value)[:80])
+                    places[key] = (arg, position)
             applied.append(arg)
         else:
             if "=" not in arg:
@@ -248,6 +264,7 @@ def configure(argv, config, doc=""):
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(f"unknown config key {key!r}{hint}; see --help")
             config[key] = _coerce(key, value, config[key])
+            places[key] = ("the command line", position)
             print(f"Overriding: {key} = {config[key]!r}")
             applied.append(arg)
     return applied

@@ -112,11 +112,12 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
+config_places = {}  # where each key was set: a later place's length replaces an earlier one's other unit
 try:
-    configure(sys.argv[1:], config, __doc__)
+    configure(sys.argv[1:], config, __doc__, config_places)
 except ConfigError as e:
     die(str(e))
-check_train_config(config)  # every value, before anything runs: bad input is one line and exit 2
+check_train_config(config, config_places)  # every value, before anything runs: bad input is one line and exit 2
 globals().update(config)
 device_type = check_device(device)
 data_dir = check_dataset(dataset, root=os.path.dirname(os.path.abspath(__file__)))  # prepared, or exit 2

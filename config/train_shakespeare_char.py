@@ -14,7 +14,6 @@ dataset = 'shakespeare_char'
 gradient_accumulation_steps = 1
 batch_size = 64
 block_size = 256  # context of up to 256 previous characters
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size  # 16,384
 
 # baby GPT model :)
 n_layer = 6
@@ -23,9 +22,11 @@ n_embd = 384
 dropout = 0.2
 
 learning_rate = 1e-3  # with baby networks can afford to go a bit higher
-max_tokens = 5000 * tokens_per_iter
-lr_decay_tokens = max_tokens  # make equal to max_tokens usually
+# nanoGPT's lengths, in nanoGPT's iterations: each counts the tokens of the step as finally configured,
+# so nanoGPT's CPU command line (--batch_size=12 --block_size=64 --max_iters=2000 ...) warms up over
+# 100 of its own iterations, as in nanoGPT (tokens fixed here would stretch it over 2133 of them)
+max_iters = 5000
+lr_decay_iters = 5000  # make equal to max_iters usually
 min_lr = 1e-4  # learning_rate / 10 usually
 beta2 = 0.99  # make a bit bigger because number of tokens per iter is small
-warmup_tokens = 100 * tokens_per_iter  # not super necessary potentially
-del tokens_per_iter
+warmup_iters = 100  # not super necessary potentially

@@ -285,6 +285,58 @@ def test_a_length_in_both_units_is_one_clear_error(tiny_dataset, tmp_path, args,
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and words in stderr
 
 
+NANOGPT_CPU_COMMAND = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
+                       "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--max_iters=2000",
+                       "--lr_decay_iters=2000", "--dropout=0.0"]  # nanoGPT's README, for CPU users
+
+
+def lrs_and_iters(stdout):
+    return ([float(x) for x in re.findall(r"lr ([\d.e+-]+),", stdout)],
+            [int(i) for i in re.findall(r"^iter (\d+):", stdout, re.M)])
+
+
+def test_nanogpts_readme_command_runs_on_our_shakespeare_config(tiny_dataset, tmp_path):
+    """nanoGPT's CPU command line, its --max_iters cut to 3 (appended: a later setting wins), on our
+    config file: it stopped with "set the same length twice" when the file set max_tokens."""
+    p = run_train(os.path.join(REPO, "config", "train_shakespeare_char.py"), *NANOGPT_CPU_COMMAND,
+                  "--max_iters=3", f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}")
+    lrs, iters = lrs_and_iters(p.stdout)
+    assert iters == [1, 2, 3]
+    assert lrs == pytest.approx([1e-3 * i / 100 for i in (1, 2, 3)], rel=1e-3)  # the file's 100 warmup iterations
+
+
+@pytest.mark.parametrize("override, iters, lr_at", [
+    (["--max_iters=3"], [1, 2, 3], lambda i: 1e-3 * i / 100),  # the file's warmup_tokens: 100 of its iterations
+    (["--max_iters=4", "--warmup_iters=2", "--lr_decay_iters=4"], [1, 2, 3, 4],  # warmup, then linear... to min_lr
+     lambda i: 1e-3 * i / 2 if i <= 2 else None),
+])
+def test_command_line_iterations_replace_the_cpu_configs_tokens(tiny_dataset, tmp_path, override, iters, lr_at):
+    p = run_train(os.path.join(REPO, "config", "train_shakespeare_char_cpu.py"), *TINY, *override,
+                  "--batch_size=12", "--block_size=64", f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}")
+    lrs, seen = lrs_and_iters(p.stdout)
+    assert seen == iters
+    for i, lr in zip(seen, lrs):
+        if lr_at(i) is not None:
+            assert lr == pytest.approx(lr_at(i), rel=1e-3)
+    assert "replaces max_tokens=" in p.stdout
+    if "--lr_decay_iters=4" in override:
+        assert lrs[-1] == pytest.approx(1e-4, rel=1e-3)  # decayed to min_lr over the 4 iterations given
+        assert "replaces warmup_tokens=" in p.stdout and "replaces lr_decay_tokens=" in p.stdout
+
+
+def test_a_config_file_length_replaces_an_earlier_files_other_unit(tiny_dataset, tmp_path):
+    """Places apply in order: a later file's max_iters replaces an earlier file's max_tokens; both in
+    one file stays an error."""
+    first, second, both = tmp_path / "first.py", tmp_path / "second.py", tmp_path / "both.py"
+    first.write_text("max_tokens = 10_000\n")
+    second.write_text("max_iters = 2\n")
+    both.write_text("max_tokens = 10_000\nmax_iters = 2\n")
+    p = run_train(str(first), str(second), *TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}")
+    assert lrs_and_iters(p.stdout)[1] == [1, 2]
+    code, stderr = train_until_exit(str(both), *TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'x'}")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and "same length twice" in stderr and "both.py" in stderr
+
+
 def foreign_checkpoint(ckpt, kind):
     """Our checkpoint dict rewritten the way nanoGPT or the reference implementation writes it."""
     sd = ckpt["model"]
