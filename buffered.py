@@ -92,6 +92,29 @@ def all_sqgradnorm_buffers(model):
 
 
 @torch.no_grad()
+def allreduce_sqgradnorm_buffers(model, group=None):
+    """
+    Sum every per-example-norm buffer (buffered.all_sqgradnorm_buffers) over the ranks of `group`,
+    in place, with one all_reduce of all of them stacked into one tensor. Call it on every rank
+    after the last micro-step's backward, before the tracker reads the buffers (and before they
+    are zeroed).
+
+    Afterwards each count is the global batch B = W * B_rank, and each sum is
+    S = sum over ranks of sum_b ||g_b / B_rank||^2: every rank's layers saw the gradient of its
+    own rank's mean loss, not of the global one. The mean per-example squared norm is then
+        |G_1|^2 = (B_rank^2 / B) * S = B * S / W^2,
+    so the tracker must know W (the naive B * S is W^2 times too large). Under a float16
+    GradScaler S is still s^2 times too large, as on one process.
+    """
+    bufs = all_sqgradnorm_buffers(model)
+    if not bufs:
+        return
+    stacked = torch.stack(bufs)  # all float32 0-dim by the convention
+    torch.distributed.all_reduce(stacked, group=group)
+    torch._foreach_copy_(bufs, list(stacked.unbind()))
+
+
+@torch.no_grad()
 def zero_sqgradnorm_buffers(model):
     """Zero every per-example-norm buffer in place (after each optimizer step)."""
     bufs = all_sqgradnorm_buffers(model)

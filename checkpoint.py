@@ -174,6 +174,17 @@ def resume_model(path, model_args, config, device='cpu'):
     return model, checkpoint
 
 
+def pretrained_gpt(init_from, dropout):
+    """GPT.from_pretrained(init_from), its download's failure (no transformers package, no network to
+    the model hub) a CheckpointError of one line."""
+    try:
+        return GPT.from_pretrained(init_from, dict(dropout=dropout))
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        raise CheckpointError(f"--init_from={init_from} needs the transformers package and network access to "
+                              f"download the weights, and that failed: {why}") from None
+
+
 def init_model(init_from, model_args, config, out_dir, device='cpu'):
     """
     train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of
@@ -191,7 +202,7 @@ def init_model(init_from, model_args, config, out_dir, device='cpu'):
         model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device)
     else:
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
-        model = GPT.from_pretrained(init_from, dict(dropout=model_args['dropout']))
+        model = pretrained_gpt(init_from, model_args['dropout'])
         model_args.update({k: getattr(model.config, k) for k in ARCHITECTURE_ARGS})
     if config['block_size'] < model.config.block_size:
         model.crop_block_size(config['block_size'])

@@ -1,20 +1,23 @@
 """
 Gradient noise scale from DDP for free (McCandlish et al. 2018, "An Empirical Model of Large-Batch
-Training", App. A, B_small = one rank's batch), and the helper that makes per-example buffers global.
+Training", App. A, B_small = one rank's batch).
 
 On the micro-step that synchronises, each of the W ranks holds the mean gradient over its own
 B_rank examples, a small batch; DDP averages them into the big batch of B = W B_rank. The mean over
 ranks of |G_small|^2 and the |G_big|^2 of the average are the two squared norms the estimators
-need: no per-example work at all. DDPGNS is this estimator behind gnstracking's interface; the
-GradientNoiseScale it smooths with lives in gnstracking.py (importable from here, the reference's place).
+need: no per-example work at all. DDPGNS is this estimator behind the Estimator interface
+(estimator.py); the GradientNoiseScale it smooths with lives in gnsmath.py (importable from here, the
+reference's place). The helper that makes per-example buffers global, allreduce_sqgradnorm_buffers,
+lives beside the buffers in buffered.py (importable from here too).
 """
 import math
 
 import torch
 import torch.distributed as dist
 
-from buffered import all_sqgradnorm_buffers
-from gnstracking import PREFIXES, Estimator, GradientNoiseScale, Measurement, current_scale
+from buffered import allreduce_sqgradnorm_buffers  # noqa: F401  (its older home was here)
+from estimator import Estimator, Measurement, current_scale
+from gnsmath import PREFIXES, GradientNoiseScale
 from reference_names import refused
 
 
@@ -131,29 +134,6 @@ class DDPGNS(Estimator):
         sq_small, sq_big = self.hook.get_sq_norms(loss_scale=current_scale(scaler))
         self.gns.update(sq_small, sq_big, n_small, examples)
         return ddp_gns_log(self.gns, sq_small, sq_big, n_small, examples)
-
-
-@torch.no_grad()
-def allreduce_sqgradnorm_buffers(model, group=None):
-    """
-    Sum every per-example-norm buffer (buffered.all_sqgradnorm_buffers) over the ranks of `group`,
-    in place, with one all_reduce of all of them stacked into one tensor. Call it on every rank
-    after the last micro-step's backward, before the tracker reads the buffers (and before they
-    are zeroed).
-
-    Afterwards each count is the global batch B = W * B_rank, and each sum is
-    S = sum over ranks of sum_b ||g_b / B_rank||^2: every rank's layers saw the gradient of its
-    own rank's mean loss, not of the global one. The mean per-example squared norm is then
-        |G_1|^2 = (B_rank^2 / B) * S = B * S / W^2,
-    so the tracker must know W (the naive B * S is W^2 times too large). Under a float16
-    GradScaler S is still s^2 times too large, as on one process.
-    """
-    bufs = all_sqgradnorm_buffers(model)
-    if not bufs:
-        return
-    stacked = torch.stack(bufs)  # all float32 0-dim by the convention
-    dist.all_reduce(stacked, group=group)
-    torch._foreach_copy_(bufs, list(stacked.unbind()))
 
 
 # ---------------------------------------------------------------------------------------------

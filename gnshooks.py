@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 
 from buffered import linear_sqnorms
-from gnstracking import PREFIXES, Estimator, current_scale, distributed_world_size, parameter_columns
+from estimator import Estimator, current_scale, distributed_world_size
+from gnsmath import PREFIXES, parameter_columns
 
 # (name, parameter, sum of per-example squared norms as the layer saw them [float32 0-dim
 #  tensor], example count [int], SOGNS surrogate big-batch gradient [L-vector] or None where

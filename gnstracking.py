@@ -12,7 +12,7 @@ rank's layers see its own mean loss; once buffers and counts are summed over ran
 ranks of the shards' squares). Under a float16 GradScaler gradients carry s and buffers s^2.
 
 Every estimator (ExactGNS here, ddpgns.DDPGNS, microbatch_gns.MicrobatchEstimator,
-gnshooks.HooksEstimator) is an Estimator; estimators_for() builds a run's list:
+gnshooks.HooksEstimator) is an estimator.Estimator; estimators_for() builds a run's list:
 
     estimators = estimators_for(raw_model, ddp_model=model if ddp else None, world_size=W,
                                 hooks='none', microbatch=False)
@@ -22,72 +22,23 @@ gnshooks.HooksEstimator) is an Estimator; estimators_for() builds a run's list:
     reset_all(estimators)
     ... logger.log(row); print(f"... {status_line(estimators)}")
 """
-import dataclasses
 import math
 
-import numpy as np
 import torch
 
-from buffered import find_sqgradnorm_buffers, sum_of_squares, zero_sqgradnorm_buffers
+import ddpgns
+import gnshooks
+import microbatch_gns
+from buffered import allreduce_sqgradnorm_buffers, find_sqgradnorm_buffers, sum_of_squares, zero_sqgradnorm_buffers
+# the interface every estimator offers, from its leaf module (importable from here, as before)
+from estimator import Estimator, Measurement, current_scale, distributed_world_size, unwrap  # noqa: F401
 # the maths and the column names, from their torch-free home; imported here by the estimators
 from gnsmath import (EMA_BETA, KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
                      layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
 # ---------------------------------------------------------------------------------------------
-# What every estimator reads from the run besides the gradients: the loss scale, the processes
-
-def current_scale(scaler):
-    """The GradScaler's current scale s (gradients carry s, per-example sums s^2): a device tensor
-    when possible, so dividing it out costs no host sync; 1.0 for none or a disabled one."""
-    if scaler is None or not scaler.is_enabled():
-        return 1.0
-    # GradScaler keeps its scale as a device tensor, created by the first scaler.scale();
-    # get_scale() would call .item() on it, a second host-device sync per step.
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else float(scaler.get_scale())
-
-
-def distributed_world_size():
-    """The processes of the default process group; 1 without torch.distributed."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-# ---------------------------------------------------------------------------------------------
 # The exact per-example estimator's measurements
-
-@dataclasses.dataclass
-class Measurement:
-    """One parameter's norms at one step: |G_B| (big_batch_norm) and |G_1| (small_batch_norm)."""
-    big_batch_norm: float
-    small_batch_norm: float
-    big_batch_size: int
-    small_batch_size: int
-    metadata: dict = None  # from the tracker: "name" and "step"
-
-    def msg(self, prefix=""):
-        """The four numbers as a logger row, e.g. msg("ddp/") -> {"ddp/big_batch_norm": ..., ...}; no metadata."""
-        return {prefix + field: getattr(self, field) for field in KINDS.values()}
-
-    def __str__(self):
-        meta = self.metadata or {}
-        where = ", ".join(f"{key} {meta[key]}" for key in ("name", "step") if key in meta)
-        return (f"{where + ': ' if where else ''}|G_B| {self.big_batch_norm:.4g} over {self.big_batch_size} examples, "
-                f"|G_b| {self.small_batch_norm:.4g} over {self.small_batch_size}")
-
-
-def _unwrap(model):
-    # Parameter names must be those of the plain model (they are the CSV column names), not the
-    # "module." / "_orig_mod." prefixed ones of a DDP or torch.compile wrapper.
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
 
 def _grad_sqnorms(grads, device):
     """||grad||^2 of each gradient, float32 0-dim tensors on `device`. FSDP's gradients are DTensor
@@ -158,7 +109,7 @@ class MeasurementTracker:
         Track every trainable parameter of `model` (or of the model inside a DDP/compile wrapper)
         that has buffers. enforce_coverage: raise a ValueError if a trainable parameter has none.
         """
-        model = _unwrap(model)
+        model = unwrap(model)
         entries = find_sqgradnorm_buffers(model)
         if not entries:
             raise ValueError("the model has no per-example gradient norm buffers: build it with the "
@@ -310,47 +261,6 @@ class AccumulateMeasurements:
         return self.pop()
 
 
-# ---------------------------------------------------------------------------------------------
-# One interface for every estimator, so that train.py's loop has no per-estimator branches
-
-class Estimator:
-    """
-    What train.py's loop calls on every estimator, on every rank:
-        measure(step, examples, scaler) -> dict   after the step's last backward (and DDP's
-            all-reduce), before scaler.unscale_ and clipping (it may run collectives); examples is
-            B, over all ranks and micro-steps; scaler the GradScaler (enabled or not), whose scale
-            the estimator divides out. Returns this step's log.csv columns, floats.
-        reset()              after the optimizer step: zero the step's sums
-        status() -> str      its part of the status line, e.g. "gns 12.3" ('' if none)
-        state_dict() / load_state_dict(state)   what a checkpoint keeps (a live EMA)
-    name is its CSV prefix and its key among a checkpoint's states (save_states); an estimator
-    with a live GNS keeps it in gns, a GradientNoiseScale, shown on the status line after label.
-    skipped_steps counts the steps it could not measure (non-finite gradients).
-    """
-    name = None
-    label = None
-    gns = None
-    skipped_steps = 0
-
-    def measure(self, step, examples, scaler):
-        raise NotImplementedError
-
-    def reset(self):
-        pass
-
-    def status(self):
-        return "" if self.gns is None else f"{self.label} {self.gns.get_gns():.4g}"
-
-    def state_dict(self):
-        return {} if self.gns is None else self.gns.state_dict()
-
-    def load_state_dict(self, state):
-        if self.gns is not None:
-            self.gns.load_state_dict(state)
-        elif state:
-            raise ValueError(f"the {self.name} estimator keeps no state, got {sorted(state)}")
-
-
 class ExactGNS(Estimator):
     """
     The exact per-example estimator (b = 1): every parameter whose layer keeps per-example-norm
@@ -363,7 +273,7 @@ class ExactGNS(Estimator):
     label = "gns"
 
     def __init__(self, model, world_size=1, beta=EMA_BETA):
-        self.model = _unwrap(model)
+        self.model = unwrap(model)
         self.logs = AccumulateMeasurements(prefix=self.name)
         self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
         self.gns = GradientNoiseScale(beta=beta)
@@ -377,7 +287,6 @@ class ExactGNS(Estimator):
 
     def measure(self, step, examples, scaler):
         if self.tracker.world_size > 1:
-            from ddpgns import allreduce_sqgradnorm_buffers  # ddpgns imports this module
             allreduce_sqgradnorm_buffers(self.model)  # the global batch's sums, not one rank's
         self.tracker.scaler = scaler
         measurements = self.tracker.step(batch_size=examples, step=step)
@@ -403,16 +312,13 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
     fsdp: the model is sharded with FSDP2 over world_size ranks: no DDP estimator (its comm hook is
     DDP's), the exact one all-reduces its buffers and squares the gradient shards (_grad_sqnorms).
     """
-    import ddpgns
-    import gnshooks
-    import microbatch_gns
     choices = ("none", *gnshooks.ADD_HOOKS)
     if hooks not in choices:
         raise ValueError(f"hooks={hooks!r} is not one of {', '.join(choices)}")
     if world_size > 1 and ddp_model is None and not fsdp:
         raise ValueError(f"world_size={world_size}: the DDP estimator needs the DistributedDataParallel model "
                          f"(ddp_model=...)")
-    model = _unwrap(model)
+    model = unwrap(model)
     estimators = []
     if find_sqgradnorm_buffers(model):
         estimators.append(ExactGNS(model, world_size))

@@ -12,7 +12,8 @@ GradScaler scale s, the mean squared norm of the micro-batch mean gradients is
 """
 import torch
 
-from gnstracking import PREFIXES, Estimator, current_scale, distributed_world_size, parameter_columns
+from estimator import Estimator, current_scale, distributed_world_size
+from gnsmath import PREFIXES, parameter_columns
 
 
 class MicrobatchGNS:

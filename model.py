@@ -318,14 +318,9 @@ class GPT(nn.Module):
         config_args.update(vocab_size=50257, block_size=1024, bias=True)
         if 'dropout' in override_args:
             config_args['dropout'] = override_args['dropout']
-        try:  # download first: fail before building
-            from transformers import GPT2LMHeadModel
-            model_hf = GPT2LMHeadModel.from_pretrained(model_type)
-        except Exception as e:  # no transformers package, or no network to the model hub
-            from checkpoint import CheckpointError
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            raise CheckpointError(f"needs the transformers package and network access to download the "
-                                  f"weights, and that failed: {why}") from None
+        # download first: fail before building (a missing package or network is the caller's to report)
+        from transformers import GPT2LMHeadModel
+        model_hf = GPT2LMHeadModel.from_pretrained(model_type)
         model = GPT(GPTConfig(**config_args))
         sd = model.state_dict()
         sd_hf = {k: v for k, v in model_hf.state_dict().items()

@@ -85,7 +85,7 @@ ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torc
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 
 # the model: a plain GPT, whichever layer classes trained it (their norm buffers are not in the state_dict)
-from checkpoint import CheckpointError, config_from_checkpoint, load_weights, read_checkpoint  # noqa: E402
+from checkpoint import CheckpointError, config_from_checkpoint, load_weights, pretrained_gpt, read_checkpoint  # noqa: E402
 from model import GPT  # noqa: E402
 
 checkpoint = None
@@ -103,10 +103,9 @@ if init_from == 'resume':
         die(str(e))
 else:
     try:
-        model = GPT.from_pretrained(init_from, dict(dropout=0.0))
-    except Exception as e:  # no transformers package, or no network to the model hub
-        die(f"--init_from={init_from} needs the transformers package and network access to download the "
-            f"weights, and that failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        model = pretrained_gpt(init_from, dropout=0.0)
+    except CheckpointError as e:
+        die(str(e))
 model.eval()
 model.to(device)
 if compile:

@@ -1,0 +1,99 @@
+"""The house's import graph: no circles among our modules (every `import` statement counts, those
+inside functions too: a local import is how a circle hides), and `import model` stays light."""
+import ast
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def our_modules():
+    """{module name: file} for the top-level scripts and modules and the normgnorm package's files."""
+    found = {}
+    for name in os.listdir(REPO):
+        if name.endswith(".py"):
+            found[name[:-3]] = os.path.join(REPO, name)
+    package = os.path.join(REPO, "normgnorm")
+    for name in os.listdir(package):
+        if name.endswith(".py"):
+            found["normgnorm" if name == "__init__.py" else f"normgnorm.{name[:-3]}"] = os.path.join(package, name)
+    return found
+
+
+def import_graph():
+    """{module: set of our modules it imports}, from the ast of each file."""
+    modules = our_modules()
+    graph = {}
+    for name, path in modules.items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x, from .x import y
+                    base = f"{package}.{base}" if base else package
+                # `from package import submodule` imports the submodule; `from module import name`, the module
+                submodules = {f"{base}.{alias.name}" for alias in node.names} & set(modules)
+                targets.update(submodules or {base})
+        # a package's own modules load it first by Python's rule: that is no circle
+        graph[name] = {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def find_cycle(graph):
+    """One import circle as a list of modules (first == last), or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt, path + [nxt])
+                if cycle:
+                    return cycle
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = visit(start, [start])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_our_modules_import_each_other_without_circles():
+    graph = import_graph()
+    assert {"model", "checkpoint", "gnstracking", "ddpgns", "estimator", "buffered"} <= set(graph)
+    assert "checkpoint" in graph["train"] and "buffered" in graph["gnstracking"]  # the graph sees imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = [n for n in our_modules() if n.isidentifier() or "." in n]
+    names = [n for n in names if n not in ("train", "sample", "configurator")]  # scripts: they run on import
+    code = "import importlib, sys\nfor n in sys.argv[1:]: importlib.import_module(n)"
+    p = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_import_model_does_not_import_the_estimators():
+    code = ("import sys, model\n"
+            "print(' '.join(m for m in ('gnstracking', 'estimator', 'ddpgns', 'gnshooks', 'microbatch_gns', "
+            "'checkpoint', 'tracker') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == ""
