@@ -14,6 +14,7 @@ from dataclasses import fields
 import torch
 
 from model import ARCHITECTURE_CHOICES, GPT, GPTConfig
+from tracker import atomic_write
 
 
 class CheckpointError(Exception):
@@ -43,18 +44,12 @@ def read_checkpoint(path, device='cpu'):
 
 
 def write_checkpoint(checkpoint, path):
-    """torch.save to path atomically: path.tmp, fsynced, then renamed, so a crash mid-write leaves
-    the previous file intact. A failed write (a full disk) leaves no partial file and raises
-    CheckpointError, one line saying why."""
+    """torch.save to path atomically (tracker.atomic_write), so a crash mid-write leaves the previous
+    file intact. A failed write (a full disk) leaves no partial file and raises CheckpointError, one
+    line saying why."""
     try:
-        with open(path + '.tmp', 'wb') as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + '.tmp', path)
+        atomic_write(path, lambda f: torch.save(checkpoint, f))
     except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
-        if os.path.exists(path + '.tmp'):
-            os.remove(path + '.tmp')
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         full = getattr(e, 'errno', None) == errno.ENOSPC or free < (1 << 26)
         why = f"the disk is full ({free:,} bytes free)" if full else str(e).strip().splitlines()[0][:160]

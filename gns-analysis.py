@@ -40,6 +40,7 @@ from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, l
 from gnsmath import (EMA_BETA, PREFIXES, debiased_ema, layer_type, parse_column, total_columns,
                      unbiased_estimates)
 from reference_names import refuse_module_names
+from tracker import atomic_write
 
 TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
 # known estimators, in the order they are tried as the main one and listed; others follow, ddp last
@@ -619,7 +620,7 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
     print(summary(results, info, path, args.alpha))
     out_path = os.path.join(os.path.dirname(path), "gns_analysis.csv")
     try:
-        results.to_csv(out_path, index=False)
+        atomic_write(out_path, lambda f: results.to_csv(f, index=False), mode="w")
     except OSError as e:
         print(f"gns-analysis.py: error: cannot write {out_path} ({e.strerror})", file=sys.stderr)
         return 1

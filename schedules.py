@@ -9,6 +9,8 @@ import math
 import os
 import stat
 
+from tracker import atomic_write
+
 # A schedule is a few lines. A bigger file is a mistake (a log or a dataset copied over it):
 # refused unread, so it can neither stall a step nor fill the log.
 MAX_SCHEDULE_BYTES = 64 * 1024
@@ -181,10 +183,7 @@ class GradAccumSchedule:
                 parse_schedule(text, max_steps)
             except ValueError as e:
                 raise ValueError(f"batch-size schedule for {path}: {e}") from None
-            tmp = path + '.tmp'
-            with open(tmp, 'w', encoding='utf-8') as f:
-                f.write(text)
-            os.replace(tmp, path)
+            atomic_write(path, lambda f: f.write(text), mode='w')
         try:  # a run does not start on a file it would refuse
             self._text = read_schedule_file(path)
             self.points = parse_schedule(self._text, max_steps)

@@ -23,7 +23,9 @@ log.csv is always either the old or the new complete file.
 
 A write that fails (a full disk, ...) raises LogWriteError, one line naming the file, and
 leaves the file as it was: a failed append is cut back to the previous complete row, a failed
-rewrite removes its .tmp. log.csv, log.csv.rejected and config.json are all written this way.
+rewrite removes its .tmp. log.csv, log.csv.rejected and config.json are all written this way,
+through atomic_write(), the one helper every file we write whole goes through (checkpoints, the
+batch-size schedule, the analysis's CSV, the prepared datasets too).
 
 Resume: LogWrapper(..., resume_step=k) keeps the rows of steps before k and cuts the file in
 place before the first row of a step at or after k (written before the crash, they are about to
@@ -103,21 +105,32 @@ def _write_all(fd, data):
         view = view[os.write(fd, view):]
 
 
-def _replace_file(path, write, what):
-    """Write path through path.tmp + fsync + os.replace, so readers see the old file or the new one, whole."""
+def atomic_write(path, write, mode="wb"):
+    """
+    Every file we write whole goes through here: write(f) fills path.tmp (opened with `mode`, "wb"
+    or "w" for UTF-8 text), which is fsynced, renamed over path with os.replace, and the directory
+    fsynced, so readers (and a machine that loses power) see the old file or the new one, whole.
+    On any failure path.tmp is removed and the error raised as it was.
+    """
     tmp = path + ".tmp"
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, mode, **({} if "b" in mode else dict(encoding="utf-8", newline=""))) as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException as e:
+    except BaseException:
         _remove_quietly(tmp)
-        if isinstance(e, OSError):
-            raise _write_failed(path, e, what) from None
         raise
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _replace_file(path, write, what):
+    """atomic_write, its OSError a LogWriteError saying what failed."""
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        raise _write_failed(path, e, what) from None
 
 
 def _append_file(fd, size, data, path, what):

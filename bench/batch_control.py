@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.runs import add_run_options, check_train_flags, train_once  # noqa: E402
 from csv_tools import ToolParser, figure, load_log  # noqa: E402
+from tracker import atomic_write  # noqa: E402
 
 BATCH, BLOCK, FLOOR, CEILING = 4, 64, 1, 8  # micro-batch examples and tokens; accumulation floor and ceiling
 TRAIN_FLAGS = dict(
@@ -140,10 +141,9 @@ def main(argv=None):
     if target is None:
         target = max(evaluations(log)[2][-1] for log in logs.values())
     runs, table = summarise(logs, target)
-    runs.to_csv(os.path.join(args.out_dir, 'results.csv'), index=False)
+    atomic_write(os.path.join(args.out_dir, 'results.csv'), lambda f: runs.to_csv(f, index=False), mode='w')
     text = markdown(table, target, args.seeds)
-    with open(os.path.join(args.out_dir, 'results.md'), 'w') as f:
-        f.write(text + "\n")
+    atomic_write(os.path.join(args.out_dir, 'results.md'), lambda f: f.write(text + "\n"), mode='w')
     print(text)
     first = {s: logs[(s, 1)] for s in settings}
     for x_label, x_of in (('tokens', lambda t, s: t), ('optimizer steps', lambda t, s: s)):

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.runs import add_run_options, check_train_flags, train_once  # noqa: E402
 from csv_tools import ToolParser  # noqa: E402
+from tracker import atomic_write  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))
 gns_analysis = importlib.util.module_from_spec(spec)
@@ -71,15 +72,14 @@ def main(argv=None):
             rows.append(dict(family=family, seed=seed, steps=c['steps'], ratio_median=c['ratio_median'],
                              pearson=c['pearson']))
     runs = pd.DataFrame(rows)
-    runs.to_csv(os.path.join(args.out_dir, 'results.csv'), index=False)
+    atomic_write(os.path.join(args.out_dir, 'results.csv'), lambda f: runs.to_csv(f, index=False), mode='w')
     lines = [f"normalisation-only vs total GNS, EMA alpha {args.alpha} (steps after both EMAs' window)", "",
              "| family | seed | steps | median ratio | Pearson r |", "|---|---|---|---|---|"]
     lines += [f"| {r.family} | {r.seed} | {r.steps} | {r.ratio_median:.3f} | {r.pearson:.3f} |" for r in runs.itertuples()]
     for family, g in runs.groupby('family', sort=False):
         lines.append(f"| {family} | mean | | {g.ratio_median.mean():.3f} | {g.pearson.mean():.3f} |")
     text = "\n".join(lines)
-    with open(os.path.join(args.out_dir, 'results.md'), 'w') as f:
-        f.write(text + "\n")
+    atomic_write(os.path.join(args.out_dir, 'results.md'), lambda f: f.write(text + "\n"), mode='w')
     print(text)
     return 0
 

@@ -60,6 +60,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from csv_tools import ToolParser  # noqa: E402
+from tracker import atomic_write  # noqa: E402
 
 # train.py's flags of a Llama-style model (model.GPTConfig's options)
 LLAMA = dict(norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False)
@@ -441,12 +442,12 @@ def main(argv=None):
           f"between rounds, a wide range says the machine was noisy; peak memory: "
           f"{'not measured (--no_memory)' if args.no_memory else mem_what + ', one run each'})")
     if args.csv:
+        def write(f):
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
         try:  # whole or not at all: an interrupted write leaves the previous file
-            with open(args.csv + '.tmp', 'w', newline='') as f:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
-            os.replace(args.csv + '.tmp', args.csv)
+            atomic_write(args.csv, write, mode='w')
         except OSError as e:
             print(f"bench/throughput.py: error: cannot write {args.csv} ({e.strerror})", file=sys.stderr)
             return 1

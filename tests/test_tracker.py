@@ -738,3 +738,43 @@ def test_a_resume_that_cannot_write_leaves_both_files_as_they_were(tmp_path, mon
     assert (out / "log.csv").read_bytes() == raw
     assert not (out / "log.csv.tmp").exists()
     assert (out / "log.csv.rejected").read_bytes() == b""  # not saved, or cut back: never twice
+
+
+# -- atomic_write: every file written whole ------------------------------------------------------
+
+def test_atomic_write_replaces_whole_and_fsyncs_file_and_directory(tmp_path, monkeypatch):
+    path = str(tmp_path / "f.txt")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(tracker_module.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                                real_fsync(fd)))
+    tracker_module.atomic_write(path, lambda f: f.write("new\n"), mode="w")
+    assert open(path).read() == "new\n" and not os.path.exists(path + ".tmp")
+    assert synced == [path + ".tmp", str(tmp_path)]  # the file before the rename, the directory after
+
+
+def test_atomic_write_that_fails_keeps_the_old_file_and_no_tmp(tmp_path):
+    path = str(tmp_path / "f.bin")
+    tracker_module.atomic_write(path, lambda f: f.write(b"old"))
+
+    def half_then_fail(f):
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError):
+        tracker_module.atomic_write(path, half_then_fail)
+    assert open(path, "rb").read() == b"old" and os.listdir(tmp_path) == ["f.bin"]
+
+
+def test_only_atomic_write_renames_files_into_place():
+    """One home for the tmp + fsync + os.replace sequence: no other source of ours calls os.replace
+    (but normgnorm/cuda_ext.py, which renames the object file nvcc wrote into the build cache)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    callers = []
+    for folder, _, files in os.walk(root):
+        parts = os.path.relpath(folder, root).split(os.sep)
+        if any(part.startswith(".") and part != "." or part in ("tests", "__pycache__") for part in parts):
+            continue
+        for name in files:
+            if name.endswith(".py") and "os.replace(" in open(os.path.join(folder, name)).read():
+                callers.append(os.path.relpath(os.path.join(folder, name), root))
+    assert sorted(callers) == ["normgnorm/cuda_ext.py", "tracker.py"]

@@ -15,6 +15,9 @@ import sys
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
+from tracker import atomic_write  # noqa: E402  (every file written whole goes through it)
+
 # `datasets`, `tiktoken` and `tqdm` are imported where they are used, so that --help is instant.
 
 
@@ -56,18 +59,21 @@ def write_memmaps(tokenized, out_dir, total_batches=1024):
         if n_tokens == 0:
             raise PrepareError(f"the {split} split has no tokens")
         path = os.path.join(out_dir, f"{split}.bin")
-        arr = np.memmap(path, dtype=np.uint16, mode="w+", shape=(n_tokens,))
-        n_shards = min(total_batches, len(dset))
-        idx = 0
-        for shard_idx in tqdm(range(n_shards), desc=f"writing {path}"):
-            shard = dset.shard(num_shards=n_shards, index=shard_idx, contiguous=True).with_format("numpy")
-            ids = np.concatenate(shard["ids"])
-            if ids.max() >= 2**16:  # uint16 would silently wrap it
-                raise PrepareError(f"token id {ids.max()} does not fit uint16")
-            arr[idx:idx + len(ids)] = ids
-            idx += len(ids)
-        arr.flush()
-        del arr
+
+        def write(f):  # into path.tmp, renamed over path once whole (atomic_write)
+            arr = np.memmap(f, dtype=np.uint16, mode="w+", shape=(n_tokens,))
+            n_shards = min(total_batches, len(dset))
+            idx = 0
+            for shard_idx in tqdm(range(n_shards), desc=f"writing {path}"):
+                shard = dset.shard(num_shards=n_shards, index=shard_idx, contiguous=True).with_format("numpy")
+                ids = np.concatenate(shard["ids"])
+                if ids.max() >= 2**16:  # uint16 would silently wrap it
+                    raise PrepareError(f"token id {ids.max()} does not fit uint16")
+                arr[idx:idx + len(ids)] = ids
+                idx += len(ids)
+            arr.flush()
+            del arr
+        atomic_write(path, write, mode="w+b")
         paths[split] = path
     return paths
 

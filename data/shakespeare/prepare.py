@@ -19,7 +19,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for the shared modules
-from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, run_prepare  # noqa: E402
+from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, atomic_write, run_prepare  # noqa: E402
 from gpt2_bpe import GPT2EncodingError, gpt2_encoding  # noqa: E402
 
 
@@ -34,7 +34,7 @@ def encode_and_split(text, encode, out_dir):
         if ids.max() >= 2**16:  # GPT-2's ids stop at 50256; another encoding's must not wrap silently
             raise PrepareError(f"token id {ids.max()} does not fit uint16")
     for split, ids in splits.items():
-        ids.astype(np.uint16).tofile(os.path.join(out_dir, f"{split}.bin"))
+        atomic_write(os.path.join(out_dir, f"{split}.bin"), ids.astype(np.uint16).tofile)
     return len(splits["train"]), len(splits["val"])
 
 

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # data/, for fetch.py
-from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, run_prepare  # noqa: E402
+from fetch import TEXT_SOURCES_HELP, PrepareError, add_text_arguments, atomic_write, run_prepare  # noqa: E402
 
 
 def encode_and_split(text, out_dir):
@@ -28,11 +28,10 @@ def encode_and_split(text, out_dir):
     itos = {i: ch for i, ch in enumerate(chars)}
     ids = np.array([stoi[ch] for ch in text], dtype=np.uint16)
     n_train = int(len(ids) * 0.9)
-    ids[:n_train].tofile(os.path.join(out_dir, "train.bin"))
-    ids[n_train:].tofile(os.path.join(out_dir, "val.bin"))
+    atomic_write(os.path.join(out_dir, "train.bin"), ids[:n_train].tofile)
+    atomic_write(os.path.join(out_dir, "val.bin"), ids[n_train:].tofile)
     meta = {"vocab_size": len(chars), "itos": itos, "stoi": stoi}
-    with open(os.path.join(out_dir, "meta.pkl"), "wb") as f:
-        pickle.dump(meta, f)
+    atomic_write(os.path.join(out_dir, "meta.pkl"), lambda f: pickle.dump(meta, f))
     return meta, n_train, len(ids) - n_train
 
 
