@@ -79,9 +79,10 @@ def check_train_config(config, places=None):
     """
     places = places or {}
     from layer_config import FLAG_CLASSES  # here: imports torch
+    from schedules import LR_DECAY_SHAPES
     choices = {**{flag: tuple(values) for flag, values in FLAG_CLASSES.items()},
                'gns_hooks': ('none', 'sogns', 'exact'), 'dtype': ('float32', 'bfloat16', 'float16'),
-               'lr_decay_shape': ('linear', 'cosine')}
+               'lr_decay_shape': LR_DECAY_SHAPES}
     for key, allowed in choices.items():
         if config[key] not in allowed:
             die(f"--{key}={config[key]!r} is not one of {', '.join(allowed)}")

@@ -1,6 +1,6 @@
 """
-Reading out_dir/log.csv robustly, for gns-analysis.py, plot.py and a resuming LogWrapper, and
-the little those command-line tools share (one-line errors, terminal plots).
+Reading out_dir/log.csv robustly, for gns-analysis.py, plot.py and the bench scripts, and the
+little those command-line tools share (one-line errors, terminal plots).
 
 A log may be finished, still being written, or cut short by a kill in the middle of a write.
 Every complete line ends in a newline, so a last line without one is a write cut short and is
@@ -29,7 +29,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
-LOG_NAME = "log.csv"
+from gnsmath import LOG_NAME, X_COLUMNS
 REFERENCE_PAIR = ("log_header.csv.tmp", "log_data.csv.tmp")  # the reference's log while its run lasts
 TENSOR_CELL = re.compile(r"^\s*tensor\(\s*([^,()\s]+)\s*(?:,[^()]*)?\)\s*$")
 _EXTRA = "\0cells beyond the header"  # a column no header has: catches rows longer than the header
@@ -40,21 +40,6 @@ PANDAS_NA = ["", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan
 
 class LogError(Exception):
     """A log that cannot be read; the message is one line for the user."""
-
-
-def complete_lines(path):
-    """The file's text lines, each ending in a newline; a last line without one is dropped."""
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                return
-            yield line.decode("utf-8")
-
-
-def read_rows(path):
-    """(header, iterator over the remaining rows as lists of strings) of a CSV, truncated last line dropped."""
-    rows = csv.reader(complete_lines(path))
-    return next(rows, None), rows
 
 
 def complete_size(f):
@@ -235,7 +220,7 @@ def run_main(main):
 
 def figure(series, x_label, y_label, scatter=False, width=72, height=16):
     """A plotille figure of [(xs, ys, label)], non-finite points dropped, at most ~2000 points each."""
-    import plotille  # here, not at the top: LogWrapper imports this module during training
+    import plotille  # here, not at the top: the tools' --help and errors need not load it
     fig = plotille.Figure()
     fig.width, fig.height, fig.x_label, fig.y_label = width, height, x_label, y_label
     fig.origin = False  # no axis lines through 0: they read as data
@@ -259,8 +244,8 @@ def figure(series, x_label, y_label, scatter=False, width=72, height=16):
 
 
 def x_axis(frame):
-    """(name, values) of tokens_processed if logged, else iter_num, else step."""
-    for col in ("tokens_processed", "iter_num", "step"):
+    """(name, values) of the first of X_COLUMNS logged: tokens_processed, else iter_num, else step."""
+    for col in X_COLUMNS:
         if col in frame.columns:
             values = pd.to_numeric(frame[col], errors="coerce").to_numpy(dtype=float)
             if np.isfinite(values).any():

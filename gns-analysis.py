@@ -37,8 +37,8 @@ import pandas as pd
 
 from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
-from gnsmath import (EMA_BETA, PREFIXES, debiased_ema, layer_type, parse_column, total_columns,
-                     unbiased_estimates)
+from gnsmath import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, REQUIRED_KINDS, debiased_ema, layer_type, parse_column,
+                     total_columns, unbiased_estimates)
 from reference_names import refuse_module_names
 from tracker import atomic_write
 
@@ -94,7 +94,7 @@ def find_estimators(df):
         if parts:
             found.setdefault(parts[0], {}).setdefault(parts[1], {})[parts[2]] = col
     # a prefix is an estimator if one of its parameters has the norm and pegn pair
-    found = {p: names for p, names in found.items() if any({"norm", "pegn"} <= set(c) for c in names.values())}
+    found = {p: names for p, names in found.items() if any(set(NORM_KINDS) <= set(c) for c in names.values())}
     order = [p for p in KNOWN_PREFIXES if p in found] + [p for p in found if p not in KNOWN_PREFIXES]
     estimators = {p: found[p] for p in order}
     if all(c in df.columns for c in DDP_COLUMNS.values()) and DDP not in estimators:
@@ -118,7 +118,7 @@ def load_estimator(df, prefix, columns):
     and bad_examples (the other cells that are not finite numbers: how many, and the first few as
     'step N name/kind (cell)'). Raises AnalysisError if nothing is left.
     """
-    complete = {n: c for n, c in columns.items() if {"norm", "pegn", "batch_size"} <= set(c)}
+    complete = {n: c for n, c in columns.items() if set(REQUIRED_KINDS) <= set(c)}
     incomplete = sorted(set(columns) - set(complete))
     if not complete:
         has = ", ".join(sorted(columns[incomplete[0]]))
@@ -132,16 +132,16 @@ def load_estimator(df, prefix, columns):
     overflow = np.zeros(len(df), dtype=bool)
     bad_cells, bad_examples = 0, []
     for i, name in enumerate(names):
-        for kind, out in (("norm", big_sq), ("pegn", small_sq), ("batch_size", B), ("small_batch_size", b)):
+        for kind, out in zip(KINDS, (big_sq, small_sq, B, b)):  # norm, pegn, batch_size, small_batch_size
             if kind not in complete[name]:
                 continue  # no small_batch_size: b = 1, per-example
             cells = df[complete[name][kind]]
             values, bad = read_cells(cells)
-            out[:, i] = values ** 2 if kind in ("norm", "pegn") else values
+            out[:, i] = values ** 2 if kind in NORM_KINDS else values
             if not bad.any():
                 continue
             rows = np.flatnonzero(bad)
-            if kind in ("norm", "pegn"):  # inf or nan written as a number: an overflow
+            if kind in NORM_KINDS:  # inf or nan written as a number: an overflow
                 text = cells.iloc[rows].astype(str).str.strip().str.lower()
                 number = np.isinf(values[rows]) | text.isin(NOT_NUMBERS).to_numpy()
                 overflow[rows[number]] = True

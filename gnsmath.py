@@ -1,7 +1,7 @@
 """
 The gradient noise scale maths and log.csv's GNS column names, without torch: what a training
 run's estimators (gnstracking.py) and the offline analysis (gns-analysis.py) share, so that the
-analysis starts without loading torch.
+analysis starts without loading torch (and tracker.py, which reads the log's name, without numpy).
 
 Maths (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A): from the
 squared norms |G_B|^2 of a step's mean gradient over B examples and |G_b|^2, the mean squared norm
@@ -10,8 +10,6 @@ a bias-corrected EMA (GradientNoiseScale online, debiased_ema() over a log's col
 is the ratio of the two EMAs, never an EMA of ratios.
 """
 import math
-
-import numpy as np
 
 # ---------------------------------------------------------------------------------------------
 # The maths: the unbiased estimates and their bias-corrected EMA (McCandlish et al. 2018, App. A)
@@ -27,6 +25,7 @@ def unbiased_estimates(big_sq, small_sq, B, b=1):
         |G|^2 ~ (B |G_B|^2 - b |G_b|^2) / (B - b),    tr(S) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B).
     Floats or arrays, elementwise; NaN where B <= b or b < 1 (nothing to estimate from).
     """
+    import numpy as np  # here: tracker.py reads the column names without loading numpy
     B, b = np.asarray(B, dtype=float), np.asarray(b, dtype=float)
     ok = (b >= 1) & (B > b)
     B, b = np.where(ok, B, np.nan), np.where(ok, b, np.nan)
@@ -117,6 +116,7 @@ def debiased_ema(x, alpha):
     (EMA, estimates seen) of the series x at every step: GradientNoiseScale's debiased average with
     beta = alpha over x's finite entries; the others carry the previous EMA forward (NaN before the first).
     """
+    import numpy as np
     import pandas as pd  # the analysis' dependency, not training's
     x = pd.Series(np.where(np.isfinite(x), x, np.nan))
     # pandas' adjusted EWM is exactly sum_i alpha^i x_{t-i} / sum_i alpha^i = the debiased EMA
@@ -131,11 +131,16 @@ def debiased_ema(x, alpha):
 # /small_batch_size (b; absent: b = 1). The DDP estimator logs model totals under ddp/, named after
 # Measurement's fields (the reference's columns): ddp/big_batch_norm, ...
 
+LOG_NAME = "log.csv"  # out_dir/LOG_NAME: one row per step, first column `step` (tracker.py writes it)
+# the x axes a log offers, the first one logged being the default (tokens, then nanoGPT's iterations)
+X_COLUMNS = ("tokens_processed", "iter_num", "step")
 PREFIXES = dict(exact="train/gns", hooks_exact="train/hooks_gns", hooks_sogns="train/sogns",
                 microbatch="train/microbatch_gns", ddp="ddp")
 # the kind of a cell -> the Measurement field it holds
 KINDS = {"norm": "big_batch_norm", "pegn": "small_batch_norm", "batch_size": "big_batch_size",
          "small_batch_size": "small_batch_size"}
+NORM_KINDS = ("norm", "pegn")  # the cells that hold norms; the others hold batch sizes
+REQUIRED_KINDS = (*NORM_KINDS, "batch_size")  # every measured parameter's; small_batch_size only where b > 1
 
 
 def column(prefix, name, kind):

@@ -18,23 +18,22 @@ Exit status: 0 done; 2 bad input (usage, a missing, unreadable or invalid log, a
 not there), one line on stderr; 1 the plot could not be written, one line on stderr.
 """
 import fnmatch
-import re
 import sys
 
 import pandas as pd
 
 from csv_tools import LogError, ToolParser, figure, load_log, log10_positive, log_columns, run_main, x_axis
+from gnsmath import X_COLUMNS, parse_column
 from reference_names import refuse_module_names
 
 DEFAULT_COLUMNS = ["train/loss", "val/loss"]
-X_COLUMNS = ["tokens_processed", "iter_num", "step"]  # the default x axis: the first one logged
 MAX_LINES = 8  # lines per plot; more are hard to tell apart
 
 
 def available(columns, n=8):
     """A few of the log's columns for an error message, the many per-parameter GNS ones summarised."""
     cols = [c for c in columns if c != "step"]
-    per_param = [c for c in cols if re.search(r"/(norm|pegn|batch_size)$", c)]
+    per_param = [c for c in cols if parse_column(c)]
     others = [c for c in cols if c not in set(per_param)]
     shown = others[:n] + ([f"{len(per_param)} per-parameter columns like {per_param[0]}"] if per_param else [])
     return ", ".join(shown) + (f" ({len(cols)} columns; --list shows all)" if len(others) > n or per_param else "") or "none"
@@ -46,12 +45,11 @@ def main(argv=None):
         description="Plot logged metrics of a run in the terminal, from OUT_DIR/log.csv. The reference "
                     "implementation's flags work too: --x-axis (= --x), --log-y (= --logy), --log-x, "
                     "--max-tokens. Exit status: 0 done, 2 bad input, 1 the plot could not be written.")
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="the run's output directory (holding log.csv), or a log CSV file")
+    parser.add_argument("out_dir", metavar="OUT_DIR", nargs="?", help="the run's output directory (holding log.csv), or a log CSV file")
     parser.add_argument("columns", metavar="COLUMN", nargs="*",
                         help="column names or globs, one plot each (default: train/loss and val/loss, as logged)")
     parser.add_argument("--x", "--x-axis", default=None,
-                        help="x axis column, e.g. tokens_processed, iter_num or step "
-                             "(default: tokens_processed if logged, else iter_num, else step)")
+                        help=f"x axis column, e.g. {', '.join(X_COLUMNS)} (default: the first of them logged)")
     parser.add_argument("--logy", "--log-y", action="store_true",
                         help="plot log10 of the values (non-positive ones are skipped)")
     parser.add_argument("--log-x", action="store_true", help="plot over log10 of x (non-positive x are skipped)")
@@ -61,6 +59,8 @@ def main(argv=None):
     parser.add_argument("--height", type=int, default=16, help="plot height in lines (default: 16)")
     parser.add_argument("--list", action="store_true", help="list the log's columns and exit")
     args = parser.parse_intermixed_args(argv)  # options may come between the columns
+    if args.out_dir is None:  # argparse would call the optional COLUMNs required too
+        parser.error("the following argument is required: OUT_DIR")
     if args.width < 10 or args.height < 3:
         parser.error("--width must be at least 10 and --height at least 3")
 

@@ -49,9 +49,9 @@ import re
 import string
 import warnings
 
+from gnsmath import LOG_NAME
 from reference_names import refuse_module_names, refused
 
-LOG_NAME = "log.csv"
 REJECTED_SUFFIX = ".rejected"  # malformed rows a resume took out of log.csv, appended to log.csv.rejected
 MAX_REPORTED = 5  # problems a resume reports one line each; the rest as a count
 

@@ -176,3 +176,25 @@ def test_memory_is_about_what_is_plotted(tmp_path):
     baseline = peak_rss(sys.executable, SCRIPT, tmp_path / "short", *args)
     peak = peak_rss(sys.executable, SCRIPT, tmp_path / "long", *args)
     assert size > 10e6 and peak - baseline < 0.5 * size, (peak - baseline) / size
+
+
+def test_no_arguments_asks_for_out_dir_alone(capsys):
+    """COLUMN is optional (train/loss and val/loss by default): only OUT_DIR is required."""
+    with pytest.raises(SystemExit) as e:
+        plot_tool.main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert "OUT_DIR" in err and "COLUMN" not in err
+
+
+def test_small_batch_size_columns_count_as_per_parameter_columns(tmp_path, capsys):
+    """The per-parameter columns are gnsmath's (parse_column), small_batch_size included."""
+    with LogWrapper(out_dir=tmp_path) as log:
+        for it in range(3):
+            log.log({"iter_num": it, "train/loss": 1.0})
+            log.log({"train/microbatch_gns/h.0.weight/norm": 1.0, "train/microbatch_gns/h.0.weight/pegn": 2.0,
+                     "train/microbatch_gns/h.0.weight/batch_size": 8,
+                     "train/microbatch_gns/h.0.weight/small_batch_size": 2})
+            log.step()
+    code, _, err = plot(capsys, tmp_path, "nope")
+    assert code == 2 and "4 per-parameter columns like" in err and "small_batch_size" not in err.split("like")[0]
