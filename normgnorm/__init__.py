@@ -17,8 +17,8 @@ RMSNorm (x̂ = x * rstd, rstd = 1 / sqrt(mean(x²) + eps), y = γ ⊙ x̂, no β
 centring (Zhang & Sennrich 2019): its dγ_b has the same form, and every implementation runs it through
 the LayerNorm code with the mean left out (`rms=True` in forward, `mean` None in backward).
 
-One autograd Function, `PEGLayerNorm` (called with the reference implementation's arguments),
-`layer_norm` (the same in fused_gns.py's argument order) and `rms_norm`, with three
+Two functions, `layer_norm` and `rms_norm` (the reference implementation's `PEGLayerNorm`, with
+its seven arguments, is an adapter onto layer_norm's autograd Function, at the end), with three
 implementations behind:
 - "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
@@ -186,70 +186,50 @@ def _buffer_layout(name, buffer, pair_allowed=True):
     raise ValueError(f"{name} must be {layouts}, not {buffer.dtype} of shape {tuple(buffer.shape)}")
 
 
-class PEGLayerNorm(torch.autograd.Function):
-    """
-    LayerNorm forward and backward as one autograd Function; the backward also adds
-    Σ_b ||dγ_b||², Σ_b ||dβ_b||² to the float32 buffers and B to example_count (when given):
+def _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
+    """The forward of the layer_norm Functions (ours and the reference's PEGLayerNorm): y, with what
+    the backward needs kept in ctx. In eager mode the implementation is called directly (the
+    registered op's Python dispatch costs about as much as a small LayerNorm itself); under
+    torch.compile the registered op, which the compiler keeps whole."""
+    if torch.compiler.is_compiling():
+        # the op's buffer inputs serve its own autograd (layer_norm below); the Function keeps the
+        # buffers itself, so the op gets a placeholder
+        unused = x.new_zeros((), dtype=torch.float32)
+        y, mean, rstd = _layer_norm_fwd(x, weight, bias, unused, None, unused, eps, backend)
+    else:
+        y, mean, rstd = _forward(x, weight, bias, eps, backend)
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
+    ctx.has_bias = bias is not None
+    ctx.backend = backend
+    return y
 
-        y = PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm,
-                               normalized_shape, eps[, example_count[, backend]])
 
-    The first seven arguments are the reference implementation's, so code written for it runs
-    unchanged: its buffers, 2-element [sum, count] pairs (torch.zeros(2)), get [Σ_b ||dγ_b||², B]
-    and [Σ_b ||dβ_b||², B] added, as the reference adds them; this fork's are 0-dim sums. Either
-    may be None (not measured), and only parameters that receive a gradient are measured.
-    In eager mode this calls the chosen implementation directly (the registered op's Python
-    dispatch costs about as much as a small LayerNorm itself); under torch.compile it calls the
-    registered ops, which the compiler keeps whole. Under CUDA autocast it runs in float32 with
-    a float32 output, as torch's layer_norm does.
-    """
+def _layer_norm_backward(ctx, dy):
+    """dx, dγ, dβ (None where not needed), the per-example norms added to the buffers ctx keeps."""
+    x, weight, mean, rstd = ctx.saved_tensors
+    # only parameters that receive a gradient are measured
+    need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+    if torch.compiler.is_compiling():
+        dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+        return dx, (dw if need_dw else None), (db if need_db else None)
+    return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+
+
+class _LayerNormFn(torch.autograd.Function):
+    """layer_norm's autograd Function, in our argument order; under CUDA autocast it runs in float32
+    with a float32 output, as torch's layer_norm does."""
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
-    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, normalized_shape, eps=1e-5,
-                example_count=None, backend=None):
-        D = x.shape[-1] if x.dim() else None
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        if shape != (D,) or weight.shape != (D,):
-            raise ValueError(f"PEGLayerNorm normalizes over the last dimension only: normalized_shape "
-                             f"{shape} and weight {tuple(weight.shape)} must both be ({D},) for input {tuple(x.shape)}")
-        ctx.pairs = (_buffer_layout("PEGLayerNorm's weight_sqgradnorm", weight_sqgradnorm),
-                     _buffer_layout("PEGLayerNorm's bias_sqgradnorm", bias_sqgradnorm))
-        _buffer_layout("PEGLayerNorm's example_count", example_count, pair_allowed=False)
-        backend = backend or ""
-        if torch.compiler.is_compiling():
-            # the op's buffer inputs serve its own autograd (layer_norm below); this Function
-            # keeps the buffers itself, so the op gets a placeholder
-            unused = x.new_zeros((), dtype=torch.float32)
-            y, mean, rstd = _layer_norm_fwd(x, weight, bias, unused, None, unused, eps, backend)
-        else:
-            y, mean, rstd = _forward(x, weight, bias, eps, backend)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
-        ctx.has_bias = bias is not None
-        ctx.backend = backend
-        return y
+    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
+        return _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
+                                   backend)
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        # only parameters that receive a gradient are measured
-        need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-        # the implementations add to 0-dim sums: a pair, or a missing buffer, gets a fresh one
-        sums = [buf if buf is not None and not pair else x.new_zeros((), dtype=torch.float32)
-                for buf, pair in zip(ctx.bufs[:2], ctx.pairs)]
-        count = ctx.bufs[2] if ctx.bufs[2] is not None else x.new_zeros((), dtype=torch.float32)
-        if torch.compiler.is_compiling():
-            dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *sums, count, ctx.backend)
-            dw, db = (dw if need_dw else None), (db if need_db else None)
-        else:
-            dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *sums, count, ctx.backend)
-        num_examples = _examples_and_rows(x)[0]
-        for pair, buf, sq, needed in zip(ctx.pairs, ctx.bufs[:2], sums, (need_dw, need_db)):
-            if pair and needed:
-                buf.add_(torch.stack([sq, torch.full_like(sq, num_examples)]))
-        return dx, dw, db, None, None, None, None, None, None
+        return *_layer_norm_backward(ctx, dy), None, None, None, None, None
 
 
 def _check_buffers(entry, **buffers):
@@ -267,11 +247,18 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     """
     _check_buffers("layer_norm", weight_sqgradnorm=weight_sqgradnorm, bias_sqgradnorm=bias_sqgradnorm,
                    example_count=example_count)
+    if weight.shape != x.shape[-1:] or (bias is not None and bias.shape != weight.shape):
+        raise ValueError(f"normgnorm.layer_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
+                         f"must be ({x.shape[-1] if x.dim() else ''},) for input {tuple(x.shape)}")
+    if weight_sqgradnorm is None or example_count is None or (bias is not None and bias_sqgradnorm is None):
+        fresh = lambda: x.new_zeros((), dtype=torch.float32)  # noqa: E731  (a buffer not kept: not measured)
+        weight_sqgradnorm = fresh() if weight_sqgradnorm is None else weight_sqgradnorm
+        bias_sqgradnorm = fresh() if bias is not None and bias_sqgradnorm is None else bias_sqgradnorm
+        example_count = fresh() if example_count is None else example_count
     if torch.compiler.is_compiling():  # the op with its registered autograd: what the compiler traces
         return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
                                backend or "")[0]
-    return PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, x.shape[-1:], eps,
-                              example_count, backend)
+    return _LayerNormFn.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend or "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,8 +349,53 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
 
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names (CerebrasResearch/nanoGNS, exact/normgnorm/__init__.py).
-# Kept: PEGLayerNorm, with its seven arguments and its [sum, count] buffers. The rest fails at
-# once, saying what to use instead.
+# Kept: PEGLayerNorm, with its seven arguments and its [sum, count] buffers, an adapter onto
+# layer_norm's Function. The rest fails at once, saying what to use instead.
+
+class PEGLayerNorm(torch.autograd.Function):
+    """
+    The reference implementation's LayerNorm Function, kept so that code written for it runs
+    unchanged; our own code calls layer_norm. The backward also adds Σ_b ||dγ_b||², Σ_b ||dβ_b||²
+    to the float32 buffers and B to example_count (when given):
+
+        y = PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm,
+                               normalized_shape, eps[, example_count[, backend]])
+
+    Its buffers, 2-element [sum, count] pairs (torch.zeros(2)), get [Σ_b ||dγ_b||², B] and
+    [Σ_b ||dβ_b||², B] added, as the reference adds them; this fork's are 0-dim sums. Either may be
+    None (not measured), and only parameters that receive a gradient are measured.
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, normalized_shape, eps=1e-5,
+                example_count=None, backend=None):
+        D = x.shape[-1] if x.dim() else None
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        if shape != (D,) or weight.shape != (D,):
+            raise ValueError(f"PEGLayerNorm normalizes over the last dimension only: normalized_shape "
+                             f"{shape} and weight {tuple(weight.shape)} must both be ({D},) for input {tuple(x.shape)}")
+        pairs = (_buffer_layout("PEGLayerNorm's weight_sqgradnorm", weight_sqgradnorm),
+                 _buffer_layout("PEGLayerNorm's bias_sqgradnorm", bias_sqgradnorm))
+        _buffer_layout("PEGLayerNorm's example_count", example_count, pair_allowed=False)
+        # layer_norm's Function adds to 0-dim sums: a pair, or a missing buffer, gets a fresh one
+        fresh = lambda: x.new_zeros((), dtype=torch.float32)  # noqa: E731
+        sums = [buf if buf is not None and not pair else fresh()
+                for buf, pair in zip((weight_sqgradnorm, bias_sqgradnorm), pairs)]
+        ctx.pairs = tuple(zip(pairs, (weight_sqgradnorm, bias_sqgradnorm), sums))
+        return _layer_norm_forward(ctx, x, weight, bias, *sums, example_count if example_count is not None else fresh(),
+                                   eps, backend or "")
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        dx, dw, db = _layer_norm_backward(ctx, dy)
+        num_examples = _examples_and_rows(dy)[0]
+        for (pair, buf, sq), grad in zip(ctx.pairs, (dw, db)):
+            if pair and grad is not None:
+                buf.add_(torch.stack([sq, torch.full_like(sq, num_examples)]))
+        return dx, dw, db, None, None, None, None, None, None
+
 
 __getattr__ = refuse_module_names(__name__, {
     "layernorm_fwd": "use normgnorm.PEGLayerNorm.apply(x, weight, bias, ...) or normgnorm.layer_norm(x, weight, "
