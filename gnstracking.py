@@ -82,9 +82,8 @@ class MeasurementTracker:
     (which step() then reports as a count mismatch).
     """
 
-    def __init__(self, entries, callback=None, scaler=None, world_size=1, **reference_keywords):
+    def __init__(self, entries, callback=None, scaler=None, world_size=1):
         entries = list(entries)
-        _refuse_reference_constructor(entries, reference_keywords)
         if not all(isinstance(e, (tuple, list)) and len(e) == 4 for e in entries):
             raise ValueError("MeasurementTracker entries are (name, parameter, sqgradnorm buffer, count buffer) "
                              "tuples, as buffered.find_sqgradnorm_buffers returns; or use MeasurementTracker.from_model")
@@ -212,7 +211,11 @@ class MeasurementTracker:
         if self._buffers:
             torch._foreach_zero_(self._buffers)  # one call for all of them
 
-    # the reference implementation's attributes not kept here
+    # the reference implementation's constructor and attributes, not kept here: refused by name
+    def __new__(cls, entries=(), *args, **keywords):
+        _refuse_reference_constructor(entries, keywords)
+        return super().__new__(cls)
+
     params_and_buffers = refused("MeasurementTracker.params_and_buffers",
                                  "use .entries: (name, parameter, sqgradnorm buffer, count buffer) per parameter")
     indexes = refused("MeasurementTracker.indexes", "use .names (the parameters' names) or .entries")
@@ -421,7 +424,9 @@ def load_states(estimators, checkpoint):
 
 def _refuse_reference_constructor(entries, keywords):
     # the reference's MeasurementTracker(params_and_buffers, names, indexes, callback, scaler,
-    # shared_params) takes (parameter, buffer) pairs
+    # shared_params) takes (parameter, buffer) pairs; its keywords reach __new__, never __init__
+    keywords = {k: v for k, v in keywords.items() if k not in ("callback", "scaler", "world_size")}
+    entries = entries if isinstance(entries, (list, tuple)) else ()  # a generator stays for __init__
     if any(len(e) == 2 for e in entries if isinstance(e, (tuple, list))) or \
             set(keywords) & {"names", "indexes", "shared_params"}:
         raise ReferenceNameError(
