@@ -25,8 +25,10 @@ class ConfigError(Exception):
 
 
 def die(message):
-    """Bad input, for every tool here: one line on stderr and exit code 2, never a traceback."""
-    print(f"error: {message}", file=sys.stderr)
+    """Bad input, for every tool here: one line on stderr and exit code 2, never a traceback. Under
+    torchrun every process checks the same values: the first process of each node says it, once."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
