@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
 from normgnorm.torch_path import per_example_affine_grads, rms_norm_eps
-from reference_names import refuse_module_names, refused
+from reference_names import ReferenceNameError, refuse_module_names, refused
 
 
 def register_sqgradnorm_buffers(module):
@@ -355,19 +355,28 @@ class MeasuredLayer:
                                "norms, so it is not measured")
         return buf * self.example_count
 
-    weight_upegsqnorm = refused("PEGradNorm*.weight_upegsqnorm", "use weight_sqgradnorm (the running sum) and "
-                                "example_count (both float32 0-dim), or weight_pegsqnorm() for their product")
-    bias_upegsqnorm = refused("PEGradNorm*.bias_upegsqnorm", "use bias_sqgradnorm (the running sum) and "
-                              "example_count (both float32 0-dim), or bias_pegsqnorm() for their product")
-    marked_buffers = refused("PEGradNorm*.marked_buffers", "use buffered.find_sqgradnorm_buffers(model): "
-                             "(name, parameter, sum buffer, count buffer) per measured parameter")
-    named_buffers_with_marker = refused("PEGradNorm*.named_buffers_with_marker",
-                                        "use buffered.find_sqgradnorm_buffers(model): "
-                                        "(name, parameter, sum buffer, count buffer) per measured parameter")
-    register_marked_buffer = refused("PEGradNorm*.register_marked_buffer",
-                                     "use buffered.register_sqgradnorm_buffers(module)")
-    register_upegsqnorm_buffer = refused("PEGradNorm*.register_upegsqnorm_buffer",
-                                         "use buffered.register_sqgradnorm_buffers(module)")
+    def __getattr__(self, name):
+        # the reference implementation's names (_REFERENCE_LAYER_NAMES) are refused when asked for,
+        # and stay out of dir(); everything else is nn.Module's (parameters, buffers, submodules)
+        if name in _REFERENCE_LAYER_NAMES:
+            raise ReferenceNameError(f"PEGradNorm*.{name} is the reference implementation's and is not kept "
+                                     f"in this fork: {_REFERENCE_LAYER_NAMES[name]}")
+        return super().__getattr__(name)
+
+
+_SUM_AND_COUNT = "(both float32 0-dim)"
+_REFERENCE_LAYER_NAMES = {
+    "weight_upegsqnorm": f"use weight_sqgradnorm (the running sum) and example_count {_SUM_AND_COUNT}, "
+                         "or weight_pegsqnorm() for their product",
+    "bias_upegsqnorm": f"use bias_sqgradnorm (the running sum) and example_count {_SUM_AND_COUNT}, "
+                       "or bias_pegsqnorm() for their product",
+    "marked_buffers": "use buffered.find_sqgradnorm_buffers(model): (name, parameter, sum buffer, count buffer) "
+                      "per measured parameter",
+    "named_buffers_with_marker": "use buffered.find_sqgradnorm_buffers(model): (name, parameter, sum buffer, "
+                                 "count buffer) per measured parameter",
+    "register_marked_buffer": "use buffered.register_sqgradnorm_buffers(module)",
+    "register_upegsqnorm_buffer": "use buffered.register_sqgradnorm_buffers(module)",
+}
 
 
 # ---------------------------------------------------------------------------------------------

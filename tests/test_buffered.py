@@ -1010,6 +1010,16 @@ def test_reference_layer_attributes_not_kept_say_what_to_use(cls, args, name):
         getattr(layer, name)
 
 
+@pytest.mark.parametrize("cls,args", ALL)
+def test_reference_layer_names_stay_out_of_dir(cls, args):
+    """Refused when asked for, but not offered: dir() (tab completion, help()) lists our names only."""
+    layer = cls(*args)
+    assert not set(REFUSED_LAYER_NAMES) & set(dir(layer)) and not set(REFUSED_LAYER_NAMES) & set(dir(cls))
+    assert layer.weight is layer._parameters["weight"]  # nn.Module's own attributes still resolve
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        layer.no_such_attribute
+
+
 def test_separated_layernorm_has_no_layernorm_submodule():
     layer = PEGradNormSeparatedLayerNorm(4, True)
     with pytest.raises(ReferenceNameError, match="F.layer_norm"):
