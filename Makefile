@@ -3,7 +3,8 @@
 #   make test   sets up .venv with the test dependencies and runs the whole suite
 #   make gpu-check  on a CUDA machine whose python3 already has torch and triton (no venv):
 #               the GPU kernels' tests, their timing against torch's LayerNorm, the tuning
-#               sweep, and training throughput of a GPT-2 small against plain nanoGPT
+#               sweep, and training throughput of a GPT-2 small (bfloat16, eager then compiled) against
+#               plain nanoGPT: the paper's comparison in one command
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
@@ -33,6 +34,8 @@ gpu-check:
 	$(GPU_PY) bench/layernorm.py --sweep --iters 20
 	$(GPU_PY) bench/throughput.py --device cuda --dtype bfloat16 --n_layer 12 --n_embd 768 --n_head 12 \
 		--block_size 1024 --batch_size 8 --vocab_size 50304 --settings nn,ln-shim,ln-fused,all-gns --rounds 3
+	$(GPU_PY) bench/throughput.py --device cuda --dtype bfloat16 --n_layer 12 --n_embd 768 --n_head 12 \
+		--block_size 1024 --batch_size 8 --vocab_size 50304 --settings nn,ln-shim,ln-fused,all-gns --rounds 3 --compile
 
 clean:
 	rm -rf out-* .pytest_cache
