@@ -179,3 +179,31 @@ def layer_type(name):
     if any(p in ("wte", "wpe") for p in parts):
         return "Embedding"
     return "Linear"
+
+
+# ---------------------------------------------------------------------------------------------
+# The critical batch size measured directly (McCandlish et al. 2018, App. D; Merrill et al. 2025)
+
+def fit_critical_batch(batch_sizes, steps):
+    """
+    (S_min, E_min) of the steps-to-target curve S(B) = S_min + E_min / B, McCandlish's
+    (S/S_min - 1)(E/E_min - 1) = 1 with E = B S solved for S: a straight line in 1/B, fitted by least
+    squares to the batch sizes whose branch reached the target (a step count that is None, NaN or
+    not positive did not). The critical batch size is B_crit = E_min / S_min. ValueError, one line
+    naming the problem, when fewer than two batch sizes reached the target or the fit is not positive.
+    """
+    points = [(float(b), float(s)) for b, s in zip(batch_sizes, steps)
+              if s is not None and math.isfinite(float(s)) and float(s) > 0]
+    if any(not (math.isfinite(b) and b > 0) for b, _ in points):
+        raise ValueError(f"fit_critical_batch: batch sizes must be positive numbers, got {list(batch_sizes)}")
+    if len({b for b, _ in points}) < 2:
+        raise ValueError(f"fit_critical_batch: {len({b for b, _ in points})} batch size(s) reached the target "
+                         f"(steps {list(steps)} at batch sizes {list(batch_sizes)}); the fit needs at least 2")
+    xs, ys = [1 / b for b, _ in points], [s for _, s in points]
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    e_min = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    s_min = y_mean - e_min * x_mean
+    if not (s_min > 0 and e_min > 0):
+        raise ValueError(f"fit_critical_batch: the fit S(B) = S_min + E_min/B is not positive (S_min {s_min:.4g}, "
+                         f"E_min {e_min:.4g}): the steps do not fall with the batch size as the model says")
+    return s_min, e_min

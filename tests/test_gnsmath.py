@@ -80,3 +80,40 @@ def test_the_maths_and_the_analysis_load_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# -- fit_critical_batch: S(B) = S_min + E_min / B (McCandlish et al. 2018, App. D) ---------------
+
+def test_fit_critical_batch_recovers_exact_points():
+    batch_sizes = [4, 8, 16, 32, 64]
+    s_min, e_min = 120.0, 3000.0  # B_crit = 25
+    steps = [s_min + e_min / b for b in batch_sizes]
+    fitted = gnsmath.fit_critical_batch(batch_sizes, steps)
+    assert fitted == pytest.approx((s_min, e_min), rel=1e-12)
+    # (S/S_min - 1)(E/E_min - 1) = 1 at every point: the same curve as McCandlish's
+    for b, s in zip(batch_sizes, steps):
+        assert (s / s_min - 1) * (b * s / e_min - 1) == pytest.approx(1.0)
+
+
+def test_fit_critical_batch_within_tolerance_of_noisy_points_and_ignores_branches_that_missed():
+    rng = np.random.default_rng(0)
+    batch_sizes = [4, 8, 16, 32, 64, 128] * 20
+    s_min, e_min = 50.0, 1600.0
+    steps = [(s_min + e_min / b) * (1 + 0.03 * rng.standard_normal()) for b in batch_sizes]
+    fitted_s, fitted_e = gnsmath.fit_critical_batch(batch_sizes + [256, 512], steps + [None, float("nan")])
+    assert fitted_s == pytest.approx(s_min, rel=0.1) and fitted_e == pytest.approx(e_min, rel=0.05)
+
+
+@pytest.mark.parametrize("batch_sizes, steps, words", [
+    ([4, 8, 16], [100, None, float("nan")], "1 batch size(s) reached the target"),
+    ([4, 4, 4], [100, 110, 90], "1 batch size(s) reached the target"),
+    ([], [], "0 batch size(s) reached the target"),
+    ([4, 8, 16], [10, 20, 40], "not positive"),  # steps growing with B: E_min < 0
+    ([4, 8], [100, 100], "not positive"),  # flat: E_min = 0
+    ([4, 8], [20, 5], "not positive"),  # S_min < 0
+    ([0, 8], [20, 5], "batch sizes must be positive"),
+])
+def test_fit_critical_batch_refuses_degenerate_input_in_one_line(batch_sizes, steps, words):
+    with pytest.raises(ValueError, match="fit_critical_batch") as e:
+        gnsmath.fit_critical_batch(batch_sizes, steps)
+    assert words in str(e.value) and "\n" not in str(e.value)
