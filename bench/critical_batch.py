@@ -277,7 +277,7 @@ def main(argv=None):
     print(f"{len(runs)} base runs, {len(setup['points'])} branch points each, {len(grid)} branches per point "
           f"(batch sizes {setup['batch_sizes']}, learning rates {setup['learning_rates']}, delta {setup['delta']})",
           flush=True)
-    series = {}
+    series, kept = {}, 0
     bar = tqdm(total=len(runs) * len(setup['points']) * len(grid), desc="branches", unit="branch")
     for family, seed in runs:
         run, checkpoints = base_run(work_dir, family, seed, setup, extra)
@@ -304,6 +304,7 @@ def main(argv=None):
                         np.isclose(branches['learning_rate'].astype(float), lr))
                 bar.update(1)
                 if done.any():
+                    kept += 1
                     continue
                 bar.set_postfix_str(f"{family} s{seed} step {point} B={b} lr={lr:g}")
                 steps = run_branch(path, b, lr, eval_set, start_loss, setup['delta'], setup['max_steps'],
@@ -314,6 +315,7 @@ def main(argv=None):
                 branches = mark_best(pd.concat([branches, pd.DataFrame([row])], ignore_index=True))
                 write_csv(branches_csv, branches[BRANCH_COLUMNS])  # every finished branch is kept
     bar.close()
+    print(f"{kept} branches were kept from an earlier run, {bar.n - kept} run now")
     branches = mark_best(branches)
     write_csv(branches_csv, branches[BRANCH_COLUMNS])
     summary = summarise(branches[branches['family'].isin(families)], series)
