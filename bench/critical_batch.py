@@ -9,7 +9,8 @@ normalisation layers alone, and of the Adam-preconditioned normalisation layers.
 2. From each checkpoint, a branch per batch size B and learning rate (the same grid for every B;
    constant rate, the base run's AdamW state) trains until the loss on a fixed held-out set of
    evaluation batches has fallen by DELTA below its value at the branch point. S is the optimizer
-   steps that took (evaluated every step up to 20, then every ~3%), E = B S the examples.
+   steps that took (evaluated every step up to 10, then every ~8%, the crossing interpolated
+   linearly between two evaluations), E = B S the examples.
 3. Per branch point, each B keeps its best learning rate (fewest steps) and the fit of
    S(B) = S_min + E_min / B (gnsmath.fit_critical_batch) gives B_crit = E_min / S_min.
 
@@ -59,7 +60,7 @@ KEY = ['family', 'seed', 'branch_tokens', 'batch_size', 'learning_rate']
 ADAM_PREFIX = PREFIXES.get('adam', 'train/adam_gns')
 # the experiment: the CPU demo's model and schedule (2000 steps of 768 tokens), and --quick: a tiny one
 FULL = dict(points=(250, 750, 1500), batch_sizes=(4, 8, 16, 32, 64), learning_rates=(3e-4, 1e-3, 3e-3),
-            delta=0.05, max_steps=2000, eval_batches=16, eval_batch_size=32, flags={})
+            delta=0.05, max_steps=2000, eval_batches=8, eval_batch_size=16, flags={})
 QUICK = dict(points=(20, 40, 60), batch_sizes=(2, 4, 8, 16, 32), learning_rates=(3e-3, 1e-2, 3e-2),
              delta=0.2, max_steps=150, eval_batches=4, eval_batch_size=16,
              flags=dict(n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=4, eval_iters=2,
@@ -161,21 +162,25 @@ def held_out_loss(model, eval_set):
 
 
 def eval_steps(max_steps):
-    """The steps after which a branch is evaluated: every step up to 20, then every ~3%."""
+    """The steps after which a branch is evaluated: every step up to 10, then every ~8% (the
+    crossing is interpolated between two evaluations, so S is known much finer than that)."""
     steps, s = [], 1
     while s <= max_steps:
         steps.append(s)
-        s = s + 1 if s < 20 else s + max(1, round(0.03 * s))
+        s = s + 1 if s < 10 else s + max(1, round(0.08 * s))
     return set(steps)
 
 
 def run_branch(path, batch_size, learning_rate, eval_set, start_loss, delta, max_steps, seed):
-    """Optimizer steps until the held-out loss is DELTA below start_loss, or None within max_steps."""
+    """Optimizer steps until the held-out loss is DELTA below start_loss, or None within max_steps: the
+    step where the line between the last evaluation above the target and the first one at or below it
+    crosses the target."""
     torch.manual_seed(seed)
     model, optimizer, config = load_branch(path, learning_rate)
     data = Batches(check_dataset(config['dataset'], ROOT), 'train', config['block_size'])
     generator = torch.Generator().manual_seed(seed)  # the same batches for every learning rate of this B
     target, evaluate_at = start_loss - delta, eval_steps(max_steps)
+    last_step, last_loss = 0, start_loss
     for step in range(1, max_steps + 1):
         x, y = data.get(batch_size, generator)
         _, loss = model(x, y)
@@ -186,8 +191,11 @@ def run_branch(path, batch_size, learning_rate, eval_set, start_loss, delta, max
         optimizer.zero_grad(set_to_none=True)
         if not math.isfinite(loss.item()):
             return None  # diverged: this rate is too high for this batch size
-        if step in evaluate_at and held_out_loss(model, eval_set) <= target:
-            return step
+        if step in evaluate_at:
+            now = held_out_loss(model, eval_set)
+            if now <= target:
+                return last_step + (step - last_step) * (last_loss - target) / (last_loss - now)
+            last_step, last_loss = step, now
     return None
 
 
@@ -286,7 +294,8 @@ def main(argv=None):
         for point, path in checkpoints.items():
             tokens = int(read_checkpoint(path)['model']['tokens_processed'])
             here = (prints['family'] == family) & (prints['seed'] == seed) & (prints['branch_tokens'] == tokens)
-            fp = f"{fingerprint(path)} delta {setup['delta']:g} max_steps {setup['max_steps']}"
+            fp = (f"{fingerprint(path)} delta {setup['delta']:g} max_steps {setup['max_steps']} "
+                  f"eval {setup['eval_batches']}x{setup['eval_batch_size']}")
             if here.any() and prints.loc[here, 'fingerprint'].iloc[0] != fp:
                 print(f"  {family} seed {seed}: the branches at {tokens:,} tokens started from another checkpoint or "
                       f"ran for another delta ({prints.loc[here, 'fingerprint'].iloc[0]}); running them again")
