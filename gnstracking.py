@@ -28,10 +28,10 @@ import math
 import numpy as np
 import torch
 
-from buffered import find_sqgradnorm_buffers, sum_of_squares, zero_sqgradnorm_buffers
+from buffered import find_sqgradnorm_buffers, layer_kinds, sum_of_squares, zero_sqgradnorm_buffers
 # the maths and the column names, from their torch-free home; imported here by the estimators
-from gnsmath import (EMA_BETA, KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
-                     layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
+from gnsmath import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
+                     layer_kind, layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
 # ---------------------------------------------------------------------------------------------
@@ -357,7 +357,8 @@ class ExactGNS(Estimator):
     buffers (buffered.py), read by a MeasurementTracker, the buffers first summed over the DDP
     ranks when world_size > 1. Its live GNS, for the status line, is an EMA (beta EMA_BETA) of the
     estimates from the totals over all measured parameters, carried across a resume; and one of
-    the LayerNorm group's alone when it has measured LayerNorms (live_gns() reads either).
+    the normalisation group's alone when it has measured LayerNorms or RMSNorms (live_gns() reads
+    either; the group is called 'LayerNorm' there, --bs_gns_group's value, whichever they are).
     """
     name = PREFIXES["exact"]
     label = "gns"
@@ -368,7 +369,9 @@ class ExactGNS(Estimator):
         self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
         self.gns = GradientNoiseScale(beta=beta)
         self.groups = {"total": self.gns}
-        if any(layer_type(name) == "LayerNorm" for name in self.tracker.names):
+        kinds = layer_kinds(self.model)  # as measured, not by name: any model's normalisation layers
+        self.norm_names = {n for n in self.tracker.names if layer_kind(n, kinds) in NORM_KINDS}
+        if self.norm_names:
             self.groups["LayerNorm"] = GradientNoiseScale(beta=beta)
 
     @property
@@ -383,7 +386,7 @@ class ExactGNS(Estimator):
         measurements = self.tracker.step(batch_size=examples, step=step)
         if measurements and examples > 1:  # one example: no small batch below it
             for group, gns in self.groups.items():
-                members = [m for m in measurements if group == "total" or layer_type(m.metadata["name"]) == group]
+                members = [m for m in measurements if group == "total" or m.metadata["name"] in self.norm_names]
                 gns.update(sum(m.small_batch_norm ** 2 for m in members),
                            sum(m.big_batch_norm ** 2 for m in members), 1, examples)
         return self.logs.pop()
@@ -462,7 +465,7 @@ def measured_groups(estimators):
     for e in estimators:
         if isinstance(e, ExactGNS):
             groups = list(e.groups)  # "total" first
-            return groups[::-1] if all(layer_type(name) == "LayerNorm" for name in e.tracker.names) else groups
+            return groups[::-1] if e.norm_names == set(e.tracker.names) else groups
     return []
 
 
