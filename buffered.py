@@ -49,6 +49,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
+# the kinds' names (the analysis's groups, layer_config's classes); norm= chooses for both NORM_KINDS
+from gnsmath import KIND_NAMES, NORM_KINDS
 from normgnorm.torch_path import per_example_affine_grads, rms_norm_eps
 from reference_names import refuse_module_names, refused
 
@@ -958,9 +960,6 @@ MEASURED_CLASSES = {
     "layernorm": {"shim": PEGradNormSeparatedLayerNorm},
     "rmsnorm": {"shim": PEGradNormSeparatedRMSNorm},
 }
-# what each kind is called in the analysis's groups and layer_config's classes
-KIND_NAMES = {"linear": "Linear", "embedding": "Embedding", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
-NORM_KINDS = ("layernorm", "rmsnorm")  # measure()'s norm= chooses for both
 # The classes measure() converts, each to the measured class of its kind: torch's, ours, and
 # foreign ones named by their module path, so that their package is never imported here (a model
 # holding one has imported it). Exact classes only: a subclass may compute something else, so it
