@@ -16,6 +16,12 @@ examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in 
     --lnclass=shim         PEGradNormSeparatedRMSNorm     for RMSNorm: torch's rms_norm (bit-identical
                                                           output and .grad), dgamma_b measured beside it
 
+MEASURED_CLASSES (below) is the one table from a kind of layer (linear, embedding, layernorm,
+rmsnorm) and a flag value to its measured class: layer_config's flags are derived from it, and
+measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False) swaps the
+layers of any model (nanoGPT's, Hugging Face's, yours) for those classes in place, keeping their
+Parameters, linking a tied embedding and head and leaving out any other shared weight.
+
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
 over within an example), a 2-D [N, K] input is N examples of one row each.
 
@@ -32,8 +38,8 @@ loss is scaled by s, so the buffers hold s^2 times the true sums: the tracker di
 the layers never see s.
 
 Every layer must be applied once per forward (a layer used twice would need the cross terms
-between its uses); the one exception handled here is the tied token embedding / output head,
-linked by tie_weights(). Each class's docstring gives its maths; the ghost norm is Goodfellow
+between its uses: in a model measure() converted, an error); the one exception handled here is
+the tied token embedding / output head, linked by tie_weights() (or measure()). Each class's docstring gives its maths; the ghost norm is Goodfellow
 2015 ("Efficient Per-Example Gradient Computations") extended to sequences as in Li et al.
 2022 ("Large Language Models Can Be Strong Differentially Private Learners").
 

@@ -353,7 +353,8 @@ def log_origin(path):
     """
     ('fork', 'reference' or None when it cannot tell, why, config) of the log at path. This
     fork's config.json has always had a 'seed' key, the reference's never has (and is never
-    empty); only the reference writes the in-progress pair log_header.csv.tmp + log_data.csv.tmp.
+    empty); only the reference writes the in-progress pair log_header.csv.tmp + log_data.csv.tmp,
+    only this fork a layer_kinds.json.
     """
     try:
         with open(os.path.join(os.path.dirname(path), "config.json")) as f:
@@ -366,6 +367,8 @@ def log_origin(path):
         return "reference", "its config.json has no 'seed'", config
     if os.path.basename(path) == REFERENCE_PAIR[1]:
         return "reference", f"written as {' + '.join(REFERENCE_PAIR)}", {}
+    if os.path.isfile(os.path.join(os.path.dirname(path), KINDS_NAME)):
+        return "fork", f"it has a {KINDS_NAME} (LogWrapper.record_kinds)", {}
     return None, "no config.json with the run's settings beside it", {}
 
 

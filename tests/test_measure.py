@@ -9,9 +9,13 @@ import copy
 import functools
 import itertools
 import math
+import importlib.util
 import os
+import subprocess
 import sys
 import warnings
+
+import numpy as np
 
 import pytest
 import torch
@@ -21,7 +25,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import buffered  # noqa: E402
 from buffered import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
+from csv_tools import load_log  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(REPO, "gns-analysis.py"))
+gns_analysis = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gns_analysis)
 
 LINEAR = [None, "gns", "shim"]
 EMBEDDING = [None, "gns", "shim"]
@@ -413,3 +423,60 @@ def test_hugging_face_under_bfloat16_autocast(name, linear, embedding, norm):
     assert worst < AUTOCAST_RTOL, worst
     total = sum(got.values()) / sum(expected.values()) - 1
     assert abs(total) < 1e-2, total
+
+
+# ---------------------------------------------------------------- downstream, unchanged
+
+def readme_example():
+    """The README's code block under "Measuring the GNS of any model"."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    section = text[text.index("### Measuring the GNS of any model"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
+
+
+@pytest.mark.slow
+def test_readme_example_runs_as_written(tmp_path):
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", readme_example()], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 20
+    gns = [float(line.rsplit("gns ", 1)[1]) for line in lines]
+    assert all(math.isfinite(g) for g in gns[1:])
+    analysis = subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), "out-hf-gpt2", "--no-plots"],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert analysis.returncode == 0, analysis.stderr
+    assert "20 steps with GNS measurements under 'train/gns', 28 parameters (LayerNorm 10, Linear 16, Embedding 2)" \
+        in analysis.stdout
+    assert "LayerNorm vs total GNS" in analysis.stdout
+
+
+def test_measured_llama_through_the_estimators_log_and_analysis(tmp_path):
+    """estimators_for / measure_all / reset_all, gradient accumulation, log.csv and the analysis on a
+    measured Llama: its RMSNorms (model.layers.N.input_layernorm: no GPT name) are the RMSNorm group."""
+    import gnstracking
+    from tracker import LogWrapper
+    plain, batches, expected, _ = hf_reference("llama")
+    model = measure(copy.deepcopy(plain))
+    estimators = gnstracking.estimators_for(model)
+    logger = LogWrapper(out_dir=str(tmp_path))
+    logger.record_kinds(layer_kinds(model))
+    for step in range(3):
+        train(model, batches, hf_loss)
+        row = gnstracking.measure_all(estimators, step, 2 * B, scaler=None)
+        if step == 0:  # the first step is the brute-force one: |G_1|^2 = B sum_b ||g_b / B||^2
+            for name, want in expected.items():
+                got = row[f"train/gns/{name}/pegn"] ** 2
+                assert got == pytest.approx(2 * B * want, rel=2e-5), name
+        model.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        logger.log(row)
+        logger.step()
+    logger.close()
+    results, info = gns_analysis.analyze(load_log(str(tmp_path))[0], 0.5, kinds=layer_kinds(model))
+    assert [g for g in info["groups"] if g != "total"] == ["RMSNorm", "Linear", "Embedding"]
+    assert len(info["groups"]["RMSNorm"]) == 5 and "model.layers.1.post_attention_layernorm.weight" in \
+        info["groups"]["RMSNorm"]
+    assert np.isfinite(results["RMSNorm/gns"]).all() and info["norm_group"] == "RMSNorm"
