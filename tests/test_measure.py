@@ -480,3 +480,25 @@ def test_measured_llama_through_the_estimators_log_and_analysis(tmp_path):
     assert len(info["groups"]["RMSNorm"]) == 5 and "model.layers.1.post_attention_layernorm.weight" in \
         info["groups"]["RMSNorm"]
     assert np.isfinite(results["RMSNorm/gns"]).all() and info["norm_group"] == "RMSNorm"
+
+
+@pytest.mark.slow
+def test_measured_llama_compiles_with_no_new_graph_break():
+    """torch._dynamo.explain: the measured Llama is one graph with no break, as the plain one is (0
+    breaks, measured once here); compiled (AOTAutograd, buffers mutated in backward), its norms
+    are brute force's."""
+    import torch._dynamo
+    plain, batches, expected, _ = hf_reference("llama")
+    model = measure(copy.deepcopy(plain))
+    x = batches[0][0]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=x, labels=x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    train(compiled, batches, hf_loss)
+    got, count = measured_sums(model)
+    assert count == {float(2 * B)} and set(got) == set(expected)
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=2e-5, atol=1e-12, msg=name)
+    torch._dynamo.reset()
