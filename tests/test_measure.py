@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import buffered  # noqa: E402
 from buffered import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
 from csv_tools import load_log  # noqa: E402
+from gns_fixtures import tiny_hf  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -350,15 +351,7 @@ def hf_loss(model, x, y):
 
 
 def hf_model(name):
-    torch.manual_seed(0)
-    if name == "gpt2":
-        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                         bos_token_id=0, eos_token_id=0)
-        return transformers.GPT2LMHeadModel(config).eval()
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                      num_key_value_heads=1, vocab_size=97, max_position_embeddings=16)
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_hf(name)
 
 
 def hf_kind(module):
