@@ -1075,6 +1075,20 @@ def _batch_of(args, kwargs):
     return first.shape[0], first.shape[1] if first.dim() > 1 else None
 
 
+# measure()'s hooks on the model: module-level, reaching the state through the module, so that a
+# copy.deepcopy or a pickle of a measured model keeps its own state with its own layers
+def _learn_batch(model, args, kwargs):
+    state = model._gns_forward_state
+    state["B"], state["T"] = _batch_of(args, kwargs)
+    state["count"] += 1
+    state["forward"] = state["count"]
+
+
+def _forget_batch(model, args, kwargs, output):
+    state = model._gns_forward_state
+    state["B"] = state["T"] = state["forward"] = None
+
+
 def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False):
     """
     Convert `model` in place so that its backward also measures exact per-example gradient
@@ -1136,17 +1150,8 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     state = getattr(model, "_gns_forward_state", None)
     if state is None:
         state = model._gns_forward_state = {"B": None, "T": None, "forward": None, "count": 0}
-
-        def learn_batch(module, args, kwargs):
-            state["B"], state["T"] = _batch_of(args, kwargs)
-            state["count"] += 1
-            state["forward"] = state["count"]
-
-        def forget_batch(module, args, kwargs, output):
-            state["B"] = state["T"] = state["forward"] = None
-
-        model.register_forward_pre_hook(learn_batch, with_kwargs=True)
-        model.register_forward_hook(forget_batch, with_kwargs=True, always_call=True)
+        model.register_forward_pre_hook(_learn_batch, with_kwargs=True)
+        model.register_forward_hook(_forget_batch, with_kwargs=True, always_call=True)
     for name, module in model.named_modules():
         if isinstance(module, MeasuredLayer):
             module._forward_state, module._measured_name = state, name

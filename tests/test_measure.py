@@ -495,3 +495,13 @@ def test_measured_llama_compiles_with_no_new_graph_break():
     for name in got:
         torch.testing.assert_close(got[name], expected[name], rtol=2e-5, atol=1e-12, msg=name)
     torch._dynamo.reset()
+
+
+def test_a_copy_of_a_measured_model_keeps_its_own_forward_state():
+    plain, batches, expected, _ = nano_reference(True)
+    model = copy.deepcopy(measure(copy.deepcopy(plain), kinds={NanoLayerNorm: "layernorm"}))
+    assert model.transformer.wpe._forward_state is model._gns_forward_state
+    train(model, batches, nano_loss)
+    got, counts = measured_sums(model)
+    assert counts == {float(2 * B)}  # the positions [T] expanded to the copy's own batch
+    torch.testing.assert_close(got["transformer.wpe.weight"], expected["transformer.wpe.weight"], rtol=1e-5, atol=0)
