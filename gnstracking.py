@@ -226,8 +226,11 @@ class MeasurementTracker:
                 continue  # module not run this step: no per-example information
             B = int(round(count)) if batch_size is None else int(batch_size)
             if count != B:
+                times = count / B if B and count > B and count % B == 0 else None
+                twice = (f"was its layer applied {times:g} times in one forward (a per-example norm would need the "
+                         f"cross terms between the uses: not measured)? or " if times else "")
                 raise ValueError(
-                    f"{name}: the buffers counted {count:g} examples but batch_size={B}; were the buffers "
+                    f"{name}: the buffers counted {count:g} examples but batch_size={B}; {twice}were the buffers "
                     f"zeroed after the previous step, and under DDP were the counts summed over ranks?")
             big_norm = small_norm = math.inf
             if finite:

@@ -505,3 +505,21 @@ def test_a_copy_of_a_measured_model_keeps_its_own_forward_state():
     got, counts = measured_sums(model)
     assert counts == {float(2 * B)}  # the positions [T] expanded to the copy's own batch
     torch.testing.assert_close(got["transformer.wpe.weight"], expected["transformer.wpe.weight"], rtol=1e-5, atol=0)
+
+
+def test_layer_config_built_layer_applied_twice_is_an_error_naming_it():
+    # built with the measured class directly, as layer_config does (no measure(), no forward state):
+    # the tracker's count check names the parameter and the likely cause
+    from gnstracking import MeasurementTracker
+
+    class TwiceBuilt(Twice):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.lin = buffered.PEGradNormLinear(4, 4)
+
+    model = TwiceBuilt()
+    tracker = MeasurementTracker.from_model(model)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match=r"lin.weight: the buffers counted 6 examples but batch_size=3; was its layer "
+                                         r"applied 2 times in one forward"):
+        tracker.step(batch_size=3)
