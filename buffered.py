@@ -1023,12 +1023,8 @@ def _measured_class(kind, value):
     return MEASURED_CLASSES[kind].get(value)
 
 
-def _convert(module, kind, cls):
-    """A `cls` doing what `module` (of kind `kind`) does with the very same Parameter objects; None
-    where the module cannot be measured as it is (said in the returned reason)."""
-    weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
-    if weight is None or is_parametrized(module):
-        return None, "no weight of its own (none, or parametrized)"
+def _build_like(module, kind, cls, weight, bias):
+    """An empty `cls` (on the meta device) shaped and configured like `module`; None where it cannot be."""
     if kind == "linear":
         transposed = _class_path(type(module)) in TRANSPOSED_WEIGHT
         out_features, in_features = weight.shape[::-1] if transposed else weight.shape
@@ -1036,22 +1032,32 @@ def _convert(module, kind, cls):
         new.weight_transposed = transposed
         if transposed:  # Conv1D's attributes, for code that reads them
             new.nf, new.nx = out_features, in_features
-    elif kind == "embedding":
+        return new
+    if kind == "embedding":
         if getattr(module, "sparse", False) or getattr(module, "scale_grad_by_freq", False):
-            return None, "sparse or scale_grad_by_freq gradients"
-        new = cls(*weight.shape, padding_idx=getattr(module, "padding_idx", None),
-                  max_norm=getattr(module, "max_norm", None), norm_type=getattr(module, "norm_type", 2.0),
-                  device="meta")
-    elif kind == "layernorm":
-        shape = tuple(getattr(module, "normalized_shape", weight.shape))
-        new = cls(shape, eps=getattr(module, "eps", 1e-5), bias=bias is not None, device="meta")
-    else:  # rmsnorm: torch's eps, or Hugging Face's variance_epsilon; None is torch's default
-        shape = tuple(getattr(module, "normalized_shape", weight.shape))
-        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
-        try:
-            new = cls(shape, eps=eps, device="meta")
-        except ValueError as e:  # the fused kernel normalises over the last dimension only
-            return None, str(e)
+            return None
+        return cls(*weight.shape, padding_idx=getattr(module, "padding_idx", None),
+                   max_norm=getattr(module, "max_norm", None), norm_type=getattr(module, "norm_type", 2.0),
+                   device="meta")
+    shape = tuple(getattr(module, "normalized_shape", weight.shape))
+    if kind == "layernorm":  # nanoGPT's LayerNorm(ndim, bias) has no eps attribute: its 1e-5
+        return cls(shape, eps=getattr(module, "eps", 1e-5), bias=bias is not None, device="meta")
+    # rmsnorm: torch's eps, or Hugging Face's variance_epsilon; None is torch's default
+    return cls(shape, eps=getattr(module, "eps", getattr(module, "variance_epsilon", None)), device="meta")
+
+
+def _convert(module, kind, cls):
+    """A `cls` doing what `module` (of kind `kind`) does with the very same Parameter objects; None
+    where the module cannot be measured as it is (said in the returned reason)."""
+    weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+    if weight is None or is_parametrized(module):
+        return None, "no weight of its own (none, or parametrized)"
+    try:
+        new = _build_like(module, kind, cls, weight, bias)
+    except ValueError as e:  # e.g. the fused kernels normalise over the last dimension only
+        return None, str(e)
+    if new is None:
+        return None, "sparse or scale_grad_by_freq gradients"
     for name in ("weight", "bias"):
         if name in new._parameters:
             setattr(new, name, module._parameters.get(name))

@@ -523,3 +523,13 @@ def test_layer_config_built_layer_applied_twice_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"lin.weight: the buffers counted 6 examples but batch_size=3; was its layer "
                                          r"applied 2 times in one forward"):
         tracker.step(batch_size=3)
+
+
+def test_what_the_fused_kernel_cannot_take_is_left_unmeasured_with_the_reason():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Unflatten(1, (2, 3)), nn.LayerNorm((2, 3)))
+    with pytest.warns(UserWarning, match=r"2.weight \(LayerNorm: PEGradNormFusedLayerNorm normalises over the last "
+                                         r"dimension only"):
+        measure(model, norm="fused")
+    assert type(model[2]) is nn.LayerNorm and isinstance(model[0], buffered.PEGradNormLinear)
+    measure(model, norm="shim", strict=True)  # the separated one takes it
+    assert isinstance(model[2], buffered.PEGradNormSeparatedLayerNorm)
