@@ -533,3 +533,26 @@ def test_what_the_fused_kernel_cannot_take_is_left_unmeasured_with_the_reason():
     assert type(model[2]) is nn.LayerNorm and isinstance(model[0], buffered.PEGradNormLinear)
     measure(model, norm="shim", strict=True)  # the separated one takes it
     assert isinstance(model[2], buffered.PEGradNormSeparatedLayerNorm)
+
+
+@pytest.mark.parametrize("options", [(), (("norm", "rmsnorm"), ("pos_emb", "rope"), ("tie_embeddings", False))])
+def test_our_gpt_measured_equals_our_gpt_built_measured(options):
+    """measure() on a plain GPT of model.py gives what layer_config's classes give the same GPT."""
+    from layer_config import classes_for_flags, set_contextual_config
+    from model import GPT, GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=T, vocab_size=V, dropout=0.0, bias=True, **dict(options))
+    torch.manual_seed(0)
+    built_with = classes_for_flags(linearclass="gns", embeddingclass="shim", lnclass="fused")
+    with set_contextual_config(**built_with):
+        built = GPT(config)
+    plain = GPT(config)
+    plain.load_state_dict(built.state_dict())
+    model = measure(plain, linear="gns", embedding="shim", norm="fused", strict=True)
+    assert [type(m) for m in model.modules()] == [type(m) for m in built.modules()]
+    batches = random_batches()
+    for m in (built, model):
+        train(m, batches, lambda m, x, y: m(x, y)[1])
+    got, want = measured_sums(model), measured_sums(built)
+    assert got[1] == want[1] == {float(2 * B)} and got[0].keys() == want[0].keys()
+    for name in want[0]:
+        assert got[0][name] == pytest.approx(want[0][name], rel=1e-6), name
