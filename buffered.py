@@ -16,6 +16,12 @@ examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in 
     --lnclass=shim         PEGradNormSeparatedRMSNorm     for RMSNorm: torch's rms_norm (bit-identical
                                                           output and .grad), dgamma_b measured beside it
 
+MEASURED_CLASSES (below) is the one table from a kind of layer (linear, embedding, layernorm,
+rmsnorm) and a flag value to its measured class: layer_config's flags are derived from it, and
+measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False) swaps the
+layers of any model (nanoGPT's, Hugging Face's, yours) for those classes in place, keeping their
+Parameters, linking a tied embedding and head and leaving out any other shared weight.
+
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
 over within an example), a 2-D [N, K] input is N examples of one row each.
 
@@ -32,14 +38,15 @@ loss is scaled by s, so the buffers hold s^2 times the true sums: the tracker di
 the layers never see s.
 
 Every layer must be applied once per forward (a layer used twice would need the cross terms
-between its uses); the one exception handled here is the tied token embedding / output head,
-linked by tie_weights(). Each class's docstring gives its maths; the ghost norm is Goodfellow
+between its uses: in a model measure() converted, an error); the one exception handled here is
+the tied token embedding / output head, linked by tie_weights() (or measure()). Each class's docstring gives its maths; the ghost norm is Goodfellow
 2015 ("Efficient Per-Example Gradient Computations") extended to sequences as in Li et al.
 2022 ("Large Language Models Can Be Strong Differentially Private Learners").
 
 torch.compile: every class compiles (the buffers are handed to the autograd Functions as
 inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts).
 """
+import importlib
 import math
 import warnings
 
@@ -48,6 +55,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils.parametrize import is_parametrized
 
+# the kinds' names (the analysis's groups, layer_config's classes); norm= chooses for both NORM_KINDS
+from gnsmath import KIND_NAMES, NORM_KINDS
 from normgnorm.torch_path import per_example_affine_grads, rms_norm_eps
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
@@ -63,16 +72,40 @@ def find_sqgradnorm_buffers(model):
     """
     One (name, parameter, sqgradnorm buffer, count buffer) per measured trainable parameter,
     in model.named_parameters() order, each parameter once (tied ones under their first name).
+    A parameter that more than one module holds is measured only when those are a token
+    embedding and an output head linked by tie_weights (or measure()): any other sharing, and a
+    measured module that sits in the model twice, would give a part of its gradient, so such a
+    parameter is left out with a warning naming it.
     """
-    found = {}
+    holders, found = {}, {}
+    for module in model.modules(remove_duplicate=False):  # a module held twice is counted twice
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(module)
     for module in model.modules():
         if "example_count" not in module._buffers:
             continue
         for pname, p in module.named_parameters(recurse=False):
             buf = module._buffers.get(f"{pname}_sqgradnorm")
-            if buf is not None and p.requires_grad and id(p) not in found:
-                found[id(p)] = (buf, module._buffers["example_count"])
-    return [(n, p, *found[id(p)]) for n, p in model.named_parameters() if id(p) in found]
+            if buf is not None and p.requires_grad:
+                found.setdefault(id(p), []).append((buf, module._buffers["example_count"]))
+    entries = []
+    for name, p in model.named_parameters():
+        if id(p) not in found:
+            continue
+        shared_by = holders[id(p)]
+        if len(found[id(p)]) == 1 and (len(shared_by) == 1 or _linked_pair(shared_by)):
+            entries.append((name, p, *found[id(p)][0]))
+        else:
+            classes = ", ".join(type(m).__name__ for m in shared_by)
+            _warn_once(f"{name} is shared by {len(shared_by)} layers ({classes}): only a token embedding tied "
+                       "to an output head is measured exactly when shared; it is not reported")
+    return entries
+
+
+def _linked_pair(modules):
+    """Whether `modules` are one token embedding and one output head linked by tie_weights."""
+    return (len(modules) == 2 and modules[0] is not modules[1]
+            and getattr(modules[0], "_tie", None) is not None and modules[0]._tie is getattr(modules[1], "_tie", None))
 
 
 def _is_norm_buffer(name):
@@ -146,8 +179,13 @@ def tie_weights(embedding, head):
     reported at all (its buffer is removed), with a warning.
     """
     embedding.weight = head.weight
+    link_tied(embedding, head)
+
+
+def link_tied(embedding, head):
+    """tie_weights' link between an embedding and a head that already share their weight."""
     emb_measures = isinstance(embedding, (PEGradNormEmbedding, PEGradNormShimEmbedding))
-    head_measures = isinstance(head, (PEGradNormLinear, PEGradNormShimLinear))
+    head_measures = isinstance(head, (PEGradNormLinear, PEGradNormShimLinear)) and not head.weight_transposed
     if emb_measures and head_measures:
         embedding._tie = head._tie = {}  # the embedding's forward leaves the link here for the head
         head._buffers.pop("weight_sqgradnorm", None)
@@ -315,6 +353,27 @@ class MeasuredLayer:
     values and casts keep them float32; the reference implementation's accessors read them.
     """
 
+    # set by measure(): the model's forward state its pre-hook keeps (batch size, sequence length,
+    # forward count), this layer's name in the model, and the forward it last measured in
+    _forward_state = None
+    _measured_name = None
+    _last_forward = None
+
+    def _check_applied_once(self):
+        """A layer measured twice in one forward of a measured model is an error: each example's
+        gradient would need the cross terms between the two uses, which nothing computes (the
+        count would also come out 2B). Eager only: under torch.compile the check is skipped."""
+        state = self._forward_state
+        if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return
+        forward = state["forward"]
+        if forward is not None and forward == self._last_forward:
+            names = ", ".join(f"{self._measured_name}.{n}" for n, p in self.named_parameters(recurse=False))
+            raise RuntimeError(f"{names}: the measured {type(self).__name__} {self._measured_name} was applied twice "
+                               "in one forward; its per-example norm would need the cross terms between the uses. "
+                               "Leave that kind unmeasured (measure(model, ...=None)) or apply each layer once")
+        self._last_forward = forward
+
     def _apply(self, fn, recurse=True):
         ours = {n: b for n, b in self._buffers.items() if b is not None and _is_norm_buffer(n)}
         for n in ours:
@@ -472,6 +531,7 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
     per_example_mode = None  # None: pick ghost or materialise per call from shapes; or force one
     max_chunk_numel = 1 << 24  # bound on the float32 elements of per-example temporaries
     fused = True
+    weight_transposed = False  # set by measure() for a weight stored [in, out] (Hugging Face's Conv1D)
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -479,10 +539,20 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         self._tie = None  # set by tie_weights when this is a tied output head
 
     def forward(self, x):
+        self._check_applied_once()
         args = self._measurement_args(x)
         if args is None:
-            return F.linear(x, self.weight, self.bias)
+            return self._linear(x, self.weight, self.bias)
         return self._measured(x, *args)
+
+    def _linear(self, x, weight, bias):
+        """x W^T + b; for a transposed weight ([in, out], Hugging Face's Conv1D) Conv1D's own addmm,
+        so that the shim's .grad stays bit-identical to the layer it replaced."""
+        if not self.weight_transposed:
+            return F.linear(x, weight, bias)
+        flat = x.reshape(-1, x.shape[-1])
+        y = flat.mm(weight) if bias is None else torch.addmm(bias, flat, weight)
+        return y.view(*x.shape[:-1], weight.shape[-1])
 
     def _measurement_args(self, x):
         """(ids, link_q, link_s, w_sq, b_sq, ghost) for this call, or None if nothing is measured."""
@@ -510,10 +580,11 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
     def _autocast(self, x):
         """Cast like autocast would, outside the Function, so .grad flows back through the casts."""
         dtype = _autocast_dtype(x)
+        weight = self.weight.mT if self.weight_transposed else self.weight
         if dtype is None or not x.is_floating_point():
-            return x, self.weight, self.bias
+            return x, weight, self.bias
         bias = self.bias.to(dtype) if self.bias is not None else None
-        return x.to(dtype), self.weight.to(dtype), bias
+        return x.to(dtype), weight.to(dtype), bias
 
 
 class PEGradNormLinear(_MeasuredLinear):
@@ -546,7 +617,7 @@ class PEGradNormShimLinear(_MeasuredLinear):
     def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
         if _autocast_dtype(x) is not None and x.is_floating_point():
             x = x.to(_autocast_dtype(x))  # the very tensor F.linear saves, so saved only once
-        y = F.linear(x, self.weight, self.bias)
+        y = self._linear(x, self.weight, self.bias)
         return _LinearNormTap.apply(y, x.detach(), self.bias is not None, w_sq, b_sq, self.example_count,
                                     ids, link_q, link_s, ghost, self.max_chunk_numel)
 
@@ -662,8 +733,24 @@ class _MeasuredEmbedding(MeasuredLayer, nn.Embedding):
         register_sqgradnorm_buffers(self)
         self._tie = None  # set by tie_weights when this is a tied token embedding
 
+    def _batch_ids(self, ids):
+        """
+        Positions shared by the whole batch (a [T] index while the model's input is [B, T, ...],
+        or [1, T] while B > 1) expanded to [B, T]: the lookup's output then carries the batch
+        dimension into the broadcast add, and each example's share of the gradient is its own.
+        Only inside a forward of a model measure() converted, whose pre-hook knows B and T.
+        """
+        state = self._forward_state
+        if state is None or state["B"] is None or not torch.is_grad_enabled():
+            return ids
+        B, T = state["B"], state["T"]
+        if (ids.dim() == 1 and ids.shape[0] == T) or (ids.dim() == 2 and ids.shape[0] == 1 and B > 1):
+            return ids.reshape(1, -1).expand(B, -1)
+        return ids
+
     def _prepare(self, ids):
         """Renormalise rows for max_norm (as F.embedding does) and say whether to measure and link."""
+        self._check_applied_once()
         if self._tie is not None:
             self._tie.pop("link", None)  # never leave a previous forward's link behind
         if self.max_norm is not None:
@@ -689,6 +776,7 @@ class PEGradNormEmbedding(_MeasuredEmbedding):
     """
 
     def forward(self, ids):
+        ids = self._batch_ids(ids)
         measure, linked = self._prepare(ids)
         if not measure:
             return F.embedding(ids, self.weight, self.padding_idx)
@@ -701,6 +789,7 @@ class PEGradNormShimEmbedding(_MeasuredEmbedding):
     """nn.Embedding with torch's own backward (bit-identical .grad), norms measured beside it."""
 
     def forward(self, ids):
+        ids = self._batch_ids(ids)
         measure, linked = self._prepare(ids)
         y = F.embedding(ids, self.weight, self.padding_idx)
         if not measure:
@@ -716,8 +805,8 @@ class PEGradNormShimEmbedding(_MeasuredEmbedding):
 class _LayerNormFn(torch.autograd.Function):
     """
     torch's layer_norm, whose backward also measures the affine part's per-example gradients
-    dgamma_b = sum_t dy * xhat and dbeta_b = sum_t dy (float32). Forward and dx are torch's
-    native kernels, so output and input gradient are torch's own; besides x (which torch saves
+    dgamma_b = sum_t dy * xhat and dbeta_b = sum_t dy (float32). Forward and backward are torch's
+    native kernels, so output and every gradient are torch's own; besides x (which torch saves
     too) only the row statistics mean, rstd ([B, T, 1]) are kept for backward.
     """
 
@@ -740,18 +829,18 @@ class _LayerNormFn(torch.autograd.Function):
         shape = ctx.normalized_shape
         xc, wc, bc = _float32_unless_double(x, weight, bias) if ctx.cast else (x, weight, bias)
         need_dw, need_db = ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.ops.aten.native_layer_norm_backward(dy, xc, shape, mean, rstd, wc, bc,
-                                                           [True, False, False])[0].to(x.dtype)
+        # dx, dgamma, dbeta: torch's own kernel, as nn.LayerNorm's backward (bit-identical .grad)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, xc, shape, mean, rstd, wc, bc,
+                                                               [ctx.needs_input_grad[0], need_dw, need_db])
+        dx = dx.to(x.dtype) if dx is not None else None
+        dw = dw.to(weight.dtype) if need_dw else None
+        db = db.to(bias.dtype) if need_db else None
         B, N = _examples(x, len(shape)), weight.numel()
         dw_b, db_b = per_example_affine_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N),
                                               mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1), need_dw, need_db)
         if need_dw:
-            dw = dw_b.sum(0).view(weight.shape).to(weight.dtype)
             w_sq.add_(dw_b.square().sum())
         if need_db:
-            db = db_b.sum(0).view(bias.shape).to(bias.dtype)
             b_sq.add_(db_b.square().sum())
         count.add_(B)
         return dx, dw, db, None, None, None, None, None
@@ -810,7 +899,7 @@ class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
     nn.LayerNorm whose affine part y = gamma * xhat + beta is measured separately from the
     normalisation xhat: backward adds the per-example squared norms of dgamma_b = sum_t dy * xhat
     and dbeta_b = sum_t dy (the cheap ones: Gray et al. 2024 find these alone predict the whole
-    model's gradient noise scale). Forward and input gradient are torch's own (bit-identical);
+    model's gradient noise scale). Forward and every gradient are torch's own (bit-identical);
     xhat is recomputed in backward rather than saved, so memory is as nn.LayerNorm's.
     Same parameters and state_dict keys as nn.LayerNorm, bias=False included. Takes torch's
     arguments or the reference's (ndim, bias), as LayerNorm above.
@@ -821,6 +910,7 @@ class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
         register_sqgradnorm_buffers(self)
 
     def forward(self, x):
+        self._check_applied_once()
         w_trains = self.weight is not None and self.weight.requires_grad
         b_trains = self.bias is not None and self.bias.requires_grad
         if not torch.is_grad_enabled() or not (w_trains or b_trains):
@@ -885,12 +975,264 @@ class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
         register_sqgradnorm_buffers(self)
 
     def forward(self, x):
+        self._check_applied_once()
         y = F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         weight = self._parameters.get("weight")  # None without affine, or parametrized: not measured
         if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
             return y
         return _RMSNormTap.apply(y, x.detach(), self.weight_sqgradnorm, self.example_count,
                                  self.normalized_shape, self.eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry, and measure(): per-example norms put into any model
+
+# For each kind of layer and each flag value, the measured class: the one table that
+# layer_config's flags (so train.py's --linearclass / --embeddingclass / --lnclass), measure()
+# and the analysis's layer groups come from. fused_gns.py adds the fused normalisations
+# ("fused") when it is imported (it imports this module; measure() imports it on first use).
+# A new measured layer type is its class plus one entry here.
+MEASURED_CLASSES = {
+    "linear": {"gns": PEGradNormLinear, "shim": PEGradNormShimLinear},
+    "embedding": {"gns": PEGradNormEmbedding, "shim": PEGradNormShimEmbedding},
+    "layernorm": {"shim": PEGradNormSeparatedLayerNorm},
+    "rmsnorm": {"shim": PEGradNormSeparatedRMSNorm},
+}
+# The classes measure() converts, each to the measured class of its kind: torch's, ours, and
+# foreign ones named by their module path, so that their package is never imported here (a model
+# holding one has imported it). Exact classes only: a subclass may compute something else, so it
+# is named with kinds= or left unmeasured (the coverage warning lists it).
+SOURCE_KINDS = {
+    nn.Linear: "linear", nn.Embedding: "embedding", nn.LayerNorm: "layernorm", LayerNorm: "layernorm",
+    nn.RMSNorm: "rmsnorm",
+    # Hugging Face's GPT-2 layers: y = x W + b, a Linear whose weight is stored [in, out]
+    "transformers.pytorch_utils.Conv1D": "linear",
+    # Hugging Face's Llama-family RMSNorm (gain `weight`, eps `variance_epsilon`): the same maths as
+    # nn.RMSNorm, the normalisation in float32 (Gemma's (1 + weight) is another class, not listed)
+    **{f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "rmsnorm" for m, c in [
+        ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"),
+        ("qwen2_moe", "Qwen2Moe"), ("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3Moe"), ("phi3", "Phi3"),
+        ("granite", "Granite"), ("smollm3", "SmolLM3"), ("deepseek_v3", "DeepseekV3")]},
+}
+TRANSPOSED_WEIGHT = {"transformers.pytorch_utils.Conv1D"}  # weight [in, out]
+
+
+def _class_path(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def source_kind(cls, kinds=None):
+    """The kind measure() converts a module of class `cls` as, or None: kinds= first, then SOURCE_KINDS."""
+    if kinds and cls in kinds:
+        return kinds[cls]
+    return SOURCE_KINDS.get(cls) or SOURCE_KINDS.get(_class_path(cls))
+
+
+def kind_of_measured(cls):
+    """The kind of a measured class (MEASURED_CLASSES), or None for any other class."""
+    for kind, values in MEASURED_CLASSES.items():
+        if cls in values.values():
+            return kind
+    return None
+
+
+def layer_kinds(model):
+    """{parameter name: kind} of every measured parameter (find_sqgradnorm_buffers' names): what
+    the analysis groups them by (gnsmath.KINDS_NAME in out_dir)."""
+    kinds = {}
+    for module in model.modules():
+        kind = kind_of_measured(type(module))
+        for p in module.parameters(recurse=False):
+            if kind is not None:
+                kinds.setdefault(id(p), kind)
+    return {name: kinds[id(p)] for name, p, _, _ in find_sqgradnorm_buffers(model) if id(p) in kinds}
+
+
+def _measured_class(kind, value):
+    """MEASURED_CLASSES[kind][value], the fused normalisations loaded on first use."""
+    if value not in MEASURED_CLASSES[kind] and value == "fused":
+        importlib.import_module("fused_gns")  # registers its classes; it imports this module
+    return MEASURED_CLASSES[kind].get(value)
+
+
+def _build_like(module, kind, cls, weight, bias):
+    """An empty `cls` (on the meta device) shaped and configured like `module`; None where it cannot be."""
+    if kind == "linear":
+        transposed = _class_path(type(module)) in TRANSPOSED_WEIGHT
+        out_features, in_features = weight.shape[::-1] if transposed else weight.shape
+        new = cls(in_features, out_features, bias=bias is not None, device="meta")
+        new.weight_transposed = transposed
+        if transposed:  # Conv1D's attributes, for code that reads them
+            new.nf, new.nx = out_features, in_features
+        return new
+    if kind == "embedding":
+        if getattr(module, "sparse", False) or getattr(module, "scale_grad_by_freq", False):
+            return None
+        return cls(*weight.shape, padding_idx=getattr(module, "padding_idx", None),
+                   max_norm=getattr(module, "max_norm", None), norm_type=getattr(module, "norm_type", 2.0),
+                   device="meta")
+    shape = tuple(getattr(module, "normalized_shape", weight.shape))
+    if kind == "layernorm":  # nanoGPT's LayerNorm(ndim, bias) has no eps attribute: its 1e-5
+        return cls(shape, eps=getattr(module, "eps", 1e-5), bias=bias is not None, device="meta")
+    # rmsnorm: torch's eps, or Hugging Face's variance_epsilon; None is torch's default
+    return cls(shape, eps=getattr(module, "eps", getattr(module, "variance_epsilon", None)), device="meta")
+
+
+def _convert(module, kind, cls):
+    """A `cls` doing what `module` (of kind `kind`) does with the very same Parameter objects; None
+    where the module cannot be measured as it is (said in the returned reason)."""
+    weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+    if weight is None or is_parametrized(module):
+        return None, "no weight of its own (none, or parametrized)"
+    try:
+        new = _build_like(module, kind, cls, weight, bias)
+    except ValueError as e:  # e.g. the fused kernels normalise over the last dimension only
+        return None, str(e)
+    if new is None:
+        return None, "sparse or scale_grad_by_freq gradients"
+    for name in ("weight", "bias"):
+        if name in new._parameters:
+            setattr(new, name, module._parameters.get(name))
+    for name, buf in new._buffers.items():  # made on the default device: to the weight's
+        new._buffers[name] = buf.to(weight.device)
+    new.train(module.training)
+    for key, hooks in vars(module).items():  # the module's own hooks go with it
+        if key.startswith(("_forward", "_backward")) and isinstance(hooks, dict):
+            getattr(new, key).update(hooks)
+    return new, None
+
+
+def _batch_of(args, kwargs):
+    """(B, T) of a model's input: its first tensor argument (or input_ids, inputs_embeds), [B, T, ...]."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        first = next((kwargs[k] for k in ("input_ids", "inputs_embeds", "x", "idx") if isinstance(kwargs.get(k), torch.Tensor)),
+                     next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None))
+    if first is None or first.dim() == 0:
+        return None, None
+    return first.shape[0], first.shape[1] if first.dim() > 1 else None
+
+
+# measure()'s hooks on the model: module-level, reaching the state through the module, so that a
+# copy.deepcopy or a pickle of a measured model keeps its own state with its own layers
+def _learn_batch(model, args, kwargs):
+    state = model._gns_forward_state
+    state["B"], state["T"] = _batch_of(args, kwargs)
+    state["count"] += 1
+    state["forward"] = state["count"]
+
+
+def _forget_batch(model, args, kwargs, output):
+    state = model._gns_forward_state
+    state["B"] = state["T"] = state["forward"] = None
+
+
+def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False):
+    """
+    Convert `model` in place so that its backward also measures exact per-example gradient
+    norms, and return it. Every nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm (and
+    SOURCE_KINDS' Hugging Face classes: Conv1D, the Llama-family RMSNorms) becomes the measured
+    class MEASURED_CLASSES[kind][value] of the flag for its kind: linear and embedding 'gns' or
+    'shim', norm 'shim' or 'fused' (LayerNorms and RMSNorms), None leaves the kind unmeasured.
+    kinds={SomeClass: 'linear' | 'embedding' | 'layernorm' | 'rmsnorm'} names a model's own
+    classes (they must hold `weight` and `bias` as torch's do; nanoGPT's LayerNorm(ndim, bias) is
+    a 'layernorm' with eps 1e-5).
+
+    Each new module holds the old one's Parameter objects (so optimizer state, ties, state_dict
+    keys and checkpoints are unchanged) and gives the same outputs; 'shim' gives bit-identical
+    .grad. Shared parameters are found by identity: an Embedding and a Linear sharing their
+    weight (a tied token embedding and output head) are linked, so the shared weight is measured
+    exactly; any other shared parameter is left out with a warning (never a partial number). A
+    measured layer applied twice in one forward is an error naming its parameters. A pre-hook on
+    `model` learns B and T from its input, so that an Embedding called with positions shared by
+    the batch ([T] or [1, T]) is measured per example.
+
+    Trainable parameters left unmeasured are listed with their module classes in one warning;
+    strict=True raises a ValueError with that list instead.
+    """
+    flags = dict(linear=linear, embedding=embedding, norm=norm)
+    for flag, value in flags.items():
+        allowed = [v for k in (NORM_KINDS if flag == "norm" else (flag,)) for v in MEASURED_CLASSES[k]]
+        allowed = list(dict.fromkeys(allowed + (["fused"] if flag == "norm" else [])))
+        if value is not None and value not in allowed:
+            raise ValueError(f"measure: {flag}={value!r} is not one of {', '.join(map(repr, allowed))} or None")
+    kinds = dict(kinds or {})
+    for cls, kind in kinds.items():
+        if not isinstance(cls, type) or kind not in KIND_NAMES:
+            raise ValueError(f"measure: kinds maps classes to one of {', '.join(map(repr, KIND_NAMES))}, "
+                             f"not {cls!r}: {kind!r}")
+    if isinstance(model, MeasuredLayer) or source_kind(type(model), kinds):
+        raise ValueError("measure converts the layers inside a model, not a single layer: "
+                         f"build the measured class (MEASURED_CLASSES) in place of {type(model).__name__}")
+    value_of = {"linear": linear, "embedding": embedding, "layernorm": norm, "rmsnorm": norm}
+
+    # swap each module for its measured class; one held under two names is left as it is (it
+    # would be applied twice, and its per-example norm needs the cross terms between the uses)
+    held = {}
+    for module in model.modules(remove_duplicate=False):
+        held[id(module)] = held.get(id(module), 0) + 1
+    refused = {}
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            kind = None if child is None or isinstance(child, MeasuredLayer) else source_kind(type(child), kinds)
+            if kind is None or value_of[kind] is None:
+                continue
+            if held[id(child)] > 1:
+                refused[id(child)] = "held under more than one name"
+                continue
+            new, refused[id(child)] = _convert(child, kind, _measured_class(kind, value_of[kind]))
+            if new is not None:
+                parent._modules[child_name] = new
+
+    # the forward state the measured layers read: B and T of the model's input, a forward count
+    state = getattr(model, "_gns_forward_state", None)
+    if state is None:
+        state = model._gns_forward_state = {"B": None, "T": None, "forward": None, "count": 0}
+        model.register_forward_pre_hook(_learn_batch, with_kwargs=True)
+        model.register_forward_hook(_forget_batch, with_kwargs=True, always_call=True)
+    for name, module in model.named_modules():
+        if isinstance(module, MeasuredLayer):
+            module._forward_state, module._measured_name = state, name
+
+    # shared parameters, by identity: an embedding and a head sharing their weight are linked;
+    # any other sharing is left out (its Linear/Embedding buffers removed; find_sqgradnorm_buffers warns)
+    holders = {}
+    for module in model.modules(remove_duplicate=False):
+        for pname, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((module, pname))
+    for shared in holders.values():
+        modules = [m for m, _ in shared]
+        if len(modules) < 2:
+            continue
+        emb = next((m for m in modules if isinstance(m, nn.Embedding)), None)
+        head = next((m for m in modules if isinstance(m, nn.Linear)), None)
+        if len(modules) == 2 and emb is not None and head is not None and emb.weight is head.weight:
+            link_tied(emb, head)
+            continue
+        for m, pname in shared:
+            if isinstance(m, (_MeasuredLinear, _MeasuredEmbedding)):
+                m._buffers.pop(f"{pname}_sqgradnorm", None)
+    measured = {id(p) for _, p, _, _ in find_sqgradnorm_buffers(model)}
+
+    # coverage: every trainable parameter left unmeasured, with its module's class, in one message
+    owner = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owner.setdefault(id(p), module)
+    left_out = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in measured:
+            m = owner[id(p)]
+            why = refused.get(id(m)) or ("shared with another layer" if len(holders[id(p)]) > 1 else None)
+            left_out.append(f"{name} ({type(m).__name__}{': ' + why if why else ''})")
+    if left_out:
+        message = (f"measure: {len(left_out)} trainable parameters are not measured: {'; '.join(left_out)}. "
+                   "A class that computes a Linear, Embedding, LayerNorm or RMSNorm can be named with "
+                   "kinds={Class: 'linear' | 'embedding' | 'layernorm' | 'rmsnorm'}")
+        if strict:
+            raise ValueError(message)
+        warnings.warn(message, stacklevel=2)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import normgnorm
-from buffered import LayerNorm, MeasuredLayer, register_sqgradnorm_buffers
+from buffered import MEASURED_CLASSES, LayerNorm, MeasuredLayer, register_sqgradnorm_buffers
 from reference_names import refuse_module_names
 
 
@@ -40,6 +40,7 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
     separated = "PEGradNormSeparatedLayerNorm"
 
     def forward(self, x):
+        self._check_applied_once()
         if self.weight is None:
             return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
         return normgnorm.layer_norm(x, self.weight, self.bias,
@@ -53,11 +54,16 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
     separated = "PEGradNormSeparatedRMSNorm"
 
     def forward(self, x):
+        self._check_applied_once()
         if self.weight is None:
             return F.rms_norm(x, self.normalized_shape, None, self.eps)
         return normgnorm.rms_norm(x, self.weight, self.weight_sqgradnorm, self.example_count, self.eps,
                                   self.backend)
 
+
+# the registry's "fused" normalisations (buffered.MEASURED_CLASSES): --lnclass=fused, measure(norm="fused")
+MEASURED_CLASSES["layernorm"]["fused"] = PEGradNormFusedLayerNorm
+MEASURED_CLASSES["rmsnorm"]["fused"] = PEGradNormFusedRMSNorm
 
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names (CerebrasResearch/nanoGNS, exact/fused_gns.py). Kept:

@@ -12,9 +12,11 @@ give per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, "An Empirica
 Large-Batch Training", App. A), each smoothed on its own by the bias-corrected EMA over the steps
 that have one; GNS = EMA(tr S) / EMA(|G|^2). The maths is gnsmath.py's, the training run's.
 
-The main estimator (--prefix, default train/gns) is broken down by layer type and transformer
-block, and its LayerNorm-only GNS compared with the total (Gray et al. 2024: the LayerNorm
-gradients alone predict the GNS); every other estimator's total is compared with the main one's,
+The main estimator (--prefix, default train/gns) is broken down by layer type (the kinds recorded
+when the layers were measured, OUT_DIR/layer_kinds.json, else GPT's parameter names) and
+transformer block, and its normalisation-only GNS (the group named LayerNorm, RMSNorm or both,
+after what the model has) compared with the total (Gray et al. 2024: the LayerNorm gradients
+alone predict the GNS); every other estimator's total is compared with the main one's,
 also on just the parameters both cover where they cover different ones.
 
 Writes OUT_DIR/gns_analysis.csv: per group the estimates, their EMAs, the GNS and the EMA's count,
@@ -37,12 +39,11 @@ import pandas as pd
 
 from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
-from gnsmath import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, REQUIRED_KINDS, debiased_ema, layer_type, parse_column,
-                     total_columns, unbiased_estimates)
+from gnsmath import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, debiased_ema, layer_groups,  # noqa: F401
+                     layer_type, parse_column, total_columns, unbiased_estimates)
 from reference_names import refuse_module_names
 from tracker import atomic_write
 
-TYPE_GROUPS = ["LayerNorm", "Linear", "Embedding"]
 # known estimators, in the order they are tried as the main one and listed; others follow, ddp last
 # train/gnshooks: the hooks' prefix before it became train/hooks_gns (the reference's readers
 # take every column starting with train/gns for theirs)
@@ -94,7 +95,7 @@ def find_estimators(df):
         if parts:
             found.setdefault(parts[0], {}).setdefault(parts[1], {})[parts[2]] = col
     # a prefix is an estimator if one of its parameters has the norm and pegn pair
-    found = {p: names for p, names in found.items() if any(set(NORM_KINDS) <= set(c) for c in names.values())}
+    found = {p: names for p, names in found.items() if any(set(NORM_CELLS) <= set(c) for c in names.values())}
     order = [p for p in KNOWN_PREFIXES if p in found] + [p for p in found if p not in KNOWN_PREFIXES]
     estimators = {p: found[p] for p in order}
     if all(c in df.columns for c in DDP_COLUMNS.values()) and DDP not in estimators:
@@ -118,7 +119,7 @@ def load_estimator(df, prefix, columns):
     and bad_examples (the other cells that are not finite numbers: how many, and the first few as
     'step N name/kind (cell)'). Raises AnalysisError if nothing is left.
     """
-    complete = {n: c for n, c in columns.items() if set(REQUIRED_KINDS) <= set(c)}
+    complete = {n: c for n, c in columns.items() if set(REQUIRED_CELLS) <= set(c)}
     incomplete = sorted(set(columns) - set(complete))
     if not complete:
         has = ", ".join(sorted(columns[incomplete[0]]))
@@ -137,11 +138,11 @@ def load_estimator(df, prefix, columns):
                 continue  # no small_batch_size: b = 1, per-example
             cells = df[complete[name][kind]]
             values, bad = read_cells(cells)
-            out[:, i] = values ** 2 if kind in NORM_KINDS else values
+            out[:, i] = values ** 2 if kind in NORM_CELLS else values
             if not bad.any():
                 continue
             rows = np.flatnonzero(bad)
-            if kind in NORM_KINDS:  # inf or nan written as a number: an overflow
+            if kind in NORM_CELLS:  # inf or nan written as a number: an overflow
                 text = cells.iloc[rows].astype(str).str.strip().str.lower()
                 number = np.isinf(values[rows]) | text.isin(NOT_NUMBERS).to_numpy()
                 overflow[rows[number]] = True
@@ -193,15 +194,14 @@ def smoothed(sq_norm, trace, alpha, name):
     return {f"{name}/{k}": v for k, v in zip(EMA_COLUMNS, (sq_norm, trace, sq_norm_ema, trace_ema, gns, seen))}
 
 
-def main_groups(names, prefix):
-    """The main estimator's groups: total, LayerNorm/Linear/Embedding (those present), then h.N in order."""
+def main_groups(names, prefix, kinds=None, norm="layernorm"):
+    """The main estimator's groups: total, the layer types present (the normalisation group named
+    LayerNorm, RMSNorm or both, then Linear, Embedding: gnsmath.layer_groups, by the kinds recorded
+    when the layers were measured, else by GPT's names), then h.N in order."""
     groups = {"total": names}
     if prefix == DDP:
         return groups
-    for kind in TYPE_GROUPS:
-        members = [n for n in names if layer_type(n) == kind]
-        if members:
-            groups[kind] = members
+    groups.update(layer_groups(names, kinds, norm))
     blocks = sorted({block_of(n) for n in names} - {None}, key=lambda b: int(b[2:]))
     for b in blocks:
         groups[b] = [n for n in names if block_of(n) == b]
@@ -240,18 +240,20 @@ def choose_main(df, estimators, prefix, fallback=True):
     return main, loaded, f"{why}; showing '{main}' instead (estimators in the log: {', '.join(loaded)})"
 
 
-def analyze(df, alpha, prefix="train/gns", fallback=True):
+def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="layernorm"):
     """
     (results DataFrame, info dict) for a loaded log: the main estimator (`prefix`, or with
     fallback the first usable one if it is absent) per group, every other estimator's total, and
     their comparison with the main one; results also hold the reference's columns (module
     docstring). The log is taken as it is: leave out a reference log's tied weight beforehand
-    (tied_columns). Raises AnalysisError.
+    (tied_columns). kinds, norm: how parameters are grouped (read_kinds). Raises AnalysisError.
     """
     prefix = prefix.rstrip("/")
     main, loaded, note = choose_main(df, find_estimators(df), prefix, fallback)
     est = loaded[main]
-    groups = main_groups(est["names"], main)
+    groups = main_groups(est["names"], main, kinds, norm)
+    type_groups = [g for g in groups if g != "total" and not g.startswith("h.")]
+    norm_name = type_groups[0] if type_groups and type_groups[0] not in ("Linear", "Embedding") else None
 
     out = {"step": df["step"].to_numpy()}
     for col in ("iter_num", "tokens_processed"):
@@ -310,10 +312,11 @@ def analyze(df, alpha, prefix="train/gns", fallback=True):
                 results[f"{p}/common/gns"], results[f"{p}/main_common/gns"],
                 np.minimum(results[f"{p}/common/ema_steps"], results[f"{p}/main_common/ema_steps"]), alpha)
     ln = None
-    if "LayerNorm" in groups:
-        ln = compare(results["LayerNorm/gns"], results["total/gns"],
-                     np.minimum(results["LayerNorm/ema_steps"], results["total/ema_steps"]), alpha)
-    info = dict(main=main, requested=prefix, note=note, notes=[], groups=groups,
+    if norm_name is not None:
+        ln = compare(results[f"{norm_name}/gns"], results["total/gns"],
+                     np.minimum(results[f"{norm_name}/ema_steps"], results["total/ema_steps"]), alpha)
+    info = dict(main=main, requested=prefix, note=note, notes=[], groups=groups, type_groups=type_groups,
+                norm_group=norm_name,
                 incomplete=kept["incomplete"], never_measured=kept["never"], mixed_batch_rows=mixed_batch_rows,
                 overflow_steps=kept["overflow_steps"], bad_cells=kept["bad_cells"], bad_examples=kept["bad_examples"],
                 log_rows=len(df), main_rows=main_rows, comparison=ln, estimators=others)
@@ -351,7 +354,8 @@ def log_origin(path):
     """
     ('fork', 'reference' or None when it cannot tell, why, config) of the log at path. This
     fork's config.json has always had a 'seed' key, the reference's never has (and is never
-    empty); only the reference writes the in-progress pair log_header.csv.tmp + log_data.csv.tmp.
+    empty); only the reference writes the in-progress pair log_header.csv.tmp + log_data.csv.tmp,
+    only this fork a layer_kinds.json.
     """
     try:
         with open(os.path.join(os.path.dirname(path), "config.json")) as f:
@@ -364,6 +368,8 @@ def log_origin(path):
         return "reference", "its config.json has no 'seed'", config
     if os.path.basename(path) == REFERENCE_PAIR[1]:
         return "reference", f"written as {' + '.join(REFERENCE_PAIR)}", {}
+    if os.path.isfile(os.path.join(os.path.dirname(path), KINDS_NAME)):
+        return "fork", f"it has a {KINDS_NAME} (LogWrapper.record_kinds)", {}
     return None, "no config.json with the run's settings beside it", {}
 
 
@@ -404,6 +410,25 @@ def reference_fixes(columns, path, tied="auto"):
     return leave_out, notes
 
 
+def read_kinds(path):
+    """
+    (kinds, norm) for the log at path: kinds {parameter name: kind} as recorded when its layers were
+    measured (KINDS_NAME beside it, written by the tracker), else None, and GPT's names decide with
+    norm the kind of ln_* (a fork's config.json says 'norm': 'rmsnorm' for an RMSNorm GPT).
+    """
+    kinds = None
+    try:
+        with open(os.path.join(os.path.dirname(path), KINDS_NAME)) as f:
+            kinds = json.load(f)
+    except (OSError, ValueError):
+        pass
+    if not isinstance(kinds, dict):
+        kinds = None
+    config = log_origin(path)[2]
+    norm = "rmsnorm" if isinstance(config, dict) and config.get("norm") == "rmsnorm" else "layernorm"
+    return kinds, norm
+
+
 def read_log(out_dir, tied="auto"):
     """
     (DataFrame, path, note lines) of the log in out_dir as the analysis reads it: the columns it
@@ -429,7 +454,8 @@ def plots(results, df, info):
             "", f"phase plot, log10 tr(S) against log10 |G|^2 ({main} EMAs, all its parameters):",
             figure([(log10_positive(sq), log10_positive(tr), "total")], "log10 |G|^2", "log10 tr(S)", scatter=True),
             "", f"GNS over {x_name}:"]
-    series = [(x, results[f"{g}/gns"].to_numpy(), f"{main} {g}") for g in ("total", "LayerNorm") if f"{g}/gns" in results]
+    series = [(x, results[f"{g}/gns"].to_numpy(), f"{main} {g}") for g in ("total", info["norm_group"])
+              if f"{g}/gns" in results]
     series += [(x, results[f"{p}/total/gns"].to_numpy(), f"{p} total") for p in info["estimators"]]
     if DDP not in info["estimators"] and main != DDP and DDP_GNS in df.columns:
         # an older log with only the online DDP estimate (its own EMA), not the raw norms
@@ -474,7 +500,7 @@ def summary(results, info, path, alpha):
     if main == DDP:
         covered = "totals over the whole model (DDP: small batch = one rank's batch)"
     else:
-        counts = ", ".join(f"{k} {len(groups[k])}" for k in TYPE_GROUPS if k in groups)
+        counts = ", ".join(f"{k} {len(groups[k])}" for k in info["type_groups"])
         covered = f"{len(groups['total'])} parameters ({counts})"
     lines = [f"{path}: {info['log_rows']} rows, {info['main_rows']} steps with GNS measurements under '{main}', {covered}"]
     lines += [f"  note: {note}" for note in [info["note"]] * bool(info["note"]) + info["notes"]]
@@ -494,23 +520,23 @@ def summary(results, info, path, alpha):
     B, b = last_finite(results["batch_size"]), last_finite(results["small_batch_size"])
     lines.append(f"at the last step ({where}), B = {B:.0f}" + (f", B_small = {b:.0f}:" if b != 1 else ":"))
     lines.append(f"  {'group':<10} {'GNS':>12} {'|G|^2':>12} {'tr(S)':>12} {'params':>7}")
-    for g in ["total"] + [k for k in TYPE_GROUPS if k in groups]:
+    for g in ["total"] + info["type_groups"]:
         lines.append(f"  {g:<10} {last[f'{g}/gns']:>12.4g} {last[f'{g}/sq_norm_ema']:>12.4g} "
                      f"{last[f'{g}/trace_ema']:>12.4g} {len(groups[g]) if main != DDP else '-':>7}")
     blocks = [g for g in groups if g.startswith("h.")]
     if blocks:
         cells = [f"{b} {last[f'{b}/gns']:.4g}" for b in blocks]
         lines.append("  GNS per block: " + ", ".join(cells[:12]) + (" ..." if len(cells) > 12 else ""))
-    c = info["comparison"]
+    c, norm = info["comparison"], info["norm_group"]
     if c is None:
         if main != DDP:
-            lines.append("LayerNorm vs total: no LayerNorm parameters in the log")
+            lines.append("LayerNorm vs total: no LayerNorm parameters in the log (nor RMSNorm)")
     elif c["steps"] == 0:
-        lines.append("LayerNorm vs total: no step where both GNS are defined")
+        lines.append(f"{norm} vs total: no step where both GNS are defined")
     else:
-        lines.append(f"LayerNorm vs total GNS over {c['steps']} steps (EMA seen >= {c['min_ema_steps']}): "
-                     f"ratio LN/total median {c['ratio_median']:.3f}, mean {c['ratio_mean']:.3f}; "
-                     f"Pearson r {c['pearson']:.3f}")
+        lines.append(f"{norm} vs total GNS over {c['steps']} steps (EMA seen >= {c['min_ema_steps']}): "
+                     f"ratio {'LN' if norm == 'LayerNorm' else norm}/total median {c['ratio_median']:.3f}, "
+                     f"mean {c['ratio_mean']:.3f}; Pearson r {c['pearson']:.3f}")
     lines += estimator_table(results, info, alpha)
     return "\n".join(lines)
 
@@ -609,7 +635,9 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
 
     try:
         df, path, notes = read_log(args.out_dir, args.tied)
-        results, info = analyze(df, args.alpha, args.prefix or "train/gns", fallback=args.prefix is None)
+        kinds, norm = read_kinds(path)
+        results, info = analyze(df, args.alpha, args.prefix or "train/gns", fallback=args.prefix is None,
+                                kinds=kinds, norm=norm)
     except (LogError, AnalysisError) as e:
         print(f"gns-analysis.py: error: {e}", file=sys.stderr)
         return 2

@@ -139,8 +139,8 @@ PREFIXES = dict(exact="train/gns", hooks_exact="train/hooks_gns", hooks_sogns="t
 # the kind of a cell -> the Measurement field it holds
 KINDS = {"norm": "big_batch_norm", "pegn": "small_batch_norm", "batch_size": "big_batch_size",
          "small_batch_size": "small_batch_size"}
-NORM_KINDS = ("norm", "pegn")  # the cells that hold norms; the others hold batch sizes
-REQUIRED_KINDS = (*NORM_KINDS, "batch_size")  # every measured parameter's; small_batch_size only where b > 1
+NORM_CELLS = ("norm", "pegn")  # the cells that hold norms; the others hold batch sizes
+REQUIRED_CELLS = (*NORM_CELLS, "batch_size")  # every measured parameter's; small_batch_size only where b > 1
 
 
 def column(prefix, name, kind):
@@ -170,15 +170,45 @@ def total_columns(prefix):
     return {kind: f"{prefix}/{field}" for kind, field in KINDS.items()}
 
 
-def layer_type(name):
-    """A parameter's group by its name: LayerNorm for ln_1, ln_2, ln_f, ... (the normalisation
-    layers, whatever their kind); Embedding for wte, wpe; Linear for everything else."""
+# The kinds of measured layer (buffered.MEASURED_CLASSES' keys) and the analysis's name for each;
+# measure-time kinds are kept in out_dir/KINDS_NAME ({parameter name: kind}) for the analysis
+KIND_NAMES = {"linear": "Linear", "embedding": "Embedding", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+NORM_KINDS = ("layernorm", "rmsnorm")
+KINDS_NAME = "layer_kinds.json"
+
+
+def layer_kind(name, kinds=None, norm="layernorm"):
+    """A parameter's kind: the one recorded when it was measured (kinds: {name: kind}), else, for
+    a log without the record, by GPT's names: `norm` (the run's normalisation) for ln_1, ln_2,
+    ln_f, ..., embedding for wte, wpe, linear for everything else."""
+    if kinds and name in kinds:
+        return kinds[name]
     parts = name.split(".")
     if any(p.startswith("ln_") for p in parts):
-        return "LayerNorm"
+        return norm
     if any(p in ("wte", "wpe") for p in parts):
-        return "Embedding"
-    return "Linear"
+        return "embedding"
+    return "linear"
+
+
+def layer_type(name, kinds=None, norm="layernorm"):
+    """The name of a parameter's kind: LayerNorm, RMSNorm, Linear or Embedding (layer_kind)."""
+    return KIND_NAMES[layer_kind(name, kinds, norm)]
+
+
+def norm_group(kinds_present):
+    """The normalisation group's name after the kinds a model has: LayerNorm, RMSNorm or LayerNorm+RMSNorm."""
+    return "+".join(KIND_NAMES[k] for k in NORM_KINDS if k in kinds_present)
+
+
+def layer_groups(names, kinds=None, norm="layernorm"):
+    """{group: members} of those present, in the order normalisation (one group, named by
+    norm_group), Linear, Embedding."""
+    by_kind = {name: layer_kind(name, kinds, norm) for name in names}
+    groups = {norm_group(set(by_kind.values())): [n for n in names if by_kind[n] in NORM_KINDS]}
+    for kind in ("linear", "embedding"):
+        groups[KIND_NAMES[kind]] = [n for n in names if by_kind[n] == kind]
+    return {g: members for g, members in groups.items() if g and members}
 
 
 # ---------------------------------------------------------------------------------------------

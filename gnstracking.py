@@ -29,12 +29,13 @@ import torch
 import ddpgns
 import gnshooks
 import microbatch_gns
-from buffered import allreduce_sqgradnorm_buffers, find_sqgradnorm_buffers, sum_of_squares, zero_sqgradnorm_buffers
+from buffered import (allreduce_sqgradnorm_buffers, find_sqgradnorm_buffers, layer_kinds, sum_of_squares,
+                      zero_sqgradnorm_buffers)
 # the interface every estimator offers, from its leaf module (importable from here, as before)
 from estimator import Estimator, Measurement, current_scale, distributed_world_size, unwrap  # noqa: F401
 # the maths and the column names, from their torch-free home; imported here by the estimators
-from gnsmath import (EMA_BETA, KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
-                     layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
+from gnsmath import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
+                     layer_kind, layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
 # ---------------------------------------------------------------------------------------------
@@ -176,8 +177,11 @@ class MeasurementTracker:
                 continue  # module not run this step: no per-example information
             B = int(round(count)) if batch_size is None else int(batch_size)
             if count != B:
+                times = count / B if B and count > B and count % B == 0 else None
+                twice = (f"was its layer applied {times:g} times in one forward (a per-example norm would need the "
+                         f"cross terms between the uses: not measured)? or " if times else "")
                 raise ValueError(
-                    f"{name}: the buffers counted {count:g} examples but batch_size={B}; were the buffers "
+                    f"{name}: the buffers counted {count:g} examples but batch_size={B}; {twice}were the buffers "
                     f"zeroed after the previous step, and under DDP were the counts summed over ranks?")
             big_norm = small_norm = math.inf
             if finite:
@@ -270,7 +274,8 @@ class ExactGNS(Estimator):
     buffers (buffered.py), read by a MeasurementTracker, the buffers first summed over the DDP
     ranks when world_size > 1. Its live GNS, for the status line, is an EMA (beta EMA_BETA) of the
     estimates from the totals over all measured parameters, carried across a resume; and one of
-    the LayerNorm group's alone when it has measured LayerNorms (live_gns() reads either).
+    the normalisation group's alone when it has measured LayerNorms or RMSNorms (live_gns() reads
+    either; the group is called 'LayerNorm' there, --bs_gns_group's value, whichever they are).
     """
     name = PREFIXES["exact"]
     label = "gns"
@@ -281,7 +286,9 @@ class ExactGNS(Estimator):
         self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
         self.gns = GradientNoiseScale(beta=beta)
         self.groups = {"total": self.gns}
-        if any(layer_type(name) == "LayerNorm" for name in self.tracker.names):
+        kinds = layer_kinds(self.model)  # as measured, not by name: any model's normalisation layers
+        self.norm_names = {n for n in self.tracker.names if layer_kind(n, kinds) in NORM_KINDS}
+        if self.norm_names:
             self.groups["LayerNorm"] = GradientNoiseScale(beta=beta)
 
     @property
@@ -295,7 +302,7 @@ class ExactGNS(Estimator):
         measurements = self.tracker.step(batch_size=examples, step=step)
         if measurements and examples > 1:  # one example: no small batch below it
             for group, gns in self.groups.items():
-                members = [m for m in measurements if group == "total" or layer_type(m.metadata["name"]) == group]
+                members = [m for m in measurements if group == "total" or m.metadata["name"] in self.norm_names]
                 gns.update(sum(m.small_batch_norm ** 2 for m in members),
                            sum(m.big_batch_norm ** 2 for m in members), 1, examples)
         return self.logs.pop()
@@ -371,7 +378,7 @@ def measured_groups(estimators):
     for e in estimators:
         if isinstance(e, ExactGNS):
             groups = list(e.groups)  # "total" first
-            return groups[::-1] if all(layer_type(name) == "LayerNorm" for name in e.tracker.names) else groups
+            return groups[::-1] if e.norm_names == set(e.tracker.names) else groups
     return []
 
 

@@ -16,10 +16,11 @@ the reference's three in its order, then RMSNorm), which set_contextual_config r
 restores: a model written for the reference implementation (`import layer_config as lc` ...
 `lc.config.Linear(...)` in its __init__) reads it the same way.
 
-FLAG_CLASSES is the one table from train.py's --linearclass / --embeddingclass / --lnclass values
-to classes; train.py, bench/ and the tests read it, so a new layer class is its code plus one
-entry there. --lnclass chooses the class of whichever normalisation the model uses, so each of
-its values gives one class per normalisation kind (FLAG_KINDS), LayerNorm and RMSNorm:
+FLAG_CLASSES maps train.py's --linearclass / --embeddingclass / --lnclass values to classes; it
+is derived from buffered.MEASURED_CLASSES (the registry measure() uses too), so a new layer class
+is its code plus one entry there. train.py, configurator.py, bench/ and the tests read it.
+--lnclass chooses the class of whichever normalisation the model uses, so each of its values
+gives one class per normalisation kind (FLAG_KINDS), LayerNorm and RMSNorm:
 
     with set_contextual_config(**classes_for_flags(linearclass='gns', lnclass='fused')):
         model = GPT(config)   # its LayerNorms PEGradNormFusedLayerNorm, its RMSNorms PEGradNormFusedRMSNorm
@@ -29,11 +30,10 @@ from contextlib import contextmanager
 
 import torch.nn as nn
 
-from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
-                      PEGradNormShimEmbedding, PEGradNormShimLinear)
+from buffered import KIND_NAMES, MEASURED_CLASSES
 # model.py ties wte to lm_head through here, so that only buffered.py knows how measured layers link
 from buffered import tie_weights  # noqa: F401
-from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
+import fused_gns  # noqa: F401  (adds the fused normalisations to the registry)
 
 # RMSNorm last and with a default, so that the reference's three-class LayerClasses(...) still builds
 LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm"], defaults=(nn.RMSNorm,))
@@ -73,17 +73,26 @@ def set_contextual_config(**classes):
 
 # train.py's flag for each kind of layer (a tuple where one flag chooses for several kinds), and
 # what each of its values builds: a class, or for a flag of several kinds a dict with a class per
-# kind. nn is torch's (not measured), gns computes gradient and norms in one backward, shim keeps
+# kind. nn is torch's (not measured); the others are buffered.MEASURED_CLASSES' values, derived
+# here and never written twice: gns computes gradient and norms in one backward, shim keeps
 # torch's backward and adds the norms beside it (the separated normalisations), fused is the
-# normgnorm kernel (buffered.py, fused_gns.py)
+# normgnorm kernel (fused_gns.py, imported above, adds it to the registry)
 FLAG_KINDS = {'linearclass': 'Linear', 'embeddingclass': 'Embedding', 'lnclass': ('LayerNorm', 'RMSNorm')}
-FLAG_CLASSES = {
-    'linearclass': {'nn': nn.Linear, 'gns': PEGradNormLinear, 'shim': PEGradNormShimLinear},
-    'embeddingclass': {'nn': nn.Embedding, 'gns': PEGradNormEmbedding, 'shim': PEGradNormShimEmbedding},
-    'lnclass': {'nn': dict(LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm),
-                'shim': dict(LayerNorm=PEGradNormSeparatedLayerNorm, RMSNorm=PEGradNormSeparatedRMSNorm),
-                'fused': dict(LayerNorm=PEGradNormFusedLayerNorm, RMSNorm=PEGradNormFusedRMSNorm)},
-}
+KIND_OF = {name: kind for kind, name in KIND_NAMES.items()}  # 'Linear' -> 'linear', ...
+TORCH_CLASSES = dict(Linear=nn.Linear, Embedding=nn.Embedding, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
+
+
+def _flag_table(names):
+    """{value: class} for a flag of one kind, {value: {kind name: class}} for a flag of several."""
+    values = ['nn'] + list(dict.fromkeys(v for n in names for v in MEASURED_CLASSES[KIND_OF[n]]))
+    table = {}
+    for value in values:
+        classes = {n: TORCH_CLASSES[n] if value == 'nn' else MEASURED_CLASSES[KIND_OF[n]][value] for n in names}
+        table[value] = classes if len(names) > 1 else classes[names[0]]
+    return table
+
+
+FLAG_CLASSES = {flag: _flag_table((kinds,) if isinstance(kinds, str) else kinds) for flag, kinds in FLAG_KINDS.items()}
 
 
 def flag_kinds(flag):

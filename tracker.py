@@ -38,7 +38,8 @@ Rows shorter than the header are kept (logs whose header grew, as the reference 
 writes them; readers pad them). Without resume_step a new run starts a new log.csv (an old one
 is replaced at the first step()).
 
-out_dir/config.json holds the run's configuration (rewritten by a resumed run).
+out_dir/config.json holds the run's configuration (rewritten by a resumed run);
+out_dir/layer_kinds.json, where record_kinds() writes it, the kind of each measured parameter.
 """
 import csv
 import errno
@@ -254,6 +255,15 @@ class LogWrapper:
                                         config=dict(config) if config is not None else None)
 
     # -- logging --------------------------------------------------------------------------------
+
+    def record_kinds(self, kinds):
+        """Write out_dir/layer_kinds.json: {parameter name: kind} of the measured layers
+        (buffered.layer_kinds(model)), by which gns-analysis.py groups the parameters. Nothing
+        without out_dir."""
+        if self.out_dir is not None:
+            from gnsmath import KINDS_NAME  # here: gnsmath imports numpy, which the tracker does not need
+            text = json.dumps(dict(kinds), indent=1).encode("utf-8")
+            _replace_file(os.path.join(self.out_dir, KINDS_NAME), lambda f: f.write(text), "writing the layer kinds")
 
     def log(self, values):
         """Add values (a dict of name -> number or string) to this step's row; later values win."""

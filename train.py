@@ -22,6 +22,7 @@ import torch
 import gnstracking
 from checkpoint import CheckpointError, init_model, load_optimizer_state, save_training_state
 from configurator import ConfigError, check_dataset, check_device, check_train_config, configure, die
+from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
@@ -235,6 +236,8 @@ try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.j
     logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
                         resume_step=iter_num if init_from == 'resume' else None, wandb_project=wandb_project,
                         wandb_run_name=wandb_run_name) if master_process else None
+    if logger is not None:  # the measured layers' kinds, by which gns-analysis.py groups the parameters
+        logger.record_kinds(layer_kinds(raw_model))
 except (ValueError, OSError) as e:
     die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 params = [p for p in raw_model.parameters() if p.requires_grad]

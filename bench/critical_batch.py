@@ -102,9 +102,10 @@ def base_run(work_dir, family, seed, setup, extra):
 def b_simple_at(run, alpha):
     """The base run's EMA GNS over its tokens (gns-analysis.py's): DataFrame with tokens,
     b_simple_total, b_simple_norm and b_simple_norm_adam (NaN where the log has no such estimator)."""
-    df, _, _ = gns_analysis.read_log(run)
-    results, info = gns_analysis.analyze(df, alpha)
-    norm = info.get('norm_group', 'LayerNorm')
+    df, path, _ = gns_analysis.read_log(run)
+    kinds, norm = gns_analysis.read_kinds(path)
+    results, info = gns_analysis.analyze(df, alpha, kinds=kinds, norm=norm)
+    norm = info['norm_group']  # LayerNorm or RMSNorm, after the model
     adam = f"{ADAM_PREFIX}/total/gns"
     nan = np.full(len(results), np.nan)
     return pd.DataFrame(dict(tokens=results['tokens_processed'], b_simple_total=results['total/gns'],

@@ -48,10 +48,12 @@ def train(out_dir, family, seed, max_tokens, extra):
 
 def normalisation_vs_total(run, alpha):
     """gns-analysis.py's comparison of the normalisation group's GNS with the total, for one run."""
-    df, _, _ = gns_analysis.read_log(run)
-    results, _ = gns_analysis.analyze(df, alpha)
-    seen = results[["LayerNorm/ema_steps", "total/ema_steps"]].min(axis=1)
-    return gns_analysis.compare(results["LayerNorm/gns"], results["total/gns"], seen, alpha)
+    df, path, _ = gns_analysis.read_log(run)
+    kinds, norm = gns_analysis.read_kinds(path)
+    results, info = gns_analysis.analyze(df, alpha, kinds=kinds, norm=norm)
+    group = info["norm_group"]  # LayerNorm or RMSNorm, after the model
+    seen = results[[f"{group}/ema_steps", "total/ema_steps"]].min(axis=1)
+    return gns_analysis.compare(results[f"{group}/gns"], results["total/gns"], seen, alpha)
 
 
 def main(argv=None):

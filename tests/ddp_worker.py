@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddpgns  # noqa: E402
 from stopping import leave  # noqa: E402
 import gnstracking  # noqa: E402
-from buffered import register_sqgradnorm_buffers  # noqa: E402
-from gns_fixtures import MEASURED, example_sqnorms, per_example_grads, tiny_gpt  # noqa: E402
+from buffered import measure, register_sqgradnorm_buffers  # noqa: E402
+from gns_fixtures import MEASURED, example_sqnorms, per_example_grads, tiny_gpt, tiny_hf  # noqa: E402
 
 MICRO_STEPS = 2
 MICRO_BATCH = 3
@@ -185,6 +185,36 @@ def every_estimator(rank, world):
     return dict(names=[e.name for e in estimators], steps=steps, states=states[gnstracking.CHECKPOINT_KEY])
 
 
+def hf_batch(step, micro_step, rank):
+    """Rank `rank`'s micro-batch of token ids for the Hugging Face GPT-2 (the test concatenates the ranks')."""
+    g = torch.Generator().manual_seed(2000 * step + 10 * micro_step + rank)
+    return torch.randint(0, 97, (MICRO_BATCH, 8), generator=g)
+
+
+def measured_hf_gpt2(rank, world):
+    """A Hugging Face GPT-2 put through buffered.measure, under DDP, through gnstracking's
+    interface: each step's exact-estimator columns (the buffers summed over the ranks)."""
+    try:
+        raw = measure(tiny_hf("gpt2").train())
+    except ImportError:  # transformers is a test dependency: without it there is nothing to compare
+        return None
+    model = DDP(raw, broadcast_buffers=False)
+    estimators = gnstracking.estimators_for(raw, ddp_model=model, world_size=world)
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    rows = []
+    for step in range(INTERFACE_STEPS):
+        for micro_step in range(MICRO_STEPS):
+            model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
+            x = hf_batch(step, micro_step, rank)
+            (model(input_ids=x, labels=x).loss / MICRO_STEPS).backward()
+        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * world, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        rows.append({k: v for k, v in row.items() if k.startswith("train/gns/")})
+    return dict(rows=rows, line=gnstracking.status_line(estimators[:1]))
+
+
 def main():
     out_dir = sys.argv[1]
     # train.py keeps broadcast_buffers=False (rank-local per-example buffers); so do we
@@ -196,7 +226,8 @@ def main():
                   bfloat16=hook_vs_brute_force(rank, world, torch.bfloat16),
                   buffers=buffers_allreduce(rank, world),
                   known=known_noise_scale(rank, world),
-                  interface=every_estimator(rank, world))
+                  interface=every_estimator(rank, world),
+                  hf=measured_hf_gpt2(rank, world))
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
         json.dump(result, f)
     dist.barrier()  # leave together, and as train.py's ranks do (stopping.leave says why)

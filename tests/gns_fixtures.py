@@ -105,6 +105,20 @@ def gpt_batches(n, b, seed=5):
             for _ in range(n)]
 
 
+def tiny_hf(name, seed=0):
+    """Hugging Face's GPT2LMHeadModel ("gpt2") or LlamaForCausalLM ("llama"), random weights, dropout 0:
+    2 layers, 32 wide, a 97-token vocabulary (transformers is a test dependency, imported here)."""
+    import transformers
+    torch.manual_seed(seed)
+    if name == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=97, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny tensors: one intra-op thread is faster and immune to a loaded machine (autouse where imported)."""

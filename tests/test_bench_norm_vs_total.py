@@ -24,7 +24,8 @@ def test_both_families_end_to_end(bench_runs):
     for row in runs.itertuples():
         analysis = subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), str(out / f"{row.family}-s1"),
                                    "--alpha=0.5", "--no-plots"], capture_output=True, text=True, cwd=REPO, timeout=120)
-        found = re.search(r"LayerNorm vs total GNS over (\d+) steps .*median ([\d.]+), .*Pearson r ([-\d.na]+)",
+        norm = "LayerNorm" if row.family == "gpt2" else "RMSNorm"  # the group named after the model's
+        found = re.search(rf"{norm} vs total GNS over (\d+) steps .*median ([\d.]+), .*Pearson r ([-\d.na]+)",
                           analysis.stdout)
         assert found, analysis.stdout + analysis.stderr
         assert row.steps == int(found.group(1)) > 0

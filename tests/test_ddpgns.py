@@ -11,7 +11,7 @@ import torch
 
 from conftest import REPO, made_once
 from ddpgns import DDPGradientStatsHook, GradientNoiseScale, ddp_gns_log
-from gns_fixtures import MEASURED, gpt_loss, per_example_grads, tiny_gpt
+from gns_fixtures import MEASURED, gpt_loss, per_example_grads, tiny_gpt, tiny_hf
 from reference_names import ReferenceNameError
 
 WORLD = 2
@@ -302,3 +302,32 @@ def test_every_estimator_through_the_interface_on_two_ranks_equals_one_process(d
     assert set(states) == {'train/gns', 'ddp'} and states['ddp']['beta'] == 0.995
     assert states['train/gns'] == pytest.approx(exact_state, rel=1e-4)
 
+
+
+@pytest.mark.slow
+def test_measured_hugging_face_gpt2_on_two_ranks_equals_one_process(ddp_worker_ranks):
+    """buffered.measure on Hugging Face's GPT-2 (Conv1D layers, the wte = lm_head tie, [1, T]
+    positions) under DDP: each parameter's norms and the GNS are what one process gets on the same
+    global batch (the per-example buffers summed over ranks and rescaled, McCandlish App. A)."""
+    pytest.importorskip("transformers")
+    import ddp_worker
+    import gnstracking
+    from buffered import measure
+    got = [r['hf'] for r in ddp_worker_ranks]
+    assert got[0] == got[1]  # every rank alike
+    raw = measure(tiny_hf("gpt2").train())
+    estimators = gnstracking.estimators_for(raw)
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    m = ddp_worker.MICRO_STEPS
+    for step, logged in enumerate(got[0]['rows']):
+        for k in range(m):
+            x = torch.cat([ddp_worker.hf_batch(step, k, rank) for rank in range(WORLD)])  # the global micro-batch
+            (raw(input_ids=x, labels=x).loss / m).backward()
+        row = gnstracking.measure_all(estimators, step, m * ddp_worker.MICRO_BATCH * WORLD, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        assert logged.keys() == row.keys() and len(row) == 3 * len(list(raw.parameters()))
+        for c, v in row.items():
+            assert logged[c] == pytest.approx(v, rel=1e-4), c
+    assert got[0]['line'] == gnstracking.status_line(estimators)

@@ -894,3 +894,36 @@ def test_memory_is_about_the_size_of_the_log(tmp_path):
     baseline = peak_rss(sys.executable, SCRIPT, tmp_path / "short", "--no-plots")
     peak = peak_rss(sys.executable, SCRIPT, tmp_path / "long", "--no-plots")
     assert size > 12e6 and peak - baseline < 3 * size, (peak - baseline) / size
+
+
+def test_normalisation_group_is_named_after_the_kinds_recorded(tmp_path, capsys):
+    out = toy_gpt_log(tmp_path / "log", steps=6)
+    names = list(load_log(out)[0].columns)
+    params = sorted({c.split("/")[2] for c in names if c.startswith("train/gns/")})
+    norms = [n for n in params if ".ln_" in n]
+    # no record: by name, LayerNorm
+    assert gns_analysis.main([str(out), "--no-plots"]) == 0
+    assert "LayerNorm vs total GNS" in capsys.readouterr().out
+    # recorded RMSNorms (and a Linear recorded as a norm: the record, not the name, decides)
+    kinds = {n: "rmsnorm" if n in norms or n.endswith("c_fc.weight") else "linear" for n in params}
+    with open(os.path.join(out, "layer_kinds.json"), "w") as f:
+        json.dump(kinds, f)
+    assert gns_analysis.main([str(out), "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "RMSNorm vs total GNS" in text and f"RMSNorm {len(norms) + 2}," in text and "LayerNorm" not in text
+    results = pd.read_csv(os.path.join(out, "gns_analysis.csv"))
+    assert "RMSNorm/gns" in results.columns and "LayerNorm/gns" not in results.columns
+    # both kinds: one group named after both
+    kinds[norms[0]] = "layernorm"
+    with open(os.path.join(out, "layer_kinds.json"), "w") as f:
+        json.dump(kinds, f)
+    assert gns_analysis.main([str(out), "--no-plots"]) == 0
+    assert "LayerNorm+RMSNorm vs total GNS" in capsys.readouterr().out
+    # an older log of an RMSNorm GPT: no record, its config.json says norm=rmsnorm
+    os.remove(os.path.join(out, "layer_kinds.json"))
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({**config, "norm": "rmsnorm"}, f)
+    assert gns_analysis.main([str(out), "--no-plots"]) == 0
+    assert "RMSNorm vs total GNS" in capsys.readouterr().out

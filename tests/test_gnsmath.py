@@ -82,6 +82,20 @@ def test_the_maths_and_the_analysis_load_without_torch():
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_layer_groups_by_the_kinds_recorded_else_by_name():
+    names = ["model.layers.0.input_layernorm.weight", "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+             "transformer.ln_f.weight"]
+    kinds = {names[0]: "rmsnorm", names[1]: "embedding", names[2]: "linear", names[3]: "rmsnorm"}
+    assert gnsmath.layer_groups(names, kinds) == {"RMSNorm": [names[0], names[3]], "Linear": [names[2]],
+                                                  "Embedding": [names[1]]}
+    assert gnsmath.layer_type(names[0], kinds) == "RMSNorm"
+    both = {**kinds, names[3]: "layernorm"}
+    assert list(gnsmath.layer_groups(names, both)) == ["LayerNorm+RMSNorm", "Linear", "Embedding"]
+    # a log without the record: GPT's names, ln_* of the run's normalisation
+    assert gnsmath.layer_groups(names) == {"LayerNorm": [names[3]], "Linear": names[:3]}
+    assert list(gnsmath.layer_groups(names, norm="rmsnorm")) == ["RMSNorm", "Linear"]
+
+
 # -- fit_critical_batch: S(B) = S_min + E_min / B (McCandlish et al. 2018, App. D) ---------------
 
 def test_fit_critical_batch_recovers_exact_points():

@@ -221,3 +221,19 @@ def test_a_class_added_to_the_table_is_a_bench_setting(tmp_path, monkeypatch):
         rows = list(csv.DictReader(f))
     assert [(r["setting"], r["flags"]) for r in rows] == [("nn", "(plain nn)"), ("linearclass=probe", "--linearclass=probe")]
     assert marker.read_text() == "built\n" * (1 * 4 + 1)  # timed (not for memory), a 1-block GPT
+
+
+def test_flag_table_is_derived_from_the_registry():
+    from buffered import MEASURED_CLASSES
+    assert lc.FLAG_CLASSES["linearclass"] == {"nn": nn.Linear, **MEASURED_CLASSES["linear"]}
+    assert lc.FLAG_CLASSES["embeddingclass"] == {"nn": nn.Embedding, **MEASURED_CLASSES["embedding"]}
+    assert list(lc.FLAG_CLASSES["lnclass"]) == ["nn", *MEASURED_CLASSES["layernorm"]] == ["nn", "shim", "fused"]
+    for value in MEASURED_CLASSES["layernorm"]:
+        assert lc.FLAG_CLASSES["lnclass"][value] == {"LayerNorm": MEASURED_CLASSES["layernorm"][value],
+                                                     "RMSNorm": MEASURED_CLASSES["rmsnorm"][value]}
+    # a new registry entry is a new flag value, with nothing else written
+    try:
+        MEASURED_CLASSES["linear"]["twin"] = MEASURED_CLASSES["linear"]["shim"]
+        assert lc._flag_table(("Linear",))["twin"] is MEASURED_CLASSES["linear"]["shim"]
+    finally:
+        del MEASURED_CLASSES["linear"]["twin"]

@@ -740,6 +740,15 @@ def test_a_resume_that_cannot_write_leaves_both_files_as_they_were(tmp_path, mon
     assert (out / "log.csv.rejected").read_bytes() == b""  # not saved, or cut back: never twice
 
 
+def test_record_kinds_writes_layer_kinds_json(tmp_path):
+    log = LogWrapper(out_dir=str(tmp_path))
+    log.record_kinds({"a.weight": "linear", "n.weight": "rmsnorm"})
+    with open(tmp_path / "layer_kinds.json") as f:
+        assert json.load(f) == {"a.weight": "linear", "n.weight": "rmsnorm"}
+    assert not os.path.exists(tmp_path / "layer_kinds.json.tmp")
+    LogWrapper(out_dir=None).record_kinds({"a.weight": "linear"})  # nowhere on disk: nothing
+
+
 # -- atomic_write: every file written whole ------------------------------------------------------
 
 def test_atomic_write_replaces_whole_and_fsyncs_file_and_directory(tmp_path, monkeypatch):
