@@ -15,6 +15,8 @@ examples b of ||g_b / B||^2 (the per-example gradient as the layer sees it), in 
                                                           nanoGPT's LayerNorm(ndim, bias)
     --lnclass=shim         PEGradNormSeparatedRMSNorm     for RMSNorm: torch's rms_norm (bit-identical
                                                           output and .grad), dgamma_b measured beside it
+    --lnclass=fused        PEGradNormFusedLayerNorm       the normgnorm kernel: y, dx, dgamma, dbeta and
+                           PEGradNormFusedRMSNorm         the norms in one forward and one backward
 
 MEASURED_CLASSES (below) is the one table from a kind of layer (linear, embedding, layernorm,
 rmsnorm) and a flag value to its measured class: layer_config's flags are derived from it, and
@@ -25,7 +27,7 @@ Parameters, linking a tied embedding and head and leaving out any other shared w
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
 over within an example), a 2-D [N, K] input is N examples of one row each.
 
-Buffer convention (shared with fused_gns.py and read by gnstracking.py):
+Buffer convention (read by gnstracking.py):
 - a measured module has a non-persistent float32 0-dim buffer `example_count` (examples seen
   since the last zeroing, summed over gradient-accumulation micro-steps), and
 - for each of its parameters `name`, a non-persistent float32 0-dim buffer `{name}_sqgradnorm`.
@@ -46,7 +48,6 @@ the tied token embedding / output head, linked by tie_weights() (or measure()). 
 torch.compile: every class compiles (the buffers are handed to the autograd Functions as
 inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts).
 """
-import importlib
 import math
 import warnings
 
@@ -57,6 +58,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 # the kinds' names (the analysis's groups, layer_config's classes); norm= chooses for both NORM_KINDS
 from gnsmath import KIND_NAMES, NORM_KINDS
+import normgnorm
 from normgnorm.torch_path import per_example_affine_grads, rms_norm_eps
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
@@ -349,7 +351,7 @@ def _autocast_dtype(x):
 
 class MeasuredLayer:
     """
-    Mixin of every per-example-norm layer (here and in fused_gns.py): moves keep the buffers'
+    Mixin of every per-example-norm layer: moves keep the buffers'
     values and casts keep them float32; the reference implementation's accessors read them.
     """
 
@@ -887,7 +889,7 @@ class LayerNorm(nn.LayerNorm):
     """
     nn.LayerNorm that also takes nanoGPT's and the reference implementation's LayerNorm(ndim, bias)
     (a plain LayerNorm with an optional bias, eps 1e-5), as well as torch's own arguments.
-    The measured LayerNorms (below, and fused_gns.py's) build on it.
+    The measured LayerNorms (below) build on it.
     """
 
     def __init__(self, *args, **kwargs):
@@ -985,18 +987,65 @@ class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
 
 
 # ---------------------------------------------------------------------------------------------
+# The fused normalisations (--lnclass=fused): the normgnorm kernel (Triton or CUDA on GPU, PyTorch
+# elsewhere) computes y and, in its backward, dx, dgamma, dbeta and the per-example norms together.
+# fused_gns.py, the reference implementation's home for them, imports them from here.
+
+class _FusedNorm(MeasuredLayer):
+    """
+    What the fused normalisations share: the torch class's arguments and `backend` (None:
+    NORMGNORM_BACKEND, else Triton on CUDA, PyTorch elsewhere). The kernel normalises over the
+    last dimension only; elementwise_affine=False leaves nothing to measure and runs torch's own.
+    """
+    separated = None  # buffered.py's class for what the kernel does not take
+
+    def __init__(self, *args, backend=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"{type(self).__name__} normalises over the last dimension only, not "
+                             f"{self.normalized_shape}; use buffered.{self.separated}")
+        self.backend = backend
+        register_sqgradnorm_buffers(self)
+
+
+class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
+    """Takes torch's nn.LayerNorm arguments or the reference's (ndim, bias) (see buffered.LayerNorm)."""
+    separated = "PEGradNormSeparatedLayerNorm"
+
+    def forward(self, x):
+        self._check_applied_once()
+        if self.weight is None:
+            return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        return normgnorm.layer_norm(x, self.weight, self.bias,
+                                    self.weight_sqgradnorm, self._buffers.get("bias_sqgradnorm"),
+                                    self.example_count, self.eps, self.backend)
+
+
+class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
+    """Takes torch's nn.RMSNorm arguments; eps None is torch's default (machine epsilon of the
+    computation type). Measures Σ_b ||dγ_b||² of its gain, dγ_b = Σ_t dy_bt ⊙ x̂_bt."""
+    separated = "PEGradNormSeparatedRMSNorm"
+
+    def forward(self, x):
+        self._check_applied_once()
+        if self.weight is None:
+            return F.rms_norm(x, self.normalized_shape, None, self.eps)
+        return normgnorm.rms_norm(x, self.weight, self.weight_sqgradnorm, self.example_count, self.eps,
+                                  self.backend)
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry, and measure(): per-example norms put into any model
 
 # For each kind of layer and each flag value, the measured class: the one table that
 # layer_config's flags (so train.py's --linearclass / --embeddingclass / --lnclass), measure()
-# and the analysis's layer groups come from. fused_gns.py adds the fused normalisations
-# ("fused") when it is imported (it imports this module; measure() imports it on first use).
-# A new measured layer type is its class plus one entry here.
+# and the analysis's layer groups come from. A new measured layer type is its class plus one
+# entry here.
 MEASURED_CLASSES = {
     "linear": {"gns": PEGradNormLinear, "shim": PEGradNormShimLinear},
     "embedding": {"gns": PEGradNormEmbedding, "shim": PEGradNormShimEmbedding},
-    "layernorm": {"shim": PEGradNormSeparatedLayerNorm},
-    "rmsnorm": {"shim": PEGradNormSeparatedRMSNorm},
+    "layernorm": {"shim": PEGradNormSeparatedLayerNorm, "fused": PEGradNormFusedLayerNorm},
+    "rmsnorm": {"shim": PEGradNormSeparatedRMSNorm, "fused": PEGradNormFusedRMSNorm},
 }
 # The classes measure() converts, each to the measured class of its kind: torch's, ours, and
 # foreign ones named by their module path, so that their package is never imported here (a model
@@ -1049,9 +1098,7 @@ def layer_kinds(model):
 
 
 def _measured_class(kind, value):
-    """MEASURED_CLASSES[kind][value], the fused normalisations loaded on first use."""
-    if value not in MEASURED_CLASSES[kind] and value == "fused":
-        importlib.import_module("fused_gns")  # registers its classes; it imports this module
+    """MEASURED_CLASSES[kind][value], or None."""
     return MEASURED_CLASSES[kind].get(value)
 
 

@@ -33,7 +33,6 @@ import torch.nn as nn
 from buffered import KIND_NAMES, MEASURED_CLASSES
 # model.py ties wte to lm_head through here, so that only buffered.py knows how measured layers link
 from buffered import tie_weights  # noqa: F401
-import fused_gns  # noqa: F401  (adds the fused normalisations to the registry)
 
 # RMSNorm last and with a default, so that the reference's three-class LayerClasses(...) still builds
 LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm"], defaults=(nn.RMSNorm,))
@@ -76,7 +75,7 @@ def set_contextual_config(**classes):
 # kind. nn is torch's (not measured); the others are buffered.MEASURED_CLASSES' values, derived
 # here and never written twice: gns computes gradient and norms in one backward, shim keeps
 # torch's backward and adds the norms beside it (the separated normalisations), fused is the
-# normgnorm kernel (fused_gns.py, imported above, adds it to the registry)
+# normgnorm kernel (buffered.py's fused normalisations)
 FLAG_KINDS = {'linearclass': 'Linear', 'embeddingclass': 'Embedding', 'lnclass': ('LayerNorm', 'RMSNorm')}
 KIND_OF = {name: kind for kind, name in KIND_NAMES.items()}  # 'Linear' -> 'linear', ...
 TORCH_CLASSES = dict(Linear=nn.Linear, Embedding=nn.Embedding, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
