@@ -199,6 +199,35 @@ def init_model(init_from, model_args, config, out_dir, device='cpu'):
     return model, checkpoint
 
 
+# -- the random states a run depends on, so that a resumed run continues as the uninterrupted one
+# would: the train batches' order is one generator, drawn alike on every rank and saved in ckpt.pt;
+# dropout (torch's global RNG, different on every rank: rank 0 could not save the others') and the
+# evaluation batches are seeded from the step, so a step draws the same whenever it runs.
+
+def data_order(seed, checkpoint=None):
+    """The generator of the train batches' order: a new run's from `seed`, a resumed run's where
+    ckpt.pt left it. A checkpoint written before the order was saved restarts it (said in one line)."""
+    rng = torch.Generator()
+    if checkpoint is not None and 'data_order' in checkpoint:
+        return rng.set_state(checkpoint['data_order'])
+    iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint is not None else 0
+    if checkpoint is not None:
+        print(f"note: ckpt.pt holds no data order (it predates them): the train batches' order restarts "
+              f"at iter {iter_num}, so the run does not continue as the interrupted one would have")
+    return rng.manual_seed(seed * 1_000_003 + iter_num)
+
+
+def step_seed(seed, rank, iter_num):
+    """The seed of torch's global RNG (dropout) for the step iter_num on a rank: a stream of its own,
+    apart from the data order's and the evaluations' seeds."""
+    return ((seed * 1_000_003 + iter_num) * 4 + 3) * 4096 + rank
+
+
+def eval_generator(seed, iter_num, split):
+    """The generator of the evaluation batches at iter_num: the same batches whenever that evaluation runs."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + iter_num) * 4 + 1 + ('train', 'val').index(split))
+
+
 def save_training_state(path, model, optimizer, run_state, fsdp=False, writer=True):
     """
     Write `path` (write_checkpoint) with the model's and optimizer's state and run_state (the

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 import gnstracking
-from checkpoint import CheckpointError, init_model, load_optimizer_state, save_training_state
+from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state,
+                        save_training_state, step_seed)
 from configurator import ConfigError, check_dataset, check_device, check_train_config, configure, die
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
@@ -161,12 +162,15 @@ ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device
 
 # poor man's data loader: memory-map the token file anew each batch (avoids a memmap leak)
 def get_batch(split, rng=None):
+    global data_order_state
+    if rng is None:  # the train order: a checkpoint keeps the state before the batch fetched ahead, which a resume redraws
+        rng, data_order_state = batch_rng, batch_rng.get_state()
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
     if len(data) <= block_size:
         die(f"{split}.bin holds {len(data)} tokens, too few for block_size={block_size}")
     # every rank draws the global micro-batch and keeps its slice: the examples of a step do not depend
     # on the processes sharing them (2 ranks see the batches of 1 process with twice the batch_size)
-    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,), generator=rng or batch_rng[split])
+    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,), generator=rng)
     ix = ix[ddp_rank * batch_size:(ddp_rank + 1) * batch_size]
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
@@ -198,9 +202,7 @@ best_val_loss = float(checkpoint.get('best_val_loss', 1e9)) if checkpoint else 1
 model.to(device)
 if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
     fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
-# data order seeded by the iteration we start from (a resumed run does not replay the start); evaluation's own
-batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
-eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
+batch_rng = data_order(seed, checkpoint)  # the train batches' order, where a resumed run's checkpoint left it
 
 GradScaler = torch.amp.GradScaler
 if fsdp:  # FSDP: a float16 overflow in one rank's shards must skip the step on every rank (found_inf all-reduced)
@@ -242,7 +244,7 @@ last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (non
 # a host copy of the model's tokens_processed buffer: reading the device buffer would sync
 tokens_processed = int(raw_model.tokens_processed)
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
-nonfinite_steps = 0  # steps in a row whose gradient was not finite (float32/bfloat16: skipped)
+nonfinite_steps = int(checkpoint.get('nonfinite_steps', 0)) if checkpoint else 0  # steps in a row skipped: not finite
 signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint)
 
 
@@ -254,7 +256,7 @@ def estimate_loss():
     for split in ['train', 'val']:
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
-            X, Y = get_batch(split, eval_rng[split])
+            X, Y = get_batch(split, eval_generator(seed, iter_num, split))
             with ctx:
                 logits, loss = eval_model(X, Y)
             losses[k] = loss.item()
@@ -271,7 +273,8 @@ def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
     run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
-                 'best_val_loss': best_val_loss, 'config': config}
+                 'best_val_loss': best_val_loss, 'config': config, 'data_order': data_order_state,
+                 'nonfinite_steps': nonfinite_steps}
     gnstracking.save_states(estimators, run_state)
     if bs_controller == 'gns':
         run_state['bs_controller'] = schedule.state_dict()
@@ -313,6 +316,7 @@ X, Y = get_batch('train')
 t0 = time.time()
 running_mfu = -1.0
 while eval_only or not finished(tokens_processed, iter_num):
+    torch.manual_seed(step_seed(seed, seed_offset, iter_num))  # dropout: a resumed step draws what it drew
     if schedule is not None:
         gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
