@@ -6,6 +6,7 @@ weights, and reading this fork's, nanoGPT's and the reference implementation's
 the shards, and saved in the single-process format, so a checkpoint loads anywhere.
 """
 import errno
+import json
 import os
 import re
 import shutil
@@ -174,12 +175,57 @@ def resume_model(path, model_args, config, device='cpu'):
     return model, checkpoint
 
 
-def init_model(init_from, model_args, config, out_dir, device='cpu'):
+def _plain(value):
+    return json.loads(json.dumps(value, default=str))  # as config.json holds it: tuples are lists
+
+
+def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
+    """
+    CheckpointError unless out_dir/ckpt.pt holds the model that out_dir's config.json and log.csv
+    describe, and one that reads the dataset's tokens: another model's checkpoint copied in must
+    stop the resume before it cuts the log. config.json names the architecture and the vocabulary
+    (one written before it recorded the model built names the flags, which the checkpoint's own
+    config holds too); log.csv's GNS columns name the parameters. Reads, never writes.
+    """
+    saved, then = checkpoint['model_args'], checkpoint.get('config') or {}
+    path = os.path.join(out_dir, 'config.json')
+    try:
+        with open(path, encoding='utf-8') as f:
+            described = json.load(f)
+    except FileNotFoundError:
+        described = {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({str(e)[:120]}); move it away to resume without it") from None
+    for k in ARCHITECTURE_ARGS:
+        if isinstance(described, dict) and k in described and k in saved and _plain(described[k]) != _plain(saved[k]) \
+                and (k not in then or _plain(described[k]) != _plain(then[k])):
+            raise CheckpointError(f"{out_dir}/ckpt.pt holds another model than {path} describes ({k} {saved[k]!r} in "
+                                  f"ckpt.pt, {described[k]!r} in config.json); nothing was changed: move one of "
+                                  f"them away or use another out_dir")
+    if data_vocab_size is not None and data_vocab_size > saved['vocab_size']:
+        raise CheckpointError(f"{out_dir}/ckpt.pt's model reads {saved['vocab_size']} tokens, the dataset has "
+                              f"{data_vocab_size}: it is another model's checkpoint, or the wrong --dataset")
+    try:
+        with open(os.path.join(out_dir, 'log.csv'), 'rb') as f:
+            header = f.readline(1 << 20).decode('utf-8', 'replace')
+    except OSError:
+        return
+    weights = {_state_dict_key(k) for k in checkpoint['model']}
+    logged = re.findall(r'(?:^|,|/)([\w.]+\.(?:weight|bias))/', header)
+    alien = [name for name in logged if _state_dict_key(name) not in weights]
+    if alien:
+        raise CheckpointError(f"{out_dir}/log.csv measures {alien[0]}, which {out_dir}/ckpt.pt's model does not "
+                              f"have: the checkpoint is another model's; nothing was changed: move one of them "
+                              f"away or use another out_dir")
+
+
+def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None):
     """
     train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of
     model_args ('scratch'), the one in out_dir/ckpt.pt ('resume', see resume_model) or OpenAI's
     GPT-2 weights ('gpt2*'), cropped to the run's block_size. model_args is updated in place with
-    the architecture built. Build it inside the layer config the run measures with. Raises
+    the architecture built. A resume first checks that the checkpoint is out_dir's model
+    (check_out_dir_model; data_vocab_size: the dataset's vocabulary, if it says). Build it inside the layer config the run measures with. Raises
     CheckpointError, one line.
     """
     checkpoint = None
@@ -189,6 +235,7 @@ def init_model(init_from, model_args, config, out_dir, device='cpu'):
     elif init_from == 'resume':
         print(f"Resuming training from {out_dir}")
         model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device)
+        check_out_dir_model(out_dir, checkpoint, data_vocab_size)
     else:
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         model = GPT.from_pretrained(init_from, dict(dropout=model_args['dropout']))

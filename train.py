@@ -194,9 +194,10 @@ model_args['vocab_size'] = meta_vocab_size or 50304
 # checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
     try:
-        model, checkpoint = init_model(init_from, model_args, config, out_dir, device)
+        model, checkpoint = init_model(init_from, model_args, config, out_dir, device, data_vocab_size=meta_vocab_size)
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
+config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
 iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint else 0
 best_val_loss = float(checkpoint.get('best_val_loss', 1e9)) if checkpoint else 1e9
 model.to(device)
@@ -235,7 +236,7 @@ except ValueError as e:
 
 try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.json (not with eval_only), wandb
     logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
-                        resume_step=iter_num if init_from == 'resume' else None, wandb_project=wandb_project,
+                        resume_step=iter_num if init_from == 'resume' else None, numbers_only=True, wandb_project=wandb_project,
                         wandb_run_name=wandb_run_name) if master_process else None
 except (ValueError, OSError) as e:
     die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))

@@ -136,3 +136,85 @@ def test_the_batch_size_controller_and_schedule_resume_exactly(tiny_dataset, tmp
 def test_two_ranks_killed_and_resumed_write_the_log_of_an_uninterrupted_run(tiny_dataset, tmp_path, sharding):
     assert_resume_continues_exactly(tiny_dataset, tmp_path, [*FLAGS, "--backend=gloo", *sharding], signal.SIGKILL,
                                     torchrun_procs=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# a resume checks what it continues before it changes anything
+
+@pytest.fixture(scope="module")
+def short_runs(tiny_dataset, tmp_path_factory):
+    """out_dirs after 6 steps (checkpoint at 6, GNS columns): 'ours', and two other models."""
+    from conftest import made_once
+
+    def make(folder):
+        common = [*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--max_iters=6", "--lnclass=shim"]
+        for name, flags in (("ours", []), ("block_size", ["--block_size=8"]), ("n_layer", ["--n_layer=1"])):
+            run_train(*common, *flags, f"--out_dir={folder / name}")
+    return made_once(tmp_path_factory, "short_runs", make)
+
+
+def resume(tiny_dataset, out, *flags):
+    """(exit code, stderr) of a resume of out to its end, at step 6: what it says of the checkpoint and the log."""
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--lnclass=shim", f"--out_dir={out}",
+                  "--init_from=resume", "--max_iters=6", *flags, check=False)
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("other", ["block_size", "n_layer"])
+def test_another_models_checkpoint_stops_the_resume_and_leaves_everything_as_it_was(tiny_dataset, short_runs,
+                                                                                    tmp_path, other):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    shutil.copy(short_runs / other / "ckpt.pt", out / "ckpt.pt")
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.name != "train.lock"}
+    code, stderr = resume(tiny_dataset, out, f"--{other}={8 if other == 'block_size' else 1}")
+    assert code == 2
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "another model" in err[0], stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "train.lock"} == before
+
+
+def test_a_malformed_row_before_the_checkpoint_is_moved_aside_and_reported(tiny_dataset, short_runs, tmp_path):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    lines = (out / "log.csv").read_bytes().splitlines(keepends=True)
+    (out / "log.csv").write_bytes(b"".join([*lines[:3], b"2,this is, not a row\r\n", *lines[3:]]))
+    code, stderr = resume(tiny_dataset, out)
+    assert code == 0
+    assert f"warning: {out / 'log.csv'} line 4: the cell 'this is' is not a number; moved to log.csv.rejected" \
+        in stderr.splitlines(), stderr
+    assert (out / "log.csv").read_bytes() == b"".join(lines)
+    assert (out / "log.csv.rejected").read_bytes() == b"2,this is, not a row\r\n"
+
+
+@pytest.mark.parametrize("log", ["empty", "missing"])
+def test_a_resume_onto_an_empty_or_missing_log_says_the_steps_are_gone(tiny_dataset, short_runs, tmp_path, log):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    if log == "empty":
+        (out / "log.csv").write_bytes(b"")
+    else:
+        (out / "log.csv").unlink()
+    code, stderr = resume(tiny_dataset, out)
+    assert code == 0
+    assert f"warning: {out / 'log.csv'} is {log}: steps 0 to 5 are missing (the run resumes at step 6)" \
+        in stderr.splitlines(), stderr
+
+
+def test_a_checkpoint_from_before_saved_data_orders_resumes_saying_the_order_restarts(tiny_dataset, short_runs,
+                                                                                       tmp_path):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    del ckpt["data_order"], ckpt["nonfinite_steps"]
+    torch.save(ckpt, out / "ckpt.pt")
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--lnclass=shim", f"--out_dir={out}",
+                  "--init_from=resume", "--max_iters=7")
+    notes = [line for line in p.stdout.splitlines() if "data order" in line]
+    assert notes == ["note: ckpt.pt holds no data order (it predates them): the train batches' order restarts at "
+                     "iter 6, so the run does not continue as the interrupted one would have"]
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == 7
