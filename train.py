@@ -246,7 +246,7 @@ last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (non
 tokens_processed = int(raw_model.tokens_processed)
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
 nonfinite_steps = int(checkpoint.get('nonfinite_steps', 0)) if checkpoint else 0  # steps in a row skipped: not finite
-signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint)
+signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint, distributed=ddp)
 
 
 @torch.no_grad()
