@@ -21,6 +21,18 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line for the user."""
 
 
+def why(error, limit=160):
+    """An exception's first line for a one-line message: at most `limit` characters, cut after a
+    whole word (marked ...) rather than in the middle of one; its type's name if it says nothing."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    line = lines[0]
+    if len(line) <= limit:
+        return line
+    return line[:limit + 1].rsplit(' ', 1)[0].rstrip(' ,;:') + ' ...'
+
+
 # what a GPT cannot be built without; the other GPTConfig fields default when a checkpoint lacks them
 REQUIRED_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')
 
@@ -32,8 +44,7 @@ def read_checkpoint(path, device='cpu'):
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:  # truncated, empty, random bytes: torch and pickle raise many kinds
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why})") from None
+        raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why(e)})") from None
     if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get('model'), dict)
             and isinstance(checkpoint.get('model_args'), dict)):
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model' and 'model_args' in it)")
@@ -58,8 +69,8 @@ def write_checkpoint(checkpoint, path):
             os.remove(path + '.tmp')
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         full = getattr(e, 'errno', None) == errno.ENOSPC or free < (1 << 26)
-        why = f"the disk is full ({free:,} bytes free)" if full else str(e).strip().splitlines()[0][:160]
-        raise CheckpointError(f"cannot write {path}: {why}") from None
+        reason = f"the disk is full ({free:,} bytes free)" if full else why(e)
+        raise CheckpointError(f"cannot write {path}: {reason}") from None
 
 
 def config_from_checkpoint(model_args):
@@ -137,7 +148,7 @@ def load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=None):
         else:
             _load_fsdp_optimizer_state(checkpoint['optimizer'], fsdp_model, optimizer)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"the optimizer state does not fit this model ({str(e)[:120]})") from None
+        raise CheckpointError(f"the optimizer state does not fit this model ({why(e, 120)})") from None
     if 'scaler' in checkpoint:
         scaler.load_state_dict(checkpoint['scaler'])
 
@@ -195,7 +206,7 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
     except FileNotFoundError:
         described = {}
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be read ({str(e)[:120]}); move it away to resume without it") from None
+        raise CheckpointError(f"{path} cannot be read ({why(e, 120)}); move it away to resume without it") from None
     for k in ARCHITECTURE_ARGS:
         if isinstance(described, dict) and k in described and k in saved and _plain(described[k]) != _plain(saved[k]) \
                 and (k not in then or _plain(described[k]) != _plain(then[k])):

@@ -3,6 +3,7 @@ How train.py stops early on a signal without losing work: SIGINT (Ctrl-C) and SI
 cluster's preemption) end the run after the step under way, every DDP rank after the same step,
 with a checkpoint and the command that resumes it; a second signal stops at once.
 """
+import atexit
 import os
 import shlex
 import signal
@@ -14,6 +15,16 @@ import time
 # launcher when it gets its own. A repeat within this many seconds of the first is that copy, not
 # a second signal.
 FORWARDED_REPEAT_S = 3.0
+
+
+def interrupt_in_one_line():
+    """Until StopSignals replaces it: Ctrl-C while the process starts (the imports, the checks, the
+    model's construction, which hold no state to save) ends it with one line, not a traceback from
+    whatever module it was in."""
+    def on_interrupt(signum, frame):
+        print(f"\nstopped by {signal.Signals(signum).name} while starting, before the first step", file=sys.stderr)
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGINT, on_interrupt)
 
 
 class StopSignals:
@@ -88,12 +99,15 @@ class StopSignals:
 
 
 def stopped_message(signum, iter_num, tokens, checkpoint_held, distributed):
-    """The one line a run stopped by a signal ends with: where it stopped and how to go on."""
-    command = ' '.join(shlex.quote(a) for a in sys.argv if not a.startswith('--init_from='))
-    resume = ("the torchrun command that started it, with --init_from=resume" if distributed
-              else f"python {command} --init_from=resume")
+    """The one line a run stopped by a signal ends with: where it stopped and how to go on (with
+    --init_from=resume, or from the start when no checkpoint was written)."""
+    resumable = checkpoint_held.startswith('iter')
+    argv = [a for a in sys.argv if not (resumable and a.startswith('--init_from='))]
+    command = "the torchrun command that started it" if distributed else "python " + ' '.join(map(shlex.quote, argv))
+    go_on = (f"{command}{', with' if distributed else ''} --init_from=resume" if resumable
+             else f"nothing to resume from, start again: {command}")
     return (f"stopped by {signal.Signals(signum).name} after iter {iter_num} ({tokens:,} tokens); "
-            f"ckpt.pt holds {checkpoint_held}; to go on: {resume}")
+            f"ckpt.pt holds {checkpoint_held}; to go on: {go_on}")
 
 
 def stop_early(message, code, logger=None, distributed=False):
@@ -114,6 +128,7 @@ def leave(code, distributed):
     finalizes is ended by pthread_exit, whose unwinding through C++ noexcept code aborts the whole
     process ("terminate called without an active exception", SIGABRT) after a run that did its work."""
     if distributed:
+        atexit._run_exitfuncs()  # what the interpreter would run first: out_dir's lock is emptied
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

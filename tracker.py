@@ -40,6 +40,7 @@ is replaced at the first step()).
 
 out_dir/config.json holds the run's configuration (rewritten by a resumed run).
 """
+import atexit
 import csv
 import errno
 import io
@@ -547,7 +548,8 @@ def lock_out_dir(out_dir):
     Hold out_dir/train.lock while the run lives, so that a second run on the same out_dir (a
     relaunch while this one still runs, a typo in a sweep) stops at once instead of writing over
     this one's log and checkpoints. flock is released by the kernel when a process dies, however it
-    dies, so a lock left by a killed run is simply taken over (the file names its last holder).
+    dies, so a lock left by a killed run is simply taken over (the file names its last holder; a
+    process that exits by itself, a torchrun rank through stopping.leave too, empties it at exit).
     Creates out_dir if need be. Returns the open lock file (keep it: closing it releases the lock),
     saying which holder it takes over, or raises OutDirInUse, whose message is one line.
     """
@@ -573,7 +575,14 @@ def lock_out_dir(out_dir):
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
+    atexit.register(_release, f)  # an exit the process makes itself (an end, a stop, an error) empties it
     return f
+
+
+def _release(lock):
+    if not lock.closed:
+        lock.truncate(0)
+        lock.close()
 
 
 def transform_format_string(s):

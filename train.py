@@ -16,6 +16,8 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import fields
 
+from stopping import interrupt_in_one_line
+interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
 import numpy as np
 import torch
 
@@ -402,8 +404,6 @@ if master_process:
     logger.close()
     if gnstracking.skipped_steps(estimators):
         print(gnstracking.skipped_steps_line(estimators, float16=scaler.is_enabled()))
-    if not eval_only:
-        out_dir_lock.truncate(0)  # a clean end: the next run finds no holder to take over from
 if ddp:
     torch.distributed.barrier()  # leave together: a rank tearing down while its peer still talks aborts
     destroy_process_group()

@@ -107,7 +107,9 @@ def assert_resume_continues_exactly(tiny_dataset, tmp_path, flags, signum, torch
     code = interrupt(flags, out, signum, at_row, torchrun_procs, site)[0]
     assert code != 0, "the run ended before the signal"
     stopped_at = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
-    run_train(*flags, f"--out_dir={out}", "--init_from=resume", torchrun_procs=torchrun_procs)
+    p = run_train(*flags, f"--out_dir={out}", "--init_from=resume", torchrun_procs=torchrun_procs)
+    # a stop is an exit of the run's own, which empties train.lock; a kill is not, and is named
+    assert ("taking over" in p.stdout) == (signum == signal.SIGKILL), p.stdout[-2000:]
     whole, resumed = log_rows(tmp_path / "whole"), log_rows(out)
     assert resumed[0] == whole[0]
     assert len(resumed) == len(whole) > 10

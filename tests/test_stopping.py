@@ -208,3 +208,44 @@ def test_a_preempted_torchrun_run_stops_every_rank_after_the_same_step_with_its_
         done = int(stopped[0][0])
         assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == done
         assert pd.read_csv(out / "log.csv").step.tolist() == list(range(done))
+
+
+# train.py's import of numpy waits 30 s, having said so: a Ctrl-C lands inside the imports
+SLOW_IMPORT = """
+import builtins, sys, time
+real_import = builtins.__import__
+def slow_import(name, *args, **kwargs):
+    if name == "numpy" and "numpy" not in sys.modules and sys.argv[0].endswith("train.py"):
+        print("importing", flush=True)
+        time.sleep(30)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = slow_import
+"""
+
+
+def test_ctrl_c_during_the_imports_is_one_line(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_IMPORT)
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), "--device=cpu"], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(site)))
+    try:
+        assert p.stdout.readline() == "importing\n"
+        p.send_signal(signal.SIGINT)
+        _, stderr = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 128 + signal.SIGINT
+    assert [line for line in stderr.splitlines() if line] == ["stopped by SIGINT while starting, before the first step"]
+
+
+def test_a_stop_before_any_checkpoint_says_to_start_again(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "config/x.py", "--out_dir=o"])
+    line = stopped_message(signal.SIGINT, 3, 300, "nothing (none was written)", distributed=False)
+    assert line.endswith("ckpt.pt holds nothing (none was written); to go on: nothing to resume from, start again: "
+                         "python train.py config/x.py --out_dir=o") and "--init_from=resume" not in line
+    assert stopped_message(signal.SIGINT, 3, 300, "nothing (none was written)", distributed=True).endswith(
+        "start again: the torchrun command that started it")
