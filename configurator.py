@@ -60,6 +60,8 @@ def check_device(device):
 def check_dataset(dataset, root):
     """The folder of --dataset (a path to one, or a name under root/data/) if it holds train.bin and
     val.bin, else die() saying how to prepare it."""
+    if not isinstance(dataset, str) or not dataset.strip():
+        die(f"--dataset={dataset!r} must name a folder under data/ or a path to one")
     is_path = os.path.isdir(dataset) or os.sep in dataset
     data_dir = dataset if is_path else os.path.join(root, 'data', dataset)
     for split in ('train', 'val'):

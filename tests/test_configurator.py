@@ -139,6 +139,7 @@ def test_check_dataset_finds_a_prepared_one_by_name_or_path_and_says_how_to_prep
     (["--compile=3"], "--compile expects bool (True/False), got '3'"),
     (["--dataset=/etc"], "dataset '/etc' is not prepared (/etc/train.bin is missing); a dataset folder holds "
                          "train.bin and val.bin, as data/<name>/prepare.py writes them"),
+    (["--dataset="], "--dataset='' must name a folder under data/ or a path to one"),
 ])
 def test_bad_values_are_one_line_and_exit_2(tiny_dataset, tmp_path, args, words):
     from conftest import TINY
