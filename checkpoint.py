@@ -6,6 +6,7 @@ weights, and reading this fork's, nanoGPT's and the reference implementation's
 the shards, and saved in the single-process format, so a checkpoint loads anywhere.
 """
 import errno
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,18 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line for the user."""
 
 
+def why(error, limit=160):
+    """An exception's first line for a one-line message: at most `limit` characters, cut after a
+    whole word (marked ...) rather than in the middle of one; its type's name if it says nothing."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    line = lines[0]
+    if len(line) <= limit:
+        return line
+    return line[:limit + 1].rsplit(' ', 1)[0].rstrip(' ,;:') + ' ...'
+
+
 # what a GPT cannot be built without; the other GPTConfig fields default when a checkpoint lacks them
 REQUIRED_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size')
 
@@ -32,8 +45,7 @@ def read_checkpoint(path, device='cpu'):
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:  # truncated, empty, random bytes: torch and pickle raise many kinds
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why})") from None
+        raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why(e)})") from None
     if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get('model'), dict)
             and isinstance(checkpoint.get('model_args'), dict)):
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model' and 'model_args' in it)")
@@ -52,8 +64,8 @@ def write_checkpoint(checkpoint, path):
     except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         full = getattr(e, 'errno', None) == errno.ENOSPC or free < (1 << 26)
-        why = f"the disk is full ({free:,} bytes free)" if full else str(e).strip().splitlines()[0][:160]
-        raise CheckpointError(f"cannot write {path}: {why}") from None
+        reason = f"the disk is full ({free:,} bytes free)" if full else why(e)
+        raise CheckpointError(f"cannot write {path}: {reason}") from None
 
 
 def config_from_checkpoint(model_args):
@@ -131,7 +143,7 @@ def load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=None):
         else:
             _load_fsdp_optimizer_state(checkpoint['optimizer'], fsdp_model, optimizer)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"the optimizer state does not fit this model ({str(e)[:120]})") from None
+        raise CheckpointError(f"the optimizer state does not fit this model ({why(e, 120)})") from None
     if 'scaler' in checkpoint:
         scaler.load_state_dict(checkpoint['scaler'])
 
@@ -175,17 +187,62 @@ def pretrained_gpt(init_from, dropout):
     try:
         return GPT.from_pretrained(init_from, dict(dropout=dropout))
     except Exception as e:
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         raise CheckpointError(f"--init_from={init_from} needs the transformers package and network access to "
-                              f"download the weights, and that failed: {why}") from None
+                              f"download the weights, and that failed: {reason}") from None
 
 
-def init_model(init_from, model_args, config, out_dir, device='cpu'):
+def _plain(value):
+    return json.loads(json.dumps(value, default=str))  # as config.json holds it: tuples are lists
+
+
+def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
+    """
+    CheckpointError unless out_dir/ckpt.pt holds the model that out_dir's config.json and log.csv
+    describe, and one that reads the dataset's tokens: another model's checkpoint copied in must
+    stop the resume before it cuts the log. config.json names the architecture and the vocabulary
+    (one written before it recorded the model built names the flags, which the checkpoint's own
+    config holds too); log.csv's GNS columns name the parameters. Reads, never writes.
+    """
+    saved, then = checkpoint['model_args'], checkpoint.get('config') or {}
+    path = os.path.join(out_dir, 'config.json')
+    try:
+        with open(path, encoding='utf-8') as f:
+            described = json.load(f)
+    except FileNotFoundError:
+        described = {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({why(e, 120)}); move it away to resume without it") from None
+    for k in ARCHITECTURE_ARGS:
+        if isinstance(described, dict) and k in described and k in saved and _plain(described[k]) != _plain(saved[k]) \
+                and (k not in then or _plain(described[k]) != _plain(then[k])):
+            raise CheckpointError(f"{out_dir}/ckpt.pt holds another model than {path} describes ({k} {saved[k]!r} in "
+                                  f"ckpt.pt, {described[k]!r} in config.json); nothing was changed: move one of "
+                                  f"them away or use another out_dir")
+    if data_vocab_size is not None and data_vocab_size > saved['vocab_size']:
+        raise CheckpointError(f"{out_dir}/ckpt.pt's model reads {saved['vocab_size']} tokens, the dataset has "
+                              f"{data_vocab_size}: it is another model's checkpoint, or the wrong --dataset")
+    try:
+        with open(os.path.join(out_dir, 'log.csv'), 'rb') as f:
+            header = f.readline(1 << 20).decode('utf-8', 'replace')
+    except OSError:
+        return
+    weights = {_state_dict_key(k) for k in checkpoint['model']}
+    logged = re.findall(r'(?:^|,|/)([\w.]+\.(?:weight|bias))/', header)
+    alien = [name for name in logged if _state_dict_key(name) not in weights]
+    if alien:
+        raise CheckpointError(f"{out_dir}/log.csv measures {alien[0]}, which {out_dir}/ckpt.pt's model does not "
+                              f"have: the checkpoint is another model's; nothing was changed: move one of them "
+                              f"away or use another out_dir")
+
+
+def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None):
     """
     train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of
     model_args ('scratch'), the one in out_dir/ckpt.pt ('resume', see resume_model) or OpenAI's
     GPT-2 weights ('gpt2*'), cropped to the run's block_size. model_args is updated in place with
-    the architecture built. Build it inside the layer config the run measures with. Raises
+    the architecture built. A resume first checks that the checkpoint is out_dir's model
+    (check_out_dir_model; data_vocab_size: the dataset's vocabulary, if it says). Build it inside the layer config the run measures with. Raises
     CheckpointError, one line.
     """
     checkpoint = None
@@ -195,6 +252,7 @@ def init_model(init_from, model_args, config, out_dir, device='cpu'):
     elif init_from == 'resume':
         print(f"Resuming training from {out_dir}")
         model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device)
+        check_out_dir_model(out_dir, checkpoint, data_vocab_size)
     else:
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         model = pretrained_gpt(init_from, model_args['dropout'])
@@ -203,6 +261,35 @@ def init_model(init_from, model_args, config, out_dir, device='cpu'):
         model.crop_block_size(config['block_size'])
         model_args['block_size'] = config['block_size']
     return model, checkpoint
+
+
+# -- the random states a run depends on, so that a resumed run continues as the uninterrupted one
+# would: the train batches' order is one generator, drawn alike on every rank and saved in ckpt.pt;
+# dropout (torch's global RNG, different on every rank: rank 0 could not save the others') and the
+# evaluation batches are seeded from the step, so a step draws the same whenever it runs.
+
+def data_order(seed, checkpoint=None):
+    """The generator of the train batches' order: a new run's from `seed`, a resumed run's where
+    ckpt.pt left it. A checkpoint written before the order was saved restarts it (said in one line)."""
+    rng = torch.Generator()
+    if checkpoint is not None and 'data_order' in checkpoint:
+        return rng.set_state(checkpoint['data_order'])
+    iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint is not None else 0
+    if checkpoint is not None:
+        print(f"note: ckpt.pt holds no data order (it predates them): the train batches' order restarts "
+              f"at iter {iter_num}, so the run does not continue as the interrupted one would have")
+    return rng.manual_seed(seed * 1_000_003 + iter_num)
+
+
+def step_seed(seed, rank, iter_num):
+    """The seed of torch's global RNG (dropout) for the step iter_num on a rank: a stream of its own,
+    apart from the data order's and the evaluations' seeds."""
+    return ((seed * 1_000_003 + iter_num) * 4 + 3) * 4096 + rank
+
+
+def eval_generator(seed, iter_num, split):
+    """The generator of the evaluation batches at iter_num: the same batches whenever that evaluation runs."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + iter_num) * 4 + 1 + ('train', 'val').index(split))
 
 
 def save_training_state(path, model, optimizer, run_state, fsdp=False, writer=True):

@@ -62,11 +62,15 @@ def check_device(device):
 def check_dataset(dataset, root):
     """The folder of --dataset (a path to one, or a name under root/data/) if it holds train.bin and
     val.bin, else die() saying how to prepare it."""
-    data_dir = dataset if os.path.isdir(dataset) else os.path.join(root, 'data', dataset)
+    if not isinstance(dataset, str) or not dataset.strip():
+        die(f"--dataset={dataset!r} must name a folder under data/ or a path to one")
+    is_path = os.path.isdir(dataset) or os.sep in dataset
+    data_dir = dataset if is_path else os.path.join(root, 'data', dataset)
     for split in ('train', 'val'):
         if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
-            die(f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing); "
-                f"run: python data/{dataset}/prepare.py")
+            how = (f"a dataset folder holds train.bin and val.bin, as data/<name>/prepare.py writes them" if is_path
+                   else f"run: python data/{dataset}/prepare.py")
+            die(f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing); {how}")
     return data_dir
 
 
@@ -89,7 +93,7 @@ def check_train_config(config, places=None):
         if config[key] not in allowed:
             die(f"--{key}={config[key]!r} is not one of {', '.join(allowed)}")
     init_from = config['init_from']
-    if init_from not in ('scratch', 'resume') and not init_from.startswith('gpt2'):
+    if init_from not in ('scratch', 'resume', 'gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl'):
         die(f"--init_from={init_from!r} is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     for key in ('batch_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'gradient_accumulation_steps',
                 'eval_interval', 'log_interval', 'eval_iters', 'max_nonfinite_steps'):
@@ -104,6 +108,9 @@ def check_train_config(config, places=None):
                            ('weight_decay', 0, math.inf), ('grad_clip', 0, math.inf)):
         check_number(config, key, low, high)
     check_number(config, 'learning_rate', 0, low_ok=False)
+    if config['decay_lr'] and config['min_lr'] > config['learning_rate']:
+        die(f"--min_lr={config['min_lr']!r} is above --learning_rate={config['learning_rate']!r}: the rate would "
+            f"grow as it 'decays' (set --min_lr at most --learning_rate, or --decay_lr=False)")
     n_layer = config['n_layer']
     for key in ('cos_attn', 'spectral_c_attn', 'fp32_attention_layers'):
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layer for i in config[key]):
@@ -123,6 +130,8 @@ def check_train_config(config, places=None):
             f"micro-steps over all processes: use --gradient_accumulation_steps={world_size} or a multiple)")
     if config['bs_controller'] not in ('none', 'gns'):
         die(f"--bs_controller={config['bs_controller']!r} is not one of none, gns")
+    if config['bs_schedule_points'] and not config['bs_schedule']:
+        print("warning: --bs_schedule_points is unused without --bs_schedule=True", file=sys.stderr)
     if config['bs_controller'] == 'gns' and config['bs_schedule']:
         die("--bs_controller=gns and --bs_schedule=True both set the batch size; choose one")
     if config['bs_gns_group'] not in (None, 'total', 'LayerNorm'):
@@ -169,7 +178,8 @@ def _checked(key, value, default, shown):
     if isinstance(default, bool) or isinstance(value, bool):
         if isinstance(default, bool) and isinstance(value, bool):
             return value
-        raise ConfigError(f"{key} expects bool (True/False), got {shown}")
+        expected = "bool (True/False)" if isinstance(default, bool) else f"{type(default).__name__} (default {default!r})"
+        raise ConfigError(f"{key} expects {expected}, got {shown}")
     if isinstance(default, float) and isinstance(value, int):
         return float(value)  # --learning_rate=1 means 1.0
     if isinstance(default, (list, tuple)) and isinstance(value, (list, tuple)):

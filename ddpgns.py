@@ -28,11 +28,14 @@ class DDPGradientStatsHook:
 
     The hook only runs on a backward that synchronises (require_backward_grad_sync True, i.e.
     nanoGPT's last micro-step), when each bucket holds the rank's gradient accumulated over all
-    micro-steps. Per bucket it records two 0-dim tensors on the device, float32 (float64 for
-    float64 gradients): ||local bucket||^2 before the all-reduce and ||averaged bucket||^2 in
-    the all-reduce's then-callback. Nothing is read back per bucket.
+    micro-steps. Per bucket it records the squared norm of each of its parameters' gradients on
+    the device, float32 (float64 for float64 gradients): local before the all-reduce, averaged in
+    the all-reduce's then-callback. Nothing is read back per bucket. The sums over parameters are
+    taken in the model's parameter order, whatever the buckets: DDP regroups them after its first
+    step, and a sum by bucket would round differently in a resumed run's first step than in the
+    uninterrupted run's.
 
-    Cost per optimizer step: two extra reads of the gradient (one norm kernel per bucket
+    Cost per optimizer step: two extra reads of the gradient (one multi-tensor norm per bucket
     before the all-reduce, one after it), one all_reduce of a single float and one host sync
     for two floats in get_sq_norms(). Micro-steps that do not synchronise cost nothing.
 
@@ -46,7 +49,9 @@ class DDPGradientStatsHook:
             raise ValueError("DDPGradientStatsHook needs a DistributedDataParallel model")
         self.process_group = ddp_model.process_group
         self.world_size = dist.get_world_size(self.process_group)
-        # bucket index -> 0-dim tensor. One entry per bucket rather than one running tensor:
+        self.order = {id(p): i for i, p in enumerate(ddp_model.module.parameters())}
+        self.bucket_params = {}  # bucket index -> the positions in `order` of its parameters
+        # bucket index -> its parameters' squared norms. One entry per bucket rather than one running tensor:
         # gloo runs the callbacks on its own threads, where a shared add_ would race.
         self.local_sq = {}
         self.averaged_sq = {}
@@ -58,13 +63,19 @@ class DDPGradientStatsHook:
         grads = bucket.buffer()
         # at least float32 whatever the gradient dtype (bf16/fp16 sums lose digits fast)
         sq_dtype = torch.promote_types(grads.dtype, torch.float32)
-        self.local_sq[index] = torch.linalg.vector_norm(grads, dtype=sq_dtype).square()
+        sizes = [g.numel() for g in bucket.gradients()]  # the parameters lie in the buffer one after another
+
+        def sq_norms(flat):
+            return torch.stack(torch._foreach_norm(flat[:sum(sizes)].split(sizes), 2, dtype=sq_dtype)).square()
+
+        self.bucket_params[index] = [self.order[id(p)] for p in bucket.parameters()]
+        self.local_sq[index] = sq_norms(grads)
         grads.div_(self.world_size)  # divide first, like DDP's default hook: no fp16 overflow
         work = dist.all_reduce(grads, group=process_group, async_op=True)
 
         def record_average(fut):
             averaged = fut.value()[0]
-            self.averaged_sq[index] = torch.linalg.vector_norm(averaged, dtype=sq_dtype).square()
+            self.averaged_sq[index] = sq_norms(averaged)
             return averaged  # DDP copies this into .grad
 
         return work.get_future().then(record_average)
@@ -82,8 +93,11 @@ class DDPGradientStatsHook:
         """
         if not self.local_sq or len(self.averaged_sq) != len(self.local_sq):
             raise RuntimeError("DDPGradientStatsHook: no synchronised backward since the last get_sq_norms()/get_stats()")
-        local = sum(self.local_sq.values())  # a few adds on the device, one per bucket
-        averaged = sum(self.averaged_sq.values())
+        buckets = list(self.local_sq)
+        local = torch.cat([self.local_sq[b] for b in buckets])
+        averaged = torch.cat([self.averaged_sq[b] for b in buckets])
+        order = torch.tensor([i for b in buckets for i in self.bucket_params[b]]).argsort().to(local.device)
+        local, averaged = local[order].sum(), averaged[order].sum()  # a sum in the parameters' order
         dist.all_reduce(local, group=self.process_group)  # SUM; /W below gives the mean
         values = [local / self.world_size, averaged.to(local.dtype)]
         if isinstance(loss_scale, torch.Tensor):

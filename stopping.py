@@ -3,50 +3,111 @@ How train.py stops early on a signal without losing work: SIGINT (Ctrl-C) and SI
 cluster's preemption) end the run after the step under way, every DDP rank after the same step,
 with a checkpoint and the command that resumes it; a second signal stops at once.
 """
+import atexit
 import os
 import shlex
 import signal
 import sys
+import threading
+import time
+
+# Under torchrun a preempted rank gets the signal twice: from the scheduler, and forwarded by the
+# launcher when it gets its own. A repeat within this many seconds of the first is that copy, not
+# a second signal.
+FORWARDED_REPEAT_S = 3.0
+
+
+def interrupt_in_one_line():
+    """Until StopSignals replaces it: Ctrl-C while the process starts (the imports, the checks, the
+    model's construction, which hold no state to save) ends it with one line, not a traceback from
+    whatever module it was in."""
+    def on_interrupt(signum, frame):
+        print(f"\nstopped by {signal.Signals(signum).name} while starting, before the first step", file=sys.stderr)
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGINT, on_interrupt)
 
 
 class StopSignals:
-    """Installs the handlers; `received` is the first signal's number (0: none yet).
-    `checkpoint_held()` says what ckpt.pt holds, for the message of a second signal."""
+    """
+    Installs the handlers; `received` is the first signal's number (0: none yet). `announce`: this
+    process (the DDP master) says what happens. `checkpoint_held()` says what ckpt.pt holds, for the
+    message of a second signal. `distributed`: a torchrun rank, where a repeat within
+    FORWARDED_REPEAT_S of the first signal is ignored.
 
-    def __init__(self, announce, checkpoint_held):
+    Python runs a handler between bytecodes only, so a second signal arriving while the main thread
+    is inside one long operator call would wait for it to return. The signals are also written to
+    a pipe (signal.set_wakeup_fd, from C) that a thread reads; torch releases the GIL inside its
+    operators, so that thread can stop the process at once.
+    """
+
+    def __init__(self, announce, checkpoint_held, distributed=False):
         self.received = 0
-        self.announce = announce  # the DDP master alone says it, once
+        self.announce = announce
         self.checkpoint_held = checkpoint_held
+        self.window = FORWARDED_REPEAT_S if distributed else 0.0
+        self._announced = False
+        self._lock = threading.RLock()  # the handler (main thread) and the watcher may both see the first signal
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_end,), daemon=True, name="stop-signals").start()
+
+    def _first(self, signum):
+        with self._lock:
+            if not self.received:
+                self.received = signum
+            if self.announce and not self._announced:
+                self._announced = True
+                print(f"\n{signal.Signals(signum).name}: stopping after this step (send it again to stop now)",
+                      file=sys.stderr, flush=True)
 
     def _on_signal(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.received:
-            print(f"\n{name} again: stopping now; ckpt.pt keeps {self.checkpoint_held()}", file=sys.stderr)
-            os._exit(128 + signum)
-        self.received = signum
-        if self.announce:
-            print(f"\n{name}: stopping after this step (send it again to stop now)", file=sys.stderr)
+        self._first(signum)  # at once, when the main thread runs Python; a second one is the watcher's
+
+    def _watch(self, read_end):
+        """Every signal delivered, in order, from the wakeup pipe: the first one is kept for after the
+        step, a repeat within the window ignored, a later one exits now."""
+        first_at = None
+        while True:
+            for signum in os.read(read_end, 64):
+                now = time.monotonic()
+                if first_at is None:
+                    first_at = now
+                    self._first(signum)
+                elif now - first_at >= self.window:
+                    if self.announce:  # the master alone: it writes ckpt.pt, so it knows what it holds
+                        print(f"\n{signal.Signals(signum).name} again: stopping now; ckpt.pt keeps "
+                              f"{self.checkpoint_held()}", file=sys.stderr, flush=True)
+                    os._exit(128 + signum)
 
     def agreed(self, distributed, device):
         """The signal any rank has received (it may reach the ranks at different steps), the same
-        on every rank after this call; 0 if none."""
-        if distributed:
-            import torch
-            flag = torch.tensor([self.received], device=device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            self.received = int(flag.item())
-        return self.received
+        on every rank after this call; 0 if none. A signal that arrives during the all-reduce stays
+        received, for the next call."""
+        if not distributed:
+            return self.received
+        import torch
+        flag = torch.tensor([self.received], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        agreed = int(flag.item())
+        with self._lock:
+            if agreed and not self.received:  # a peer's signal: this rank stops for it
+                self.received = agreed
+        return agreed
 
 
 def stopped_message(signum, iter_num, tokens, checkpoint_held, distributed):
-    """The one line a run stopped by a signal ends with: where it stopped and how to go on."""
-    command = ' '.join(shlex.quote(a) for a in sys.argv if not a.startswith('--init_from='))
-    resume = ("the torchrun command that started it, with --init_from=resume" if distributed
-              else f"python {command} --init_from=resume")
+    """The one line a run stopped by a signal ends with: where it stopped and how to go on (with
+    --init_from=resume, or from the start when no checkpoint was written)."""
+    resumable = checkpoint_held.startswith('iter')
+    argv = [a for a in sys.argv if not (resumable and a.startswith('--init_from='))]
+    command = "the torchrun command that started it" if distributed else "python " + ' '.join(map(shlex.quote, argv))
+    go_on = (f"{command}{', with' if distributed else ''} --init_from=resume" if resumable
+             else f"nothing to resume from, start again: {command}")
     return (f"stopped by {signal.Signals(signum).name} after iter {iter_num} ({tokens:,} tokens); "
-            f"ckpt.pt holds {checkpoint_held}; to go on: {resume}")
+            f"ckpt.pt holds {checkpoint_held}; to go on: {go_on}")
 
 
 def stop_early(message, code, logger=None, distributed=False):
@@ -67,6 +128,7 @@ def leave(code, distributed):
     finalizes is ended by pthread_exit, whose unwinding through C++ noexcept code aborts the whole
     process ("terminate called without an active exception", SIGABRT) after a run that did its work."""
     if distributed:
+        atexit._run_exitfuncs()  # what the interpreter would run first: out_dir's lock is emptied
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -29,10 +29,12 @@ batch-size schedule, the analysis's CSV, the prepared datasets too).
 
 Resume: LogWrapper(..., resume_step=k) keeps the rows of steps before k and cuts the file in
 place before the first row of a step at or after k (written before the crash, they are about to
-be redone: no second copy of the file is needed), then numbers the next step() k. It checks what
-it keeps: a malformed row (more cells than the header, text that is not CSV, a step that is not
-an integer or not greater than the one before) is moved to log.csv.rejected, and missing steps
-(a gap, or a log that ends before k) are reported, each with a warning of one line. A file that
+be redone: no second copy of the file is needed; they are appended under their header to
+log.csv.rejected, never deleted, said in one note), then numbers the next step() k. It checks
+what it keeps: a malformed row (more cells than the header, text that is not CSV, a step that is
+not an integer or not greater than the one before, with numbers_only a cell that is not a
+number) is moved to log.csv.rejected, and missing steps (a gap, a log that starts late or ends
+before k, an empty or missing log) are reported, each with a warning of one line. A file that
 is not such a log at all (no `step` first column, binary, not UTF-8) raises NotALogError.
 Rows shorter than the header are kept (logs whose header grew, as the reference implementation
 writes them; readers pad them). Without resume_step a new run starts a new log.csv (an old one
@@ -41,6 +43,7 @@ is replaced at the first step()).
 out_dir/config.json holds the run's configuration (rewritten by a resumed run);
 out_dir/layer_kinds.json, where record_kinds() writes it, the kind of each measured parameter.
 """
+import atexit
 import csv
 import errno
 import io
@@ -203,6 +206,14 @@ def _steps(first, last):
     return f"step {first} is" if first == last else f"steps {first} to {last} are"
 
 
+def _is_number(cell):
+    try:
+        float(cell)
+    except ValueError:
+        return cell == ""
+    return True
+
+
 def _plain(value):
     # 0-dim tensors and numpy scalars become Python numbers (CSV cells, wandb, format specs)
     item = getattr(value, "item", None)
@@ -216,6 +227,8 @@ class LogWrapper:
     config: dict written to out_dir/config.json and given to wandb.
     out_dir: where log.csv and config.json go; None logs nowhere on disk.
     resume_step: the iteration a resumed run restarts from (see the module docstring).
+    numbers_only: every value logged is a number (train.py's), so a resume moves a row with any
+        other cell aside as malformed.
     wandb_log, wandb_project, wandb_run_name: also log to wandb (imported only when asked for;
         honours WANDB_MODE, WANDB_DIR etc.), with the same filter as logf.
 
@@ -224,12 +237,13 @@ class LogWrapper:
     """
 
     def __init__(self, logf=None, config=None, out_dir=None, resume_step=None,
-                 wandb_log=False, wandb_project="nanogns", wandb_run_name=None):
+                 wandb_log=False, wandb_project="nanogns", wandb_run_name=None, numbers_only=False):
         self.logf = logf
         self.config = config
         self.out_dir = out_dir
         self.no_sync_keyword = "no_sync"
         self.step_count = 0 if resume_step is None else int(resume_step)
+        self.numbers_only = numbers_only  # a resume takes a row with a cell that is not a number for malformed
         self.log_dict = {}  # this step's values, written by step()
         self.latest = {}    # the most recent value of every key ever logged, for print()
         self.ordered_keys = []
@@ -243,11 +257,14 @@ class LogWrapper:
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
             self.path = os.path.join(out_dir, LOG_NAME)
+            if resume_step is not None and os.path.isfile(self.path):
+                self._resume(self.step_count)  # first: a log it refuses is left as it was, and config.json too
+            elif resume_step:
+                self._report([f"{self.path} is missing: {_steps(0, resume_step - 1)} missing "
+                              f"(the run resumes at step {resume_step})"])
             if config is not None:
                 text = json.dumps(dict(config), indent=2, default=str).encode("utf-8")
                 _replace_file(os.path.join(out_dir, "config.json"), lambda f: f.write(text), "writing the configuration")
-            if resume_step is not None and os.path.isfile(self.path):
-                self._resume(self.step_count)
         self.wandb_run = None
         if wandb_log:
             import wandb  # optional dependency: only needed when asked for
@@ -363,8 +380,11 @@ class LogWrapper:
         """Keep the valid rows of steps before resume_step (see the module docstring)."""
         with open(self.path, "rb") as f:
             header_line = f.readline()
-            if not header_line:
-                return  # an empty file: start afresh
+            if not header_line:  # an empty file: start afresh
+                if resume_step:
+                    self._report([f"{self.path} is empty: {_steps(0, resume_step - 1)} missing "
+                                  f"(the run resumes at step {resume_step})"])
+                return
             header = _cells(header_line) if header_line.endswith(b"\n") else None
             if not header or header[0] != "step":
                 found = (f"the first column is {header[0]!r}, not 'step'" if header else
@@ -398,30 +418,44 @@ class LogWrapper:
                     break
                 elif previous is not None and step <= previous:
                     problem = f"step {step} after step {previous}"
+                elif self.numbers_only and not all(_is_number(c) for c in cells[1:]):
+                    problem = f"the cell {next(c for c in cells[1:] if not _is_number(c))[:20]!r} is not a number"
                 else:
-                    if previous is not None and step > previous + 1:
-                        problems.append(f"{where}: {_steps(previous + 1, step - 1)} missing")
+                    if step > (-1 if previous is None else previous) + 1:
+                        problems.append(f"{where}: {_steps(previous + 1 if previous is not None else 0, step - 1)} missing")
                     previous = step
                     continue
                 problems.append(f"{where}: {problem}; {moved}")
                 rejected[offset] = raw
             if cut is None:
                 cut = f.tell()
-        if previous is not None and previous < resume_step - 1:
-            problems.append(f"{self.path}: {_steps(previous + 1, resume_step - 1)} missing "
+        if (-1 if previous is None else previous) < resume_step - 1:
+            problems.append(f"{self.path}: {_steps(0 if previous is None else previous + 1, resume_step - 1)} missing "
                             f"(the log ends before step {resume_step}, where the run resumes)")
-        for problem in problems[:MAX_REPORTED]:
-            warnings.warn(problem, stacklevel=3)
-        if len(problems) > MAX_REPORTED:
-            warnings.warn(f"{self.path}: {len(problems) - MAX_REPORTED} more problems like these", stacklevel=3)
+        self._report(problems)
         self._keep(header_line, cut, rejected, resume_step)
         self.ordered_keys = header[1:]
         self._known = set(self.ordered_keys)
         self._header_keys = len(self.ordered_keys)
 
+    def _report(self, problems):
+        for problem in problems[:MAX_REPORTED]:
+            warnings.warn(problem, stacklevel=4)
+        if len(problems) > MAX_REPORTED:
+            warnings.warn(f"{self.path}: {len(problems) - MAX_REPORTED} more problems like these", stacklevel=4)
+
     def _keep(self, header_line, cut, rejected, resume_step):
-        """Cut log.csv at byte `cut`, moving the rows in `rejected` to log.csv.rejected; leaves it open for appends."""
+        """Cut log.csv at byte `cut`, moving the rows in `rejected` and those from `cut` on (the steps the
+        run redoes, under the header they had) to log.csv.rejected; leaves log.csv open for appends."""
         rejected_path = self.path + REJECTED_SUFFIX
+        with open(self.path, "rb") as f:
+            f.seek(cut)
+            redone = f.read()
+        if redone and cut not in rejected:  # (a torn row before resume_step is reported as one)
+            rows = redone.count(b"\n") + (not redone.endswith(b"\n"))
+            rejected = {**rejected, cut: header_line + redone + (b"" if redone.endswith(b"\n") else b"\r\n")}
+            print(f"note: {self.path}: {rows} row{'s' if rows > 1 else ''} from step {resume_step} on, which the run "
+                  f"redoes, moved to {LOG_NAME}{REJECTED_SUFFIX}")
         if rejected:
             rejected_size = _append_to_path(rejected_path, b"".join(rejected.values()),
                                             f"saving the malformed rows of {self.path}")
@@ -537,7 +571,8 @@ def lock_out_dir(out_dir):
     Hold out_dir/train.lock while the run lives, so that a second run on the same out_dir (a
     relaunch while this one still runs, a typo in a sweep) stops at once instead of writing over
     this one's log and checkpoints. flock is released by the kernel when a process dies, however it
-    dies, so a lock left by a killed run is simply taken over (the file names its last holder).
+    dies, so a lock left by a killed run is simply taken over (the file names its last holder; a
+    process that exits by itself, a torchrun rank through stopping.leave too, empties it at exit).
     Creates out_dir if need be. Returns the open lock file (keep it: closing it releases the lock),
     saying which holder it takes over, or raises OutDirInUse, whose message is one line.
     """
@@ -563,7 +598,14 @@ def lock_out_dir(out_dir):
     f.truncate(0)
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
+    atexit.register(_release, f)  # an exit the process makes itself (an end, a stop, an error) empties it
     return f
+
+
+def _release(lock):
+    if not lock.closed:
+        lock.truncate(0)
+        lock.close()
 
 
 def transform_format_string(s):

@@ -16,11 +16,14 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import fields
 
+from stopping import interrupt_in_one_line
+interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
 import numpy as np
 import torch
 
 import gnstracking
-from checkpoint import CheckpointError, init_model, load_optimizer_state, save_training_state
+from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state,
+                        save_training_state, step_seed)
 from configurator import ConfigError, check_dataset, check_device, check_train_config, configure, die
 from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
@@ -162,12 +165,15 @@ ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device
 
 # poor man's data loader: memory-map the token file anew each batch (avoids a memmap leak)
 def get_batch(split, rng=None):
+    global data_order_state
+    if rng is None:  # the train order: a checkpoint keeps the state before the batch fetched ahead, which a resume redraws
+        rng, data_order_state = batch_rng, batch_rng.get_state()
     data = np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
     if len(data) <= block_size:
         die(f"{split}.bin holds {len(data)} tokens, too few for block_size={block_size}")
     # every rank draws the global micro-batch and keeps its slice: the examples of a step do not depend
     # on the processes sharing them (2 ranks see the batches of 1 process with twice the batch_size)
-    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,), generator=rng or batch_rng[split])
+    ix = torch.randint(len(data) - block_size, (ddp_world_size * batch_size,), generator=rng)
     ix = ix[ddp_rank * batch_size:(ddp_rank + 1) * batch_size]
     x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
@@ -191,17 +197,16 @@ model_args['vocab_size'] = meta_vocab_size or 50304
 # checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
     try:
-        model, checkpoint = init_model(init_from, model_args, config, out_dir, device)
+        model, checkpoint = init_model(init_from, model_args, config, out_dir, device, data_vocab_size=meta_vocab_size)
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
+config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
 iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint else 0
 best_val_loss = float(checkpoint.get('best_val_loss', 1e9)) if checkpoint else 1e9
 model.to(device)
 if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
     fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
-# data order seeded by the iteration we start from (a resumed run does not replay the start); evaluation's own
-batch_rng = {'train': torch.Generator().manual_seed(seed * 1_000_003 + iter_num)}
-eval_rng = {split: torch.Generator().manual_seed(seed * 1_000_003 + iter_num + k + 1) for k, split in enumerate(('train', 'val'))}
+batch_rng = data_order(seed, checkpoint)  # the train batches' order, where a resumed run's checkpoint left it
 
 GradScaler = torch.amp.GradScaler
 if fsdp:  # FSDP: a float16 overflow in one rank's shards must skip the step on every rank (found_inf all-reduced)
@@ -234,7 +239,7 @@ except ValueError as e:
 
 try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.json (not with eval_only), wandb
     logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
-                        resume_step=iter_num if init_from == 'resume' else None, wandb_project=wandb_project,
+                        resume_step=iter_num if init_from == 'resume' else None, numbers_only=True, wandb_project=wandb_project,
                         wandb_run_name=wandb_run_name) if master_process else None
     if logger is not None:  # the measured layers' kinds, by which gns-analysis.py groups the parameters
         logger.record_kinds(layer_kinds(raw_model))
@@ -245,8 +250,8 @@ last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (non
 # a host copy of the model's tokens_processed buffer: reading the device buffer would sync
 tokens_processed = int(raw_model.tokens_processed)
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
-nonfinite_steps = 0  # steps in a row whose gradient was not finite (float32/bfloat16: skipped)
-signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint)
+nonfinite_steps = int(checkpoint.get('nonfinite_steps', 0)) if checkpoint else 0  # steps in a row skipped: not finite
+signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint, distributed=ddp)
 
 
 @torch.no_grad()
@@ -257,7 +262,7 @@ def estimate_loss():
     for split in ['train', 'val']:
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
-            X, Y = get_batch(split, eval_rng[split])
+            X, Y = get_batch(split, eval_generator(seed, iter_num, split))
             with ctx:
                 logits, loss = eval_model(X, Y)
             losses[k] = loss.item()
@@ -274,7 +279,8 @@ def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
     run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
-                 'best_val_loss': best_val_loss, 'config': config}
+                 'best_val_loss': best_val_loss, 'config': config, 'data_order': data_order_state,
+                 'nonfinite_steps': nonfinite_steps}
     gnstracking.save_states(estimators, run_state)
     if bs_controller == 'gns':
         run_state['bs_controller'] = schedule.state_dict()
@@ -316,6 +322,7 @@ X, Y = get_batch('train')
 t0 = time.time()
 running_mfu = -1.0
 while eval_only or not finished(tokens_processed, iter_num):
+    torch.manual_seed(step_seed(seed, seed_offset, iter_num))  # dropout: a resumed step draws what it drew
     if schedule is not None:
         gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
@@ -400,8 +407,6 @@ if master_process:
     logger.close()
     if gnstracking.skipped_steps(estimators):
         print(gnstracking.skipped_steps_line(estimators, float16=scaler.is_enabled()))
-    if not eval_only:
-        out_dir_lock.truncate(0)  # a clean end: the next run finds no holder to take over from
 if ddp:
     torch.distributed.barrier()  # leave together: a rank tearing down while its peer still talks aborts
     destroy_process_group()

@@ -131,3 +131,12 @@ def test_save_training_state_writes_only_finite_weights_and_only_from_the_writer
         model.transformer.h[1].mlp.c_fc.weight[0, 0] = float('nan')
     assert save_training_state(path, model, optimizer, {'iter_num': 8, 'model_args': asdict(model.config)}) is False
     assert read_checkpoint(path)['iter_num'] == 7 and sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pt']
+
+
+def test_an_errors_sentence_is_cut_after_a_whole_word():
+    from checkpoint import why
+    long = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory " * 3 + "\nmore")
+    text = why(long, 100)
+    assert len(text) <= 104 and text.endswith(" ...") and str(long).startswith(text[:-4])
+    assert text[:-4].split(" ")[-1] in str(long).split(" ")  # a whole word before the mark
+    assert why(ValueError("short one\nsecond line")) == "short one" and why(KeyError()) == "KeyError"

@@ -129,3 +129,31 @@ def test_check_dataset_finds_a_prepared_one_by_name_or_path_and_says_how_to_prep
     assert e.value.code == 2
     assert capsys.readouterr().err == (f"error: dataset 'tiny' is not prepared ({named / 'val.bin'} is missing); "
                                        f"run: python data/tiny/prepare.py\n")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--init_from=gpt2-xxl"], "--init_from='gpt2-xxl' is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, "
+                               "gpt2-xl"),
+    (["--min_lr=1e-2", "--learning_rate=1e-3"], "--min_lr=0.01 is above --learning_rate=0.001"),
+    (["--batch_size=True"], "--batch_size expects int (default 4), got 'True'"),
+    (["--compile=3"], "--compile expects bool (True/False), got '3'"),
+    (["--dataset=/etc"], "dataset '/etc' is not prepared (/etc/train.bin is missing); a dataset folder holds "
+                         "train.bin and val.bin, as data/<name>/prepare.py writes them"),
+    (["--dataset="], "--dataset='' must name a folder under data/ or a path to one"),
+])
+def test_bad_values_are_one_line_and_exit_2(tiny_dataset, tmp_path, args, words):
+    from conftest import TINY
+    from test_train import train_until_exit
+    code, stderr = train_until_exit(f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}", *TINY, *args)
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and words in err[0], stderr
+
+
+def test_a_value_that_is_merely_unused_is_one_warning(tiny_dataset, tmp_path):
+    from conftest import TINY
+    from test_train import train_until_exit
+    code, stderr = train_until_exit(f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}", *TINY, "--max_iters=1",
+                                    "--bs_schedule_points=[(0, 1), (100, 2)]", "--min_lr=1.0", "--decay_lr=False")
+    assert code == 0
+    assert stderr.strip().splitlines() == ["warning: --bs_schedule_points is unused without --bs_schedule=True"]

@@ -81,3 +81,171 @@ def test_a_torchrun_rank_leaves_with_its_code_while_gloo_threads_still_run(tmp_p
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 3 and p.stdout == "written before leaving\n", p
+
+
+# a process that takes its first signal and then sits in one long torch call (many seconds)
+IN_A_LONG_CALL = """
+import os, sys, time, torch
+sys.path.insert(0, {repo!r})
+import stopping
+stopping.FORWARDED_REPEAT_S = {window}
+s = stopping.StopSignals(announce={announce}, checkpoint_held=lambda: 'iter 7', distributed={distributed})
+a = torch.randn(1000, 1000) / 40
+print('ready', flush=True)
+torch.linalg.matrix_power(a, 2 ** 62 - 1)  # about 120 products of 1000 x 1000 matrices in one call: many seconds
+print('not reached', flush=True)
+"""
+
+
+def signal_in_a_long_call(delays, window=0.0, announce=True, distributed=False):
+    """(exit code, stderr, seconds from the last signal to the exit) of IN_A_LONG_CALL sent SIGTERM
+    after each of `delays` (seconds after it is ready, or after the signal before)."""
+    import time
+    code = IN_A_LONG_CALL.format(repo=REPO, window=window, announce=announce, distributed=distributed)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        assert p.stdout.readline() == "ready\n"
+        for delay in delays:
+            time.sleep(delay)
+            p.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = p.communicate(timeout=120)
+        return p.returncode, stderr, time.monotonic() - sent
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def test_a_second_signal_stops_a_process_inside_a_long_operator_call():
+    code, stderr, took = signal_in_a_long_call([0.2, 0.3])
+    assert code == 128 + signal.SIGTERM and took < 3, (code, took, stderr)
+    assert [line for line in stderr.splitlines() if line] == [
+        "SIGTERM: stopping after this step (send it again to stop now)",
+                                           "SIGTERM again: stopping now; ckpt.pt keeps iter 7"]
+
+
+def test_a_torchrun_ranks_repeat_within_the_window_is_the_forwarded_copy_and_a_quiet_rank_says_nothing():
+    # the copy torchrun forwards 0.1 s after the scheduler's: still running 2 s later (killed by the test)
+    code, stderr, took = signal_in_a_long_call([0.2, 0.1, 2.0], window=1.5, announce=False, distributed=True)
+    assert code == 128 + signal.SIGTERM and took < 3, (code, took, stderr)
+    assert stderr == ""  # not the master: it does not know what ckpt.pt holds (under FSDP it said an old iter)
+
+
+def test_a_signal_during_the_agreement_is_kept_for_the_next_one(restore_handlers, monkeypatch, capsys):
+    import torch
+    import torch.distributed
+
+    def all_reduce_as_the_signal_arrives(tensor, op=None):
+        os.kill(os.getpid(), signal.SIGTERM)  # on this rank, after its flag was sent: the peers said 0
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce_as_the_signal_arrives)
+    signals = StopSignals(announce=False, checkpoint_held=lambda: "iter 1", distributed=True)
+    assert signals.agreed(True, "cpu") == 0  # this step goes on everywhere ...
+    assert signals.received == signal.SIGTERM  # ... and the next agreement stops every rank
+
+
+# every rank's stop agreement takes 0.3 s longer, so that a signal sent at a random moment most
+# often lands inside it (the race that lost signals)
+SLOW_AGREEMENT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import torch, torch.distributed
+all_reduce = torch.distributed.all_reduce
+def slow_all_reduce(tensor, *args, **kwargs):
+    if tensor.dtype == torch.int64 and tensor.numel() == 1:  # stopping.StopSignals.agreed's flag
+        time.sleep(0.3)
+    return all_reduce(tensor, *args, **kwargs)
+torch.distributed.all_reduce = slow_all_reduce
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["launcher", "ranks", "both"])
+def test_a_preempted_torchrun_run_stops_every_rank_after_the_same_step_with_its_checkpoint(tiny_dataset, tmp_path,
+                                                                                         to):
+    """SIGTERM to torchrun's launcher (which forwards it to the ranks), to every rank, or to both at
+    once as a cluster's scheduler sends it, at a random moment, twice over."""
+    import random
+    import re
+    import time
+    import pandas as pd
+    import torch
+    from conftest import TINY
+    from test_resume import ranks_of, rows_in, start
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_AGREEMENT.format(repo=REPO))
+    flags = [*TINY, f"--dataset={tiny_dataset}", "--eval_interval=1000", "--backend=gloo",
+             "--gradient_accumulation_steps=2", "--max_iters=100000"]
+    for attempt in range(2):
+        out = tmp_path / f"out{attempt}"
+        proc = start(flags, out, torchrun_procs=2, site=site)
+        ranks = []
+        try:
+            deadline = time.monotonic() + 120
+            while rows_in(out) < 3:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.05)
+            time.sleep(random.uniform(0, 0.5))
+            ranks = ranks_of(proc)
+            assert len(ranks) == 2
+            for pid in ({"launcher": [proc.pid], "ranks": ranks, "both": [*ranks, proc.pid]}[to]):
+                os.kill(pid, signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            for pid in [*ranks, proc.pid]:  # nothing left running, whatever failed
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if proc.poll() is None:
+                proc.communicate()
+        stopped = re.findall(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds iter (\d+)", stderr)
+        assert len(stopped) == 1 and stopped[0][0] == stopped[0][1], stderr[-3000:]
+        assert "again: stopping now" not in stderr, stderr[-3000:]
+        done = int(stopped[0][0])
+        assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == done
+        assert pd.read_csv(out / "log.csv").step.tolist() == list(range(done))
+
+
+# train.py's import of numpy waits 30 s, having said so: a Ctrl-C lands inside the imports
+SLOW_IMPORT = """
+import builtins, sys, time
+real_import = builtins.__import__
+def slow_import(name, *args, **kwargs):
+    if name == "numpy" and "numpy" not in sys.modules and sys.argv[0].endswith("train.py"):
+        print("importing", flush=True)
+        time.sleep(30)
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = slow_import
+"""
+
+
+def test_ctrl_c_during_the_imports_is_one_line(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_IMPORT)
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), "--device=cpu"], cwd=REPO, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(site)))
+    try:
+        assert p.stdout.readline() == "importing\n"
+        p.send_signal(signal.SIGINT)
+        _, stderr = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 128 + signal.SIGINT
+    assert [line for line in stderr.splitlines() if line] == ["stopped by SIGINT while starting, before the first step"]
+
+
+def test_a_stop_before_any_checkpoint_says_to_start_again(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "config/x.py", "--out_dir=o"])
+    line = stopped_message(signal.SIGINT, 3, 300, "nothing (none was written)", distributed=False)
+    assert line.endswith("ckpt.pt holds nothing (none was written); to go on: nothing to resume from, start again: "
+                         "python train.py config/x.py --out_dir=o") and "--init_from=resume" not in line
+    assert stopped_message(signal.SIGINT, 3, 300, "nothing (none was written)", distributed=True).endswith(
+        "start again: the torchrun command that started it")

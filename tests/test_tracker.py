@@ -157,6 +157,8 @@ def run_and_kill(out, start, resume, n_steps):
                              stdout=subprocess.PIPE, text=True)
     last = None
     for line in child.stdout:
+        if line.startswith("note: "):  # a resume's rows moved aside
+            continue
         last = int(line)
         if last >= start + n_steps:
             break
@@ -478,19 +480,21 @@ def kill_mid_write(out):
     return raw
 
 
-def test_a_row_torn_by_a_kill_is_dropped_and_the_resumed_run_redoes_it(tmp_path):
+def test_a_row_torn_by_a_kill_is_dropped_and_the_resumed_run_redoes_it(tmp_path, capsys):
     raw = kill_mid_write(tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the torn row is the step being redone: nothing to report
         log = LogWrapper(out_dir=tmp_path, resume_step=7)
     assert (tmp_path / "log.csv").read_bytes() == raw[:raw.rindex(b"\n") + 1]
+    # set aside under its header, never deleted
+    assert (tmp_path / "log.csv.rejected").read_bytes() == raw[:raw.index(b"\n") + 1] + raw[raw.rindex(b"\n") + 1:] + b"\r\n"
+    assert capsys.readouterr().out == f"note: {tmp_path / 'log.csv'}: 1 row from step 7 on, which the run redoes, moved to log.csv.rejected\n"
     for step in range(7, 9):
         log.log({"iter_num": step, "payload": "y"})
         log.step()
     log.close()
     df, _ = load_log(tmp_path)
     assert df["step"].tolist() == df["iter_num"].tolist() == list(range(9))
-    assert not (tmp_path / "log.csv.rejected").exists()
 
 
 def test_a_torn_row_before_the_resume_step_is_reported_and_kept_aside(tmp_path):
@@ -642,7 +646,8 @@ def test_resume_cuts_the_file_in_place_without_a_second_copy(tmp_path, monkeypat
     log.close()
     monkeypatch.undo()
     assert [r[0] for r in read_csv(out / "log.csv")[1:]] == [str(s) for s in range(13)]
-    assert sorted(os.listdir(out)) == ["log.csv"]
+    assert sorted(os.listdir(out)) == ["log.csv", "log.csv.rejected"]  # the cut rows, appended there
+    assert (out / "log.csv.rejected").read_bytes() == raw[:raw.index(b"\n") + 1] + raw[raw.index(b"12,120"):]
 
 
 # ---------------------------------------------------------------- resume checks the log it continues
@@ -665,7 +670,8 @@ def test_resume_moves_malformed_rows_aside_and_reports_each(tmp_path):
         f"{path} line 7: step 1 after step 2; {moved}",
         f"{path}: 4 more problems like these"]  # lines 8, 9 not UTF-8 CSV text, 10 steps 3-4 missing, 11 empty
     assert (out / "log.csv.rejected").read_bytes() == b"".join(r + b"\r\n" for r in [
-        b"1,1,extra", b"x,2", b"2,22", b"1,3", b"3,\xff\xfe", b"4,a\x00b", b""])
+        b"1,1,extra", b"x,2", b"2,22", b"1,3", b"3,\xff\xfe", b"4,a\x00b", b"",
+        b"step,a", b"7,7", b"8,8"])  # then the steps the run redoes, under their header
     for step in range(7, 9):
         log.log({"a": 100 + step})
         log.step()
@@ -675,7 +681,7 @@ def test_resume_moves_malformed_rows_aside_and_reports_each(tmp_path):
     with pytest.warns(UserWarning) as caught:
         LogWrapper(out_dir=out, resume_step=9).close()
     assert [str(w.message) for w in caught] == [f"{path} line 3: step 1 is missing", f"{path} line 4: steps 3 to 4 are missing"]
-    assert (out / "log.csv.rejected").read_bytes().count(b"\n") == 7, "nothing saved twice"
+    assert (out / "log.csv.rejected").read_bytes().count(b"\n") == 10, "nothing saved twice"
 
 
 def test_resume_reports_a_log_that_ends_before_the_checkpoint(tmp_path):
@@ -787,3 +793,29 @@ def test_only_atomic_write_renames_files_into_place():
             if name.endswith(".py") and "os.replace(" in open(os.path.join(folder, name)).read():
                 callers.append(os.path.relpath(os.path.join(folder, name), root))
     assert sorted(callers) == ["normgnorm/cuda_ext.py", "tracker.py"]
+
+
+def test_a_row_with_a_cell_that_is_not_a_number_is_malformed_where_every_value_is_one(tmp_path):
+    out = tmp_path / "out"
+    write_log(out, ["0,0.5,", "1,nan,1", "2,this is, not a row", "3,,", "4,1e-3,inf"], header="step,a,b")
+    with pytest.warns(UserWarning) as caught:
+        LogWrapper(out_dir=out, resume_step=5, numbers_only=True).close()
+    assert [str(w.message) for w in caught] == [
+        f"{out / 'log.csv'} line 4: the cell 'this is' is not a number; moved to log.csv.rejected",
+        f"{out / 'log.csv'} line 5: step 2 is missing"]
+    assert (out / "log.csv.rejected").read_bytes() == b"2,this is, not a row\r\n"
+    assert [r[0] for r in read_csv(out / "log.csv")[1:]] == ["0", "1", "3", "4"]
+
+
+@pytest.mark.parametrize("content", [None, b"", b"step,a\r\n", b"step,a\r\n3,3\r\n"],
+                         ids=["missing", "empty", "header-only", "late-start"])
+def test_a_missing_or_empty_log_says_which_steps_are_gone(tmp_path, content):
+    out = tmp_path / "out"
+    out.mkdir()
+    if content is not None:
+        (out / "log.csv").write_bytes(content)
+    with pytest.warns(UserWarning) as caught:
+        LogWrapper(out_dir=out, resume_step=5).close()
+    first_kept = 3 if content and b"3,3" in content else 5
+    missing = f"steps 0 to {first_kept - 1} are missing"
+    assert len(caught) == 1 + (first_kept < 5) and missing in str(caught[0].message), [str(w.message) for w in caught]

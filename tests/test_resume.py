@@ -1,0 +1,222 @@
+"""train.py's --init_from=resume end to end: a run killed (SIGKILL) or stopped (SIGTERM) at a random
+step and resumed writes the log.csv of a run never interrupted, value for value (the wall-clock
+columns aside), in one process, with the batch-size controller or schedule, and under DDP and FSDP."""
+import csv
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, run_train
+
+WALL_CLOCK = {"dt", "mfu", "tokens_per_sec"}  # the columns that measure time, not training
+STEPS = 16
+# dropout on (torch's global RNG), every layer measured (the GNS columns), accumulation (prefetched batches)
+FLAGS = [*TINY, "--dropout=0.1", "--gradient_accumulation_steps=2", "--eval_interval=4", f"--max_iters={STEPS}",
+         "--warmup_iters=2", f"--lr_decay_iters={STEPS}", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim"]
+# every row takes 0.05 s longer, so that a signal lands mid-run on any machine
+SLOW_ROWS = """
+import sys, time
+sys.path.insert(0, {root!r})
+import tracker
+step = tracker.LogWrapper.step
+def slow_step(self):
+    step(self)
+    time.sleep(0.05)
+tracker.LogWrapper.step = slow_step
+"""
+
+
+def log_rows(out):
+    """log.csv's header and rows, the wall-clock columns left out."""
+    with open(out / "log.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    keep = [i for i, name in enumerate(rows[0]) if name not in WALL_CLOCK]
+    return [[row[i] if i < len(row) else "" for i in keep] for row in rows]
+
+
+def rows_in(out):
+    path = out / "log.csv"
+    return len(path.read_bytes().splitlines()) - 1 if path.exists() else 0
+
+
+def ranks_of(launcher):
+    """The pids of a torchrun launcher's ranks (each leads a process group of its own)."""
+    try:
+        with open(f"/proc/{launcher.pid}/task/{launcher.pid}/children") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:
+        return []
+
+
+def signal_all(proc, signum):
+    """signum to proc and, under torchrun, to its ranks at once, as a cluster's scheduler sends it."""
+    for pid in [*ranks_of(proc), proc.pid]:
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def start(flags, out, torchrun_procs=0, site=None):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}"]
+                if torchrun_procs else [sys.executable])
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(site or ""))
+    return subprocess.Popen([*launcher, os.path.join(REPO, "train.py"), *flags, f"--out_dir={out}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def interrupt(flags, out, signum, at_row, torchrun_procs=0, site=None):
+    """Run train.py with `flags` into `out` and send `signum` to it (signal_all) once log.csv has
+    at_row rows; returns (exit code, stdout, stderr)."""
+    proc = start(flags, out, torchrun_procs, site)
+    ranks = []
+    try:
+        deadline = time.monotonic() + 180
+        while rows_in(out) < at_row:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.01)
+        ranks = ranks_of(proc)
+        signal_all(proc, signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        for pid in [*ranks, proc.pid]:  # nothing left running, whatever failed
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.communicate()
+    return proc.returncode, stdout, stderr
+
+
+def assert_resume_continues_exactly(tiny_dataset, tmp_path, flags, signum, torchrun_procs=0):
+    flags = [*flags, f"--dataset={tiny_dataset}"]
+    run_train(*flags, f"--out_dir={tmp_path / 'whole'}", torchrun_procs=torchrun_procs)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_ROWS.format(root=REPO))
+    at_row = random.Random().randrange(6, 11)  # after the first checkpoint (iter 4), before the end
+    out = tmp_path / "cut"
+    code = interrupt(flags, out, signum, at_row, torchrun_procs, site)[0]
+    assert code != 0, "the run ended before the signal"
+    stopped_at = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
+    p = run_train(*flags, f"--out_dir={out}", "--init_from=resume", torchrun_procs=torchrun_procs)
+    # a stop is an exit of the run's own, which empties train.lock; a kill is not, and is named
+    assert ("taking over" in p.stdout) == (signum == signal.SIGKILL), p.stdout[-2000:]
+    whole, resumed = log_rows(tmp_path / "whole"), log_rows(out)
+    assert resumed[0] == whole[0]
+    assert len(resumed) == len(whole) > 10
+    for step, (a, b) in enumerate(zip(whole[1:], resumed[1:])):
+        assert a == b, f"step {step} differs (signal at row {at_row}, resumed from iter {stopped_at}): " + \
+            str([(name, x, y) for name, x, y in zip(whole[0], a, b) if x != y][:4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_run_killed_or_stopped_and_resumed_writes_the_log_of_an_uninterrupted_one(tiny_dataset, tmp_path, signum):
+    assert_resume_continues_exactly(tiny_dataset, tmp_path, FLAGS, signum)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizing", [
+    ["--bs_controller=gns", "--gradient_accumulation_steps=8", "--bs_warmup_steps=2", "--bs_update_tokens=0",
+     "--bs_allow_decrease=True"],
+    ["--bs_schedule=True", "--bs_schedule_points=[(0, 1), (2000, 4)]"]], ids=["controller", "schedule"])
+def test_the_batch_size_controller_and_schedule_resume_exactly(tiny_dataset, tmp_path, sizing):
+    assert_resume_continues_exactly(tiny_dataset, tmp_path, [*FLAGS, *sizing], signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", [[], ["--fsdp=True"]], ids=["ddp", "fsdp"])
+def test_two_ranks_killed_and_resumed_write_the_log_of_an_uninterrupted_run(tiny_dataset, tmp_path, sharding):
+    assert_resume_continues_exactly(tiny_dataset, tmp_path, [*FLAGS, "--backend=gloo", *sharding], signal.SIGKILL,
+                                    torchrun_procs=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# a resume checks what it continues before it changes anything
+
+@pytest.fixture(scope="module")
+def short_runs(tiny_dataset, tmp_path_factory):
+    """out_dirs after 6 steps (checkpoint at 6, GNS columns): 'ours', and two other models."""
+    from conftest import made_once
+
+    def make(folder):
+        common = [*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--max_iters=6", "--lnclass=shim"]
+        for name, flags in (("ours", []), ("block_size", ["--block_size=8"]), ("n_layer", ["--n_layer=1"])):
+            run_train(*common, *flags, f"--out_dir={folder / name}")
+    return made_once(tmp_path_factory, "short_runs", make)
+
+
+def resume(tiny_dataset, out, *flags):
+    """(exit code, stderr) of a resume of out to its end, at step 6: what it says of the checkpoint and the log."""
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--lnclass=shim", f"--out_dir={out}",
+                  "--init_from=resume", "--max_iters=6", *flags, check=False)
+    return p.returncode, p.stderr
+
+
+@pytest.mark.parametrize("other", ["block_size", "n_layer"])
+def test_another_models_checkpoint_stops_the_resume_and_leaves_everything_as_it_was(tiny_dataset, short_runs,
+                                                                                    tmp_path, other):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    shutil.copy(short_runs / other / "ckpt.pt", out / "ckpt.pt")
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.name != "train.lock"}
+    code, stderr = resume(tiny_dataset, out, f"--{other}={8 if other == 'block_size' else 1}")
+    assert code == 2
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "another model" in err[0], stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "train.lock"} == before
+
+
+def test_a_malformed_row_before_the_checkpoint_is_moved_aside_and_reported(tiny_dataset, short_runs, tmp_path):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    lines = (out / "log.csv").read_bytes().splitlines(keepends=True)
+    (out / "log.csv").write_bytes(b"".join([*lines[:3], b"2,this is, not a row\r\n", *lines[3:]]))
+    code, stderr = resume(tiny_dataset, out)
+    assert code == 0
+    assert f"warning: {out / 'log.csv'} line 4: the cell 'this is' is not a number; moved to log.csv.rejected" \
+        in stderr.splitlines(), stderr
+    assert (out / "log.csv").read_bytes() == b"".join(lines)
+    assert (out / "log.csv.rejected").read_bytes() == b"2,this is, not a row\r\n"
+
+
+@pytest.mark.parametrize("log", ["empty", "missing"])
+def test_a_resume_onto_an_empty_or_missing_log_says_the_steps_are_gone(tiny_dataset, short_runs, tmp_path, log):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    if log == "empty":
+        (out / "log.csv").write_bytes(b"")
+    else:
+        (out / "log.csv").unlink()
+    code, stderr = resume(tiny_dataset, out)
+    assert code == 0
+    assert f"warning: {out / 'log.csv'} is {log}: steps 0 to 5 are missing (the run resumes at step 6)" \
+        in stderr.splitlines(), stderr
+
+
+def test_a_checkpoint_from_before_saved_data_orders_resumes_saying_the_order_restarts(tiny_dataset, short_runs,
+                                                                                       tmp_path):
+    import shutil
+    out = tmp_path / "out"
+    shutil.copytree(short_runs / "ours", out)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    del ckpt["data_order"], ckpt["nonfinite_steps"]
+    torch.save(ckpt, out / "ckpt.pt")
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--lnclass=shim", f"--out_dir={out}",
+                  "--init_from=resume", "--max_iters=7")
+    notes = [line for line in p.stdout.splitlines() if "data order" in line]
+    assert notes == ["note: ckpt.pt holds no data order (it predates them): the train batches' order restarts at "
+                     "iter 6, so the run does not continue as the interrupted one would have"]
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == 7
