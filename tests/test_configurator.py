@@ -150,6 +150,7 @@ def test_bad_values_are_one_line_and_exit_2(tiny_dataset, tmp_path, args, words)
     assert len(err) == 1 and words in err[0], stderr
 
 
+@pytest.mark.slow
 def test_a_value_that_is_merely_unused_is_one_warning(tiny_dataset, tmp_path):
     from conftest import TINY
     from test_train import train_until_exit

@@ -297,7 +297,8 @@ def test_resume_over_an_empty_log_starts_afresh(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "log.csv").write_text("")
-    log = LogWrapper(out_dir=out, resume_step=3)
+    with pytest.warns(UserWarning, match="log.csv is empty: steps 0 to 2 are missing"):
+        log = LogWrapper(out_dir=out, resume_step=3)
     log.log({"a": 1})
     log.step()
     log.close()
