@@ -114,6 +114,34 @@ def _is_norm_buffer(name):
     return name == "example_count" or name.endswith("_sqgradnorm")
 
 
+def register_coordinate_buffers(model, params):
+    """
+    Give each separated LayerNorm and RMSNorm parameter whose id is in `params` a float32 buffer
+    `{name}_sqgrad_coords` of its size, to which its backward then adds the per-coordinate sums
+    S_d = sum_b (g_bd / B)^2 (adamgns.py applies a diagonal preconditioner to them). They are the
+    Adam estimator's own: not zeroed, all-reduced or read with the scalar sums. Returns
+    coordinate_buffers(model).
+    """
+    for module in model.modules():
+        if isinstance(module, (PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm)):
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in params and p.requires_grad and f"{name}_sqgrad_coords" not in module._buffers:
+                    module.register_buffer(f"{name}_sqgrad_coords", p.new_zeros(p.numel(), dtype=torch.float32),
+                                           persistent=False)
+    return coordinate_buffers(model)
+
+
+def coordinate_buffers(model):
+    """(name, parameter, per-coordinate sum buffer) of each parameter that has one, in named_parameters order."""
+    found = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            buffer = module._buffers.get(f"{name}_sqgrad_coords")
+            if buffer is not None:
+                found.setdefault(id(p), buffer)
+    return [(name, p, found[id(p)]) for name, p in model.named_parameters() if id(p) in found]
+
+
 def all_sqgradnorm_buffers(model):
     """Every per-example-norm buffer of `model`, the running sums and the example counts, each
     once, in module order: what is zeroed after a step and summed over DDP ranks before it."""
@@ -377,7 +405,8 @@ class MeasuredLayer:
         self._last_forward = forward
 
     def _apply(self, fn, recurse=True):
-        ours = {n: b for n, b in self._buffers.items() if b is not None and _is_norm_buffer(n)}
+        ours = {n: b for n, b in self._buffers.items()
+                if b is not None and (_is_norm_buffer(n) or n.endswith("_sqgrad_coords"))}
         for n in ours:
             del self._buffers[n]
         super()._apply(fn, recurse)
@@ -813,7 +842,7 @@ class _LayerNormFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_sq, b_sq, count, normalized_shape, eps):
+    def forward(ctx, x, weight, bias, w_sq, b_sq, count, normalized_shape, eps, coords=(None, None)):
         # native_layer_norm has no autocast rule of its own: apply layer_norm's here. GPU
         # autocast runs layer_norm in float32; CPU autocast leaves it in the input's dtype.
         ctx.cast = x.device.type != "cpu" and torch.is_autocast_enabled(x.device.type)
@@ -821,6 +850,7 @@ class _LayerNormFn(torch.autograd.Function):
         y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, wc, bc, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.bufs = (w_sq, b_sq, count)
+        ctx.coords = coords  # per-coordinate sums (register_coordinate_buffers), or None
         ctx.normalized_shape = normalized_shape
         return y
 
@@ -840,12 +870,14 @@ class _LayerNormFn(torch.autograd.Function):
         B, N = _examples(x, len(shape)), weight.numel()
         dw_b, db_b = per_example_affine_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N),
                                               mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1), need_dw, need_db)
-        if need_dw:
-            w_sq.add_(dw_b.square().sum())
-        if need_db:
-            b_sq.add_(db_b.square().sum())
+        for needed, grads_b, sq, coords in ((need_dw, dw_b, w_sq, ctx.coords[0]), (need_db, db_b, b_sq, ctx.coords[1])):
+            if needed:
+                squares = grads_b.square()
+                sq.add_(squares.sum())
+                if coords is not None:
+                    coords.add_(squares.sum(0))
         count.add_(B)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 def _float32_unless_double(*tensors):
@@ -920,7 +952,8 @@ class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
         return _LayerNormFn.apply(x, self.weight, self.bias,
                                   self.weight_sqgradnorm if w_trains else None,
                                   self.bias_sqgradnorm if b_trains else None,
-                                  self.example_count, self.normalized_shape, self.eps)
+                                  self.example_count, self.normalized_shape, self.eps,
+                                  (self._buffers.get("weight_sqgrad_coords"), self._buffers.get("bias_sqgrad_coords")))
 
     # The reference implementation's names: its separated LayerNorm held the gain and bias in a
     # submodule .affine (after a .layernorm without them); here they are the layer's own.
@@ -942,9 +975,10 @@ class _RMSNormTap(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, x, w_sq, count, normalized_shape, eps):
+    def forward(ctx, y, x, w_sq, count, normalized_shape, eps, coords=None):
         ctx.save_for_backward(x)
         ctx.bufs = (w_sq, count)
+        ctx.coords = coords  # per-coordinate sums (register_coordinate_buffers), or None
         ctx.normalized_shape, ctx.eps = normalized_shape, eps
         return y.view_as(y)
 
@@ -958,9 +992,12 @@ class _RMSNormTap(torch.autograd.Function):
         mean_square = torch.linalg.vector_norm(x3, dim=-1, keepdim=True, dtype=acc).square_().div_(N)
         rstd = mean_square.add_(rms_norm_eps(ctx.eps, x.dtype)).rsqrt_()
         dw_b, _ = per_example_affine_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False)
-        w_sq.add_(dw_b.square().sum())
+        squares = dw_b.square()
+        w_sq.add_(squares.sum())
+        if ctx.coords is not None:
+            ctx.coords.add_(squares.sum(0))
         count.add_(B)
-        return dy, None, None, None, None, None
+        return dy, None, None, None, None, None, None
 
 
 class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
@@ -983,7 +1020,7 @@ class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
         if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
             return y
         return _RMSNormTap.apply(y, x.detach(), self.weight_sqgradnorm, self.example_count,
-                                 self.normalized_shape, self.eps)
+                                 self.normalized_shape, self.eps, self._buffers.get("weight_sqgrad_coords"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -134,8 +134,15 @@ def check_train_config(config, places=None):
         print("warning: --bs_schedule_points is unused without --bs_schedule=True", file=sys.stderr)
     if config['bs_controller'] == 'gns' and config['bs_schedule']:
         die("--bs_controller=gns and --bs_schedule=True both set the batch size; choose one")
-    if config['bs_gns_group'] not in (None, 'total', 'LayerNorm'):
-        die(f"--bs_gns_group={config['bs_gns_group']!r} is not one of total, LayerNorm (or None: the group measured)")
+    if config['bs_gns_group'] not in (None, 'total', 'LayerNorm', 'adam'):
+        die(f"--bs_gns_group={config['bs_gns_group']!r} is not one of total, LayerNorm, adam (or None: the group measured)")
+    if config['gns_adam'] and config['lnclass'] != 'shim':
+        die(f"--gns_adam=True measures the separated normalisation layers' per-coordinate sums: use --lnclass=shim "
+            f"(not {config['lnclass']})")
+    if config['gns_adam'] and config.get('fsdp'):
+        die("--gns_adam=True needs each parameter's whole optimizer state on every rank: run it under DDP, not FSDP")
+    if config['bs_gns_group'] == 'adam' and not config['gns_adam']:
+        die("--bs_gns_group=adam follows the Adam-preconditioned GNS: add --gns_adam=True")
     check_number(config, 'bs_gns_fraction', 0, low_ok=False)
     check_number(config, 'bs_min_accum', 1, whole=True)
     if config['bs_min_accum'] > gas:

@@ -48,7 +48,7 @@ from tracker import atomic_write
 # train/gnshooks: the hooks' prefix before it became train/hooks_gns (the reference's readers
 # take every column starting with train/gns for theirs)
 KNOWN_PREFIXES = [PREFIXES["exact"], PREFIXES["hooks_exact"], "train/gnshooks", PREFIXES["hooks_sogns"],
-                  PREFIXES["microbatch"]]
+                  PREFIXES["microbatch"], PREFIXES["adam"]]
 DDP = PREFIXES["ddp"]
 DDP_NAME = "(whole model)"  # the DDP estimator's one pseudo-parameter: it logs model totals
 DDP_COLUMNS = total_columns(DDP)

@@ -135,7 +135,7 @@ LOG_NAME = "log.csv"  # out_dir/LOG_NAME: one row per step, first column `step` 
 # the x axes a log offers, the first one logged being the default (tokens, then nanoGPT's iterations)
 X_COLUMNS = ("tokens_processed", "iter_num", "step")
 PREFIXES = dict(exact="train/gns", hooks_exact="train/hooks_gns", hooks_sogns="train/sogns",
-                microbatch="train/microbatch_gns", ddp="ddp")
+                microbatch="train/microbatch_gns", adam="train/adam_gns", ddp="ddp")
 # the kind of a cell -> the Measurement field it holds
 KINDS = {"norm": "big_batch_norm", "pegn": "small_batch_norm", "batch_size": "big_batch_size",
          "small_batch_size": "small_batch_size"}

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+import adamgns
 import ddpgns
 import gnshooks
 import microbatch_gns
@@ -311,7 +312,8 @@ class ExactGNS(Estimator):
         zero_sqgradnorm_buffers(self.model)
 
 
-def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None, fsdp=False):
+def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None, fsdp=False,
+                   adam_optimizer=None):
     """
     The estimators of a run, in the order their columns go into log.csv: the exact per-example one
     whenever `model` (the plain model, or its DDP/compile wrapper) has per-example-norm layers; the
@@ -321,6 +323,8 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
     model's modules and parameters. With a checkpoint dict, their states resume (load_states).
     fsdp: the model is sharded with FSDP2 over world_size ranks: no DDP estimator (its comm hook is
     DDP's), the exact one all-reduces its buffers and squares the gradient shards (_grad_sqnorms).
+    adam_optimizer: the run's Adam(W), for the Adam-preconditioned GNS of the normalisation layers
+    (adamgns.py), after the exact one; None: not measured.
     """
     choices = ("none", *gnshooks.ADD_HOOKS)
     if hooks not in choices:
@@ -336,6 +340,8 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
         estimators.append(gnshooks.HooksEstimator(model, hooks))
     if microbatch:
         estimators.append(microbatch_gns.MicrobatchEstimator(model))
+    if adam_optimizer is not None:
+        estimators.append(adamgns.AdamGNS(model, adam_optimizer, world_size))
     if world_size > 1 and not fsdp:
         estimators.append(ddpgns.DDPGNS(ddp_model))
     if checkpoint is not None:
@@ -365,8 +371,8 @@ def live_gns(estimators, group="total"):
     """(GNS, steps its EMA has averaged) of the exact estimator's live EMA for `group` ('total' or
     'LayerNorm'); (nan, 0) when nothing measures that group."""
     for e in estimators:
-        if isinstance(e, ExactGNS) and group in e.groups:
-            gns = e.groups[group]
+        if group == "adam" and isinstance(e, adamgns.AdamGNS) or isinstance(e, ExactGNS) and group in e.groups:
+            gns = e.gns if group == "adam" else e.groups[group]
             updates = math.log(gns.beta_cumprod) / math.log(gns.beta) if gns.beta_cumprod > 0 else math.inf
             return gns.get_gns(), round(updates)
     return float("nan"), 0
@@ -375,11 +381,12 @@ def live_gns(estimators, group="total"):
 def measured_groups(estimators):
     """The groups live_gns() can read: 'total' and 'LayerNorm' (when measured), or none; 'LayerNorm'
     first when the LayerNorms are all that is measured."""
+    adam = ["adam"] if any(isinstance(e, adamgns.AdamGNS) for e in estimators) else []
     for e in estimators:
         if isinstance(e, ExactGNS):
             groups = list(e.groups)  # "total" first
-            return groups[::-1] if e.norm_names == set(e.tracker.names) else groups
-    return []
+            return (groups[::-1] if e.norm_names == set(e.tracker.names) else groups) + adam
+    return adam
 
 
 def skipped_steps(estimators):

@@ -75,6 +75,7 @@ lnclass = 'nn'
 # (gnshooks.py), the micro-batch estimator (microbatch_gns.py)
 gns_hooks = 'none'  # none, sogns or exact
 microbatch_gns = False
+gns_adam = False  # also the Adam-preconditioned GNS of the normalisation layers (adamgns.py; --lnclass=shim)
 # AdamW optimizer; lengths in tokens or, as in nanoGPT, iterations (unset: nanoGPT's)
 learning_rate = 6e-4
 max_tokens = None
@@ -98,7 +99,7 @@ bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 2 at
 # of bs_gns_group, in global accumulation steps from bs_min_accum up to gradient_accumulation_steps
 bs_controller = 'none'  # or 'gns'
 bs_gns_fraction = 1.0
-bs_gns_group = None  # 'total' or 'LayerNorm'; None: the group measured (LayerNorm when LayerNorms alone are)
+bs_gns_group = None  # 'total', 'LayerNorm' or 'adam' (--gns_adam); None: the group measured (LayerNorm when LayerNorms alone are)
 bs_min_accum = 1  # the floor, and the start
 bs_warmup_steps = 50  # steps the GNS's EMA averages before the batch follows it
 bs_update_tokens = None  # at most one change per this many tokens; None: max_tokens / 100
@@ -230,7 +231,8 @@ if ddp and not fsdp:
 
 # GNS estimators: the per-example one if a layer measures, the DDP one, the hooks' and micro-batch one if asked
 estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp and not fsdp else None, world_size=ddp_world_size,
-                                        hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint, fsdp=fsdp)
+                                        hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint, fsdp=fsdp,
+                                        adam_optimizer=optimizer if gns_adam else None)
 
 try:  # what sizes each step when it is not fixed: the editable schedule file, or the controller on the GNS
     schedule = step_sizes_for_run(config, estimators, ddp_world_size, master_process, device if ddp else None, checkpoint)
