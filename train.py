@@ -18,6 +18,8 @@ from dataclasses import fields
 
 from stopping import interrupt_in_one_line
 interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
+if hasattr(sys.stdout, 'reconfigure'):  # each status line reaches a redirected file as it is printed
+    sys.stdout.reconfigure(line_buffering=True)
 import numpy as np
 import torch
 
@@ -384,9 +386,9 @@ while eval_only or not finished(tokens_processed, iter_num):
                     'grad_norm': grad_normf, 'gradient_accumulation_steps': gradient_accumulation_steps,
                     'train/lossf': lossf})
         logger.log({**gns_row, **(schedule.row() if schedule else {})})
-        if (iter_num + 1) % log_interval == 0:
+        if iter_num % log_interval == 0:  # nanoGPT's: the iteration just done, log.csv's step
             gns = ", ".join(s for s in (gnstracking.status_line(estimators), schedule and schedule.status()) if s)
-            print(f"iter {iter_num + 1}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
+            print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
                   f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}" + (f", {gns}" if gns else ""))
     iter_num += 1
     local_iter_num += 1
