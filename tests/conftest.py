@@ -93,16 +93,19 @@ def run_bench(script, *args, timeout=300):
 # total comparison on 1-layer GPTs; the flags are the tests' to read
 BATCH_CONTROL = ["--seeds=1", "--max_tokens=4096", "--settings=fixed-floor,gns-total", "--n_layer=1",
                  "--n_embd=16", "--n_head=2", "--eval_iters=2", "--bs_warmup_steps=2", "--warmup_tokens=0"]
+CRITICAL_BATCH = ["--quick"]  # the whole pipeline on a 1-layer GPT, one family and seed
 NORM_VS_TOTAL = ["--seeds=1", "--max_tokens=3072", "--alpha=0.5", "--n_layer=1", "--n_embd=16", "--n_head=2",
                  "--batch_size=4", "--block_size=16", "--eval_iters=2", "--eval_interval=1000"]
 
 
 @pytest.fixture(scope="session")
 def bench_runs(tiny_dataset, tmp_path_factory):
-    """{script: (out_dir, its stdout)} of bench/batch_control.py and bench/norm_vs_total.py on the tiny
-    dataset, made once for their end-to-end tests and the notebook's; treat the folders as read-only."""
+    """{script: (out_dir, its stdout)} of bench/batch_control.py, bench/norm_vs_total.py and
+    bench/critical_batch.py on the tiny dataset, made once for their end-to-end tests and the
+    notebook's; treat the folders as read-only."""
     runs = {}
-    for script, flags in (("batch_control.py", BATCH_CONTROL), ("norm_vs_total.py", NORM_VS_TOTAL)):
+    for script, flags in (("batch_control.py", BATCH_CONTROL), ("norm_vs_total.py", NORM_VS_TOTAL),
+                          ("critical_batch.py", CRITICAL_BATCH)):
         def make(folder):
             p = run_bench(script, f"--out_dir={folder / 'runs'}", f"--dataset={tiny_dataset}", *flags)
             assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]

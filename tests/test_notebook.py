@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "Replicating Figures.ipynb")
 FIGURES = ["a_batch_size_schedule.png", "b_phase_plot.png", "c_gns_over_tokens.png",
            "d_gns_per_layer_type.png", "e_layernorm_vs_total.png", "f_batch_control.png",
-           "g_norm_vs_total_by_family.png"]
+           "g_norm_vs_total_by_family.png", "h_critical_batch.png"]
 # a 1-layer GPT, 16 examples of 16 tokens per fixed-batch step, 60 such steps
 TINY_RUNS = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
              "--gradient_accumulation_steps=4", "--max_tokens=15360", "--warmup_tokens=1024",
@@ -32,9 +32,11 @@ def test_notebook_writes_every_figure(tmp_path, tiny_dataset, bench_runs):
     # and, for (f) and (g), two settings of the batch-size experiment and both model families of
     # the normalisation-only vs total comparison (bench_runs)
     control, families = bench_runs["batch_control.py"][0], bench_runs["norm_vs_total.py"][0]
+    critical = bench_runs["critical_batch.py"][0]  # and for (h), the critical-batch pipeline's --quick run
 
     # the notebook on those runs, as for full-scale runs made elsewhere: --notebook_only
-    env = dict(os.environ, GNS_ALPHA="0.9", GNS_RUN_BATCH_CONTROL=str(control), GNS_RUN_NORM_VS_TOTAL=str(families))
+    env = dict(os.environ, GNS_ALPHA="0.9", GNS_RUN_BATCH_CONTROL=str(control), GNS_RUN_NORM_VS_TOTAL=str(families),
+               GNS_RUN_CRITICAL_BATCH=str(critical))
     done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "figure_runs.py"), "--out_dir", str(runs),
                            "--notebook_only"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -51,6 +53,7 @@ def test_notebook_writes_every_figure(tmp_path, tiny_dataset, bench_runs):
     assert "Pearson r" in printed and ("saved" in printed or "does not reach" in printed), printed
     assert "| fixed-floor |" in printed and "| gns-total |" in printed  # the experiment's table
     assert "| llama | 1 |" in printed and "| gpt2 | 1 |" in printed
+    assert "b_crit" in printed and "b_simple_norm_adam" in printed  # (h)
 
 
 def test_notebook_only_needs_the_runs(tmp_path):
