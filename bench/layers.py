@@ -30,12 +30,10 @@ import buffered  # noqa: E402
 from csv_tools import ToolParser  # noqa: E402
 from layer_config import classes_for_flags, set_contextual_config  # noqa: E402
 
-# train.py's layer flags of each setting; LayerNorm has no gns class, its separated one serves both
-SETTINGS = {
-    "nn": {},
-    "gns": dict(linearclass="gns", embeddingclass="gns", lnclass="shim"),
-    "shim": dict(linearclass="shim", embeddingclass="shim", lnclass="shim"),
-}
+# train.py's layer flags of each setting, every value the registry's (buffered.MEASURED_CLASSES);
+# the normalisations have no gns class, their separated one serves both
+SETTINGS = {"nn": {}, **{value: dict(linearclass=value, embeddingclass=value, lnclass="shim")
+                         for value in buffered.MEASURED_CLASSES["linear"]}}
 
 
 def maxrss_mib():
@@ -84,7 +82,7 @@ def sweep(args):
         for T in [4, 16, 64, 256]:
             x = torch.randn(16384 // T, T, K, requires_grad=True)
             row = [best_ms(nn.Linear(K, L), x)]
-            for cls in (buffered.PEGradNormLinear, buffered.PEGradNormShimLinear):
+            for cls in buffered.MEASURED_CLASSES["linear"].values():  # gns, shim: the registry's
                 for mode in ("ghost", "materialise"):
                     layer = cls(K, L)
                     layer.per_example_mode = mode
