@@ -54,6 +54,17 @@ def ranks_of(launcher):
         return []
 
 
+def end_all(proc, ranks):
+    """SIGKILL the launcher's and the ranks' process groups, whatever failed: nothing left running."""
+    for pid in [*ranks, proc.pid]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.communicate()
+
+
 def signal_all(proc, signum):
     """signum to proc and, under torchrun, to its ranks at once, as a cluster's scheduler sends it."""
     for pid in [*ranks_of(proc), proc.pid]:
@@ -86,13 +97,7 @@ def interrupt(flags, out, signum, at_row, torchrun_procs=0, site=None):
         signal_all(proc, signum)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
-        for pid in [*ranks, proc.pid]:  # nothing left running, whatever failed
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.communicate()
+        end_all(proc, ranks)
     return proc.returncode, stdout, stderr
 
 

@@ -176,7 +176,7 @@ def test_a_preempted_torchrun_run_stops_every_rank_after_the_same_step_with_its_
     import pandas as pd
     import torch
     from conftest import TINY
-    from test_resume import ranks_of, rows_in, start
+    from test_resume import end_all, ranks_of, rows_in, start
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_AGREEMENT.format(repo=REPO))
@@ -197,13 +197,7 @@ def test_a_preempted_torchrun_run_stops_every_rank_after_the_same_step_with_its_
             os.kill(pid, signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
     finally:
-        for pid in [*ranks, proc.pid]:  # nothing left running, whatever failed
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            proc.communicate()
+        end_all(proc, ranks)
     stopped = re.findall(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds iter (\d+)", stderr)
     assert len(stopped) == 1 and stopped[0][0] == stopped[0][1], stderr[-3000:]
     assert "again: stopping now" not in stderr, stderr[-3000:]
