@@ -219,7 +219,9 @@ def fit_critical_batch(batch_sizes, steps):
     (S_min, E_min) of the steps-to-target curve S(B) = S_min + E_min / B, McCandlish's
     (S/S_min - 1)(E/E_min - 1) = 1 with E = B S solved for S: a straight line in 1/B, fitted by least
     squares to the batch sizes whose branch reached the target (a step count that is None, NaN or
-    not positive did not). The critical batch size is B_crit = E_min / S_min. ValueError, one line
+    not positive did not), each residual relative to its S (weights 1/S^2): step counts span orders
+    of magnitude and their noise grows with them, so plain residuals would let the smallest batch
+    decide S_min alone. The critical batch size is B_crit = E_min / S_min. ValueError, one line
     naming the problem, when fewer than two batch sizes reached the target or the fit is not positive.
     """
     points = [(float(b), float(s)) for b, s in zip(batch_sizes, steps)
@@ -229,9 +231,11 @@ def fit_critical_batch(batch_sizes, steps):
     if len({b for b, _ in points}) < 2:
         raise ValueError(f"fit_critical_batch: {len({b for b, _ in points})} batch size(s) reached the target "
                          f"(steps {list(steps)} at batch sizes {list(batch_sizes)}); the fit needs at least 2")
-    xs, ys = [1 / b for b, _ in points], [s for _, s in points]
-    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
-    e_min = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    xs, ys, ws = [1 / b for b, _ in points], [s for _, s in points], [1 / s ** 2 for _, s in points]
+    total = sum(ws)
+    x_mean, y_mean = sum(w * x for w, x in zip(ws, xs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
+    e_min = (sum(w * (x - x_mean) * (y - y_mean) for w, x, y in zip(ws, xs, ys))
+             / sum(w * (x - x_mean) ** 2 for w, x in zip(ws, xs)))
     s_min = y_mean - e_min * x_mean
     if not (s_min > 0 and e_min > 0):
         raise ValueError(f"fit_critical_batch: the fit S(B) = S_min + E_min/B is not positive (S_min {s_min:.4g}, "

@@ -118,6 +118,16 @@ def test_fit_critical_batch_within_tolerance_of_noisy_points_and_ignores_branche
     assert fitted_s == pytest.approx(s_min, rel=0.1) and fitted_e == pytest.approx(e_min, rel=0.05)
 
 
+def test_fit_critical_batch_weighs_residuals_relative_to_the_steps():
+    """Steps span orders of magnitude: 10% too many at the smallest batch must not decide S_min.
+    Plain residuals give S_min 7.2 and B_crit 77 here; relative ones stay near 10 and 50."""
+    batch_sizes = [4, 8, 16, 32, 64]
+    s_min, e_min = 10.0, 500.0
+    steps = [(s_min + e_min / b) * (1.10 if b == 4 else 1.0) for b in batch_sizes]
+    fitted_s, fitted_e = gnsmath.fit_critical_batch(batch_sizes, steps)
+    assert fitted_s == pytest.approx(s_min, rel=0.1) and fitted_e / fitted_s == pytest.approx(50, rel=0.15)
+
+
 @pytest.mark.parametrize("batch_sizes, steps, words", [
     ([4, 8, 16], [100, None, float("nan")], "1 batch size(s) reached the target"),
     ([4, 4, 4], [100, 110, 90], "1 batch size(s) reached the target"),
