@@ -215,6 +215,30 @@ def measured_hf_gpt2(rank, world):
     return dict(rows=rows, line=gnstracking.status_line(estimators[:1]))
 
 
+ADAM_STEPS = 3  # the first has no optimizer state: two measured steps
+
+
+def adam_preconditioned(rank, world):
+    """The Adam-preconditioned GNS (adamgns.py) of a measuring GPT's LayerNorms under DDP: its
+    per-coordinate sums summed over the ranks, P from AdamW's replicated state; each step's columns."""
+    raw = tiny_gpt(0, **MEASURED)
+    model = DDP(raw, broadcast_buffers=False)
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    estimators = gnstracking.estimators_for(raw, ddp_model=model, world_size=world, adam_optimizer=optimizer)
+    rows = []
+    for step in range(ADAM_STEPS):
+        for micro_step in range(MICRO_STEPS):
+            model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
+            _, loss = model(*interface_batch(step, micro_step, rank))
+            (loss / MICRO_STEPS).backward()
+        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * world, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        rows.append({k: v for k, v in row.items() if k.startswith("train/adam_gns/")})
+    return rows
+
+
 def main():
     out_dir = sys.argv[1]
     # train.py keeps broadcast_buffers=False (rank-local per-example buffers); so do we
@@ -227,7 +251,8 @@ def main():
                   buffers=buffers_allreduce(rank, world),
                   known=known_noise_scale(rank, world),
                   interface=every_estimator(rank, world),
-                  hf=measured_hf_gpt2(rank, world))
+                  hf=measured_hf_gpt2(rank, world),
+                  adam=adam_preconditioned(rank, world))
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
         json.dump(result, f)
     dist.barrier()  # leave together, and as train.py's ranks do (stopping.leave says why)

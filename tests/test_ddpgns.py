@@ -331,3 +331,32 @@ def test_measured_hugging_face_gpt2_on_two_ranks_equals_one_process(ddp_worker_r
         for c, v in row.items():
             assert logged[c] == pytest.approx(v, rel=1e-4), c
     assert got[0]['line'] == gnstracking.status_line(estimators)
+
+
+@pytest.mark.slow
+def test_adam_preconditioned_gns_on_two_ranks_equals_one_process(ddp_worker_ranks):
+    """adamgns.AdamGNS under DDP: the ranks' per-coordinate sums are summed and rescaled as the
+    exact estimator's buffers are, and P is AdamW's (replicated) state: each LayerNorm parameter's
+    preconditioned norms are one process's on the same global batch."""
+    import ddp_worker
+    import gnstracking
+    got = [r['adam'] for r in ddp_worker_ranks]
+    assert got[0] == got[1]  # every rank alike
+    raw = tiny_gpt(0, **MEASURED)
+    optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    estimators = gnstracking.estimators_for(raw, adam_optimizer=optimizer)
+    m = ddp_worker.MICRO_STEPS
+    for step, logged in enumerate(got[0]):
+        for k in range(m):
+            batches = [ddp_worker.interface_batch(step, k, rank) for rank in range(WORLD)]
+            _, loss = raw(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+            (loss / m).backward()
+        row = gnstracking.measure_all(estimators, step, m * ddp_worker.MICRO_BATCH * WORLD, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        row = {k: v for k, v in row.items() if k.startswith("train/adam_gns/")}
+        assert logged.keys() == row.keys() and (len(row) > 0) == (step > 0)  # step 0: no AdamW state yet
+        assert all(".ln_" in c for c in row)  # the normalisation layers alone
+        for c, v in row.items():
+            assert logged[c] == pytest.approx(v, rel=1e-4), c
