@@ -224,16 +224,21 @@ def mark_best(branches):
     return branches
 
 
-def summarise(branches, series):
-    """summary.csv's rows: per branch point the fit of its best branches, and the base run's B_simple there."""
+def summarise(branches, series, grid_size):
+    """summary.csv's rows: per branch point the fit of its best branches, and the base run's B_simple
+    there. A point whose grid of grid_size branches is not finished gets no fit (NaN): a batch size's
+    best rate, and so its steps, may still change."""
     rows = []
     for (family, seed, tokens), group in branches.groupby(['family', 'seed', 'branch_tokens'], sort=False):
         best = group[group['best']]
-        try:
-            s_min, e_min = fit_critical_batch(best['batch_size'].tolist(), best['steps'].tolist())
-        except ValueError as e:
-            print(f"  {family} seed {seed} at {tokens:,} tokens: no fit ({e})")
-            s_min = e_min = math.nan
+        s_min = e_min = math.nan
+        if len(group) < grid_size:
+            print(f"  {family} seed {seed} at {tokens:,} tokens: {len(group)} of {grid_size} branches run, no fit yet")
+        else:
+            try:
+                s_min, e_min = fit_critical_batch(best['batch_size'].tolist(), best['steps'].tolist())
+            except ValueError as e:
+                print(f"  {family} seed {seed} at {tokens:,} tokens: no fit ({e})")
         gns = series[(family, seed)]
         at = gns[gns['tokens'] <= tokens].iloc[-1] if (gns['tokens'] <= tokens).any() else None
         rows.append(dict(family=family, seed=seed, branch_tokens=tokens, s_min=s_min, e_min=e_min,
@@ -330,7 +335,7 @@ def main(argv=None):
     print(f"{kept} branches were kept from an earlier run, {bar.n - kept} run now")
     branches = mark_best(branches)
     write_csv(branches_csv, branches[BRANCH_COLUMNS])
-    summary = summarise(branches[branches['family'].isin(families)], series)
+    summary = summarise(branches[branches['family'].isin(families)], series, len(grid))
     write_csv(summary_csv, summary)
     with pd.option_context('display.width', 200, 'display.max_columns', 20):
         print(summary.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
