@@ -215,6 +215,34 @@ def measured_hf_gpt2(rank, world):
     return dict(rows=rows, line=gnstracking.status_line(estimators[:1]))
 
 
+def fsdp_hf_gpt2(rank, world):
+    """measured_hf_gpt2's model and steps with the model sharded by FSDP2 (fully_shard on each block,
+    then the root, which keeps the tied wte = lm_head) instead of DDP's replicas."""
+    try:
+        raw = measure(tiny_hf("gpt2").train())
+    except ImportError:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    for block in raw.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(raw, mesh=mesh)
+    estimators = gnstracking.estimators_for(raw, world_size=world, fsdp=True)
+    optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+    rows = []
+    for step in range(INTERFACE_STEPS):
+        for micro_step in range(MICRO_STEPS):
+            x = hf_batch(step, micro_step, rank)
+            (raw(input_ids=x, labels=x).loss / MICRO_STEPS).backward()
+        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * world, None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        rows.append({k: v for k, v in row.items() if k.startswith("train/gns/")})
+    return dict(rows=rows)
+
+
 ADAM_STEPS = 3  # the first has no optimizer state: two measured steps
 
 
@@ -252,7 +280,8 @@ def main():
                   known=known_noise_scale(rank, world),
                   interface=every_estimator(rank, world),
                   hf=measured_hf_gpt2(rank, world),
-                  adam=adam_preconditioned(rank, world))
+                  adam=adam_preconditioned(rank, world),
+                  hf_fsdp=fsdp_hf_gpt2(rank, world))
     with open(os.path.join(out_dir, f'rank{rank}.json'), 'w') as f:
         json.dump(result, f)
     dist.barrier()  # leave together, and as train.py's ranks do (stopping.leave says why)

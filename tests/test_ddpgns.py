@@ -360,3 +360,17 @@ def test_adam_preconditioned_gns_on_two_ranks_equals_one_process(ddp_worker_rank
         assert all(".ln_" in c for c in row)  # the normalisation layers alone
         for c, v in row.items():
             assert logged[c] == pytest.approx(v, rel=1e-4), c
+
+
+@pytest.mark.slow
+def test_measured_hugging_face_gpt2_sharded_by_fsdp2_logs_what_ddp_logs(ddp_worker_ranks):
+    """The same measured Hugging Face GPT-2 and global batches under FSDP2 (fully_shard per block and
+    the root) as under DDP, which the test above checks against one process: the same columns and
+    values, the buffers summed over ranks and |G_B|^2 from the gradient shards."""
+    pytest.importorskip("transformers")
+    ddp, fsdp = ddp_worker_ranks[0]['hf'], [r['hf_fsdp'] for r in ddp_worker_ranks]
+    assert fsdp[0] == fsdp[1]  # every rank alike
+    for logged, expected in zip(fsdp[0]['rows'], ddp['rows'], strict=True):
+        assert logged.keys() == expected.keys()
+        for c, v in expected.items():
+            assert logged[c] == pytest.approx(v, rel=1e-4), c
