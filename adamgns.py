@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from buffered import layer_kinds, register_coordinate_buffers
+from buffered import allreduce_buffers, layer_kinds, register_coordinate_buffers
 from estimator import Estimator, current_scale, unwrap
 from gnsmath import EMA_BETA, NORM_KINDS, PREFIXES, GradientNoiseScale, parameter_columns
 
@@ -58,17 +58,15 @@ class AdamGNS(Estimator):
         if "exp_avg_sq" not in state:
             return None
         group = self.groups[id(p)]
-        step = float(state["step"])
+        step = state["step"]  # a tensor, on the GPU for fused AdamW: float() of it would wait for the GPU
+        step = step.float() if isinstance(step, torch.Tensor) else step
         v_hat = state["exp_avg_sq"].float() / (1 - group["betas"][1] ** step)
         return 1 / (v_hat.sqrt() + group["eps"])
 
     @torch.no_grad()
     def measure(self, step, examples, scaler):
         if self.world_size > 1:  # every rank's per-coordinate sums, as the exact estimator's buffers
-            sums = [buffer for _, _, buffer in self.entries]
-            flat = torch.cat([s.view(-1) for s in sums])
-            torch.distributed.all_reduce(flat)
-            torch._foreach_copy_(sums, list(flat.split([s.numel() for s in sums])))
+            allreduce_buffers([buffer for _, _, buffer in self.entries])
         live = [(name, p, buffer, self.preconditioner(p)) for name, p, buffer in self.entries if p.grad is not None]
         live = [entry for entry in live if entry[3] is not None]
         if not live or examples < 2:

@@ -169,12 +169,18 @@ def allreduce_sqgradnorm_buffers(model, group=None):
     so the tracker must know W (the naive B * S is W^2 times too large). Under a float16
     GradScaler S is still s^2 times too large, as on one process.
     """
-    bufs = all_sqgradnorm_buffers(model)
+    allreduce_buffers(all_sqgradnorm_buffers(model), group)
+
+
+@torch.no_grad()
+def allreduce_buffers(bufs, group=None):
+    """Sum the float32 tensors `bufs` (any shapes) over the ranks of `group` in place, with one
+    all_reduce of them all laid end to end: one collective per step, however many layers."""
     if not bufs:
         return
-    stacked = torch.stack(bufs)  # all float32 0-dim by the convention
-    torch.distributed.all_reduce(stacked, group=group)
-    torch._foreach_copy_(bufs, list(stacked.unbind()))
+    flat = torch.cat([b.reshape(-1) for b in bufs])
+    torch.distributed.all_reduce(flat, group=group)
+    torch._foreach_copy_(bufs, [part.view_as(b) for part, b in zip(flat.split([b.numel() for b in bufs]), bufs)])
 
 
 @torch.no_grad()

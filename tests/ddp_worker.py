@@ -191,6 +191,31 @@ def hf_batch(step, micro_step, rank):
     return torch.randint(0, 97, (MICRO_BATCH, 8), generator=g)
 
 
+def interface_steps(model, raw, estimators, optimizer, steps, loss_of, prefix):
+    """train.py's step through gnstracking's interface, `steps` times: MICRO_STEPS micro-steps of
+    loss_of(model, step, micro_step) (DDP's gradient sync on the last only), measure_all, the
+    optimizer's step, reset_all; returns each step's columns that start with `prefix`."""
+    rows = []
+    for step in range(steps):
+        for micro_step in range(MICRO_STEPS):
+            if model is not raw:  # DDP; FSDP2 shards the module itself
+                model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
+            (loss_of(model, step, micro_step) / MICRO_STEPS).backward()
+        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * dist.get_world_size(), None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+        rows.append({k: v for k, v in row.items() if k.startswith(prefix)})
+    return rows
+
+
+def hf_loss(rank):
+    def loss_of(model, step, micro_step):
+        x = hf_batch(step, micro_step, rank)
+        return model(input_ids=x, labels=x).loss
+    return loss_of
+
+
 def measured_hf_gpt2(rank, world):
     """A Hugging Face GPT-2 put through buffered.measure, under DDP, through gnstracking's
     interface: each step's exact-estimator columns (the buffers summed over the ranks)."""
@@ -201,17 +226,7 @@ def measured_hf_gpt2(rank, world):
     model = DDP(raw, broadcast_buffers=False)
     estimators = gnstracking.estimators_for(raw, ddp_model=model, world_size=world)
     optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
-    rows = []
-    for step in range(INTERFACE_STEPS):
-        for micro_step in range(MICRO_STEPS):
-            model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
-            x = hf_batch(step, micro_step, rank)
-            (model(input_ids=x, labels=x).loss / MICRO_STEPS).backward()
-        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * world, None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        gnstracking.reset_all(estimators)
-        rows.append({k: v for k, v in row.items() if k.startswith("train/gns/")})
+    rows = interface_steps(model, raw, estimators, optimizer, INTERFACE_STEPS, hf_loss(rank), "train/gns/")
     return dict(rows=rows, line=gnstracking.status_line(estimators[:1]))
 
 
@@ -230,17 +245,7 @@ def fsdp_hf_gpt2(rank, world):
     fully_shard(raw, mesh=mesh)
     estimators = gnstracking.estimators_for(raw, world_size=world, fsdp=True)
     optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
-    rows = []
-    for step in range(INTERFACE_STEPS):
-        for micro_step in range(MICRO_STEPS):
-            x = hf_batch(step, micro_step, rank)
-            (raw(input_ids=x, labels=x).loss / MICRO_STEPS).backward()
-        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * world, None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        gnstracking.reset_all(estimators)
-        rows.append({k: v for k, v in row.items() if k.startswith("train/gns/")})
-    return dict(rows=rows)
+    return dict(rows=interface_steps(raw, raw, estimators, optimizer, INTERFACE_STEPS, hf_loss(rank), "train/gns/"))
 
 
 ADAM_STEPS = 3  # the first has no optimizer state: two measured steps
@@ -253,18 +258,9 @@ def adam_preconditioned(rank, world):
     model = DDP(raw, broadcast_buffers=False)
     optimizer = torch.optim.AdamW(raw.parameters(), lr=1e-2)
     estimators = gnstracking.estimators_for(raw, ddp_model=model, world_size=world, adam_optimizer=optimizer)
-    rows = []
-    for step in range(ADAM_STEPS):
-        for micro_step in range(MICRO_STEPS):
-            model.require_backward_grad_sync = micro_step == MICRO_STEPS - 1
-            _, loss = model(*interface_batch(step, micro_step, rank))
-            (loss / MICRO_STEPS).backward()
-        row = gnstracking.measure_all(estimators, step, MICRO_STEPS * MICRO_BATCH * world, None)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        gnstracking.reset_all(estimators)
-        rows.append({k: v for k, v in row.items() if k.startswith("train/adam_gns/")})
-    return rows
+    return interface_steps(model, raw, estimators, optimizer, ADAM_STEPS,
+                             lambda m, step, micro_step: m(*interface_batch(step, micro_step, rank))[1],
+                             "train/adam_gns/")
 
 
 def main():
