@@ -59,7 +59,7 @@ from torch.nn.utils.parametrize import is_parametrized
 # the kinds' names (the analysis's groups, layer_config's classes); norm= chooses for both NORM_KINDS
 from gnsmath import KIND_NAMES, NORM_KINDS
 import normgnorm
-from normgnorm.torch_path import per_example_affine_grads, rms_norm_eps
+from normgnorm.torch_path import add_squared_norms, per_example_affine_grads, rms_norm_eps
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
 
@@ -876,12 +876,13 @@ class _LayerNormFn(torch.autograd.Function):
         B, N = _examples(x, len(shape)), weight.numel()
         dw_b, db_b = per_example_affine_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N),
                                               mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1), need_dw, need_db)
-        for needed, grads_b, sq, coords in ((need_dw, dw_b, w_sq, ctx.coords[0]), (need_db, db_b, b_sq, ctx.coords[1])):
-            if needed:
-                squares = grads_b.square()
-                sq.add_(squares.sum())
-                if coords is not None:
-                    coords.add_(squares.sum(0))
+        measured = [(sq, grads_b, coords) for needed, grads_b, sq, coords in
+                    ((need_dw, dw_b, w_sq, ctx.coords[0]), (need_db, db_b, b_sq, ctx.coords[1])) if needed]
+        if measured:
+            add_squared_norms([sq for sq, _, _ in measured], [grads_b for _, grads_b, _ in measured])
+        for _, grads_b, coords in measured:
+            if coords is not None:
+                coords.add_(grads_b.square().sum(0))
         count.add_(B)
         return dx, dw, db, None, None, None, None, None, None
 
@@ -998,10 +999,9 @@ class _RMSNormTap(torch.autograd.Function):
         mean_square = torch.linalg.vector_norm(x3, dim=-1, keepdim=True, dtype=acc).square_().div_(N)
         rstd = mean_square.add_(rms_norm_eps(ctx.eps, x.dtype)).rsqrt_()
         dw_b, _ = per_example_affine_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False)
-        squares = dw_b.square()
-        w_sq.add_(squares.sum())
+        add_squared_norms([w_sq], [dw_b])
         if ctx.coords is not None:
-            ctx.coords.add_(squares.sum(0))
+            ctx.coords.add_(dw_b.square().sum(0))
         count.add_(B)
         return dy, None, None, None, None, None, None
 

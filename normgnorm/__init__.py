@@ -83,26 +83,37 @@ def _examples_and_rows(x):
 
 
 def _forward(x, weight, bias, eps, backend, rms=False):
-    """y, mean (None for RMSNorm), rstd from the chosen implementation, on x seen as rows [N, D]."""
+    """y, mean (None for RMSNorm), rstd from the implementation `backend` names (resolve_backend's):
+    the kernels see x as rows [N, D] and give [N] statistics; torch's, which take any shape, [..., 1]."""
+    if backend == "torch":  # the path off GPU, paid per layer and micro-step: no reshapes it does not need
+        return torch_path.forward(x, weight, bias, eps, rms=rms)
     D = x.shape[-1]
-    impl = _implementation(resolve_backend(backend, x))
-    y2d, mean, rstd = impl.forward(x.reshape(-1, D).contiguous(), weight.contiguous(),
-                                   None if bias is None else bias.contiguous(), eps, rms=rms)
+    y2d, mean, rstd = _implementation(backend).forward(x.reshape(-1, D).contiguous(), weight.contiguous(),
+                                                       None if bias is None else bias.contiguous(), eps, rms=rms)
     return y2d.view(x.shape), mean, rstd
+
+
+def _op_forward(x, weight, bias, eps, backend, rms=False):
+    """_forward for the registered ops, whose outputs have one shape whatever the implementation: [N] statistics."""
+    y, mean, rstd = _forward(x, weight, bias, eps, resolve_backend(backend, x), rms)
+    return y, (None if mean is None else mean.reshape(-1)), rstd.reshape(-1)
 
 
 def _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm,
                    example_count, backend):
-    """dx, dw, db (None where not needed), adding the per-example norms to the buffers; mean None: RMSNorm."""
+    """dx, dw, db (None where not needed), adding the per-example norms to the buffers; mean None: RMSNorm.
+    `backend` is resolve_backend's, as forward ran it."""
     D = x.shape[-1]
     num_examples, N = _examples_and_rows(x)
     if N == 0:
         example_count.add_(num_examples)
         return torch.zeros_like(x), weight.new_zeros(D) if need_dw else None, weight.new_zeros(D) if need_db else None
-    impl = _implementation(resolve_backend(backend, x))
-    dx2d, dw, db = impl.backward(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(), weight.contiguous(),
-                                 mean, rstd, num_examples, need_dw, need_db,
-                                 weight_sqgradnorm, bias_sqgradnorm, example_count)
+    if backend == "torch":
+        return torch_path.backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
+                                   weight_sqgradnorm, bias_sqgradnorm, example_count)
+    dx2d, dw, db = _implementation(backend).backward(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(),
+                                                     weight.contiguous(), mean, rstd, num_examples, need_dw, need_db,
+                                                     weight_sqgradnorm, bias_sqgradnorm, example_count)
     return dx2d.view(x.shape), dw, db
 
 
@@ -111,7 +122,7 @@ def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
                     eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     # The buffers are inputs only so that the backward can reach them; the forward leaves them alone.
-    return _forward(x, weight, bias, eps, backend)
+    return _op_forward(x, weight, bias, eps, backend)
 
 
 def _fake_forward(x):
@@ -132,7 +143,7 @@ def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: T
                     weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db,
-                                weight_sqgradnorm, bias_sqgradnorm, example_count, backend)
+                                weight_sqgradnorm, bias_sqgradnorm, example_count, resolve_backend(backend, x))
     return dx, _tensor(dw, weight), _tensor(db, weight)
 
 
@@ -197,6 +208,7 @@ def _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm
         unused = x.new_zeros((), dtype=torch.float32)
         y, mean, rstd = _layer_norm_fwd(x, weight, bias, unused, None, unused, eps, backend)
     else:
+        backend = resolve_backend(backend, x)  # once: the backward runs what the forward ran
         y, mean, rstd = _forward(x, weight, bias, eps, backend)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
@@ -268,7 +280,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
 def _rms_norm_fwd(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count: Tensor,
                   eps: float, backend: str) -> tuple[Tensor, Tensor]:
     # the buffers are inputs only so that the backward can reach them, as in layer_norm_fwd
-    y, _, rstd = _forward(x, weight, None, eps, backend, rms=True)
+    y, _, rstd = _op_forward(x, weight, None, eps, backend, rms=True)
     return y, rstd
 
 
@@ -281,7 +293,7 @@ def _(x, weight, weight_sqgradnorm, example_count, eps, backend):
 def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, need_dw: bool,
                   weight_sqgradnorm: Tensor, example_count: Tensor, backend: str) -> tuple[Tensor, Tensor]:
     dx, dw, _ = _backward_impl(dy, x, weight, None, rstd, need_dw, False, weight_sqgradnorm, None,
-                               example_count, backend)
+                               example_count, resolve_backend(backend, x))
     return dx, _tensor(dw, weight)
 
 
@@ -314,6 +326,7 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
     def forward(ctx, x, weight, weight_sqgradnorm, example_count, eps, backend):
+        backend = resolve_backend(backend, x)
         y, _, rstd = _forward(x, weight, None, eps, backend, rms=True)
         ctx.save_for_backward(x, weight, rstd)
         ctx.bufs, ctx.backend = (weight_sqgradnorm, example_count), backend

@@ -26,23 +26,37 @@ def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db):
     dγ_b = Σ_t dy_bt ⊙ x_bt rstd_bt (no centring). One centring pass, the product with dy in
     place, then the rstd-weighted sum over t as a batched matrix-vector product: fewer passes
     over [B, T, D] than forming x̂ first, and as precise (x is centred before the product, as
-    torch's own backward does).
+    torch's own backward does). Every call is paid per layer and micro-step, so nothing is
+    sliced or cast that need not be.
     """
     acc = torch.promote_types(dy3.dtype, torch.promote_types(x3.dtype, torch.float32))
     dw_b = db_b = None
     if need_dw:
         B, T, D = x3.shape
         chunk = max(1, CPU_CHUNK_NUMEL // max(1, T * D)) if x3.device.type == "cpu" else B
-        parts = []
-        for s in range(0, B, chunk):
-            xs, dys = x3[s:s + chunk].to(acc), dy3[s:s + chunk]
-            # RMSNorm: out of place, as .to() may have returned x itself
-            centred_dy = xs * dys if mean3 is None else (xs - mean3[s:s + chunk].to(acc)).mul_(dys)
-            parts.append(torch.bmm(rstd3[s:s + chunk].to(acc).mT, centred_dy).squeeze(1))
-        dw_b = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if chunk >= B:
+            dw_b = _dgamma_b(dy3, x3, mean3, rstd3, acc)
+        else:
+            dw_b = torch.cat([_dgamma_b(dy3[s:s + chunk], x3[s:s + chunk], None if mean3 is None else mean3[s:s + chunk],
+                                        rstd3[s:s + chunk], acc) for s in range(0, B, chunk)])
     if need_db:
         db_b = dy3.sum(1, dtype=acc)
     return dw_b, db_b
+
+
+def _dgamma_b(dy3, x3, mean3, rstd3, acc):
+    x3 = x3 if x3.dtype == acc else x3.to(acc)
+    # RMSNorm: out of place, as x3 may be the layer's input itself
+    centred_dy = x3 * dy3 if mean3 is None else (x3 - mean3).mul_(dy3)
+    rstd3 = rstd3 if rstd3.dtype == acc else rstd3.to(acc)
+    return torch.bmm(rstd3.mT, centred_dy).view(x3.shape[0], x3.shape[2])
+
+
+def add_squared_norms(buffers, per_example_grads):
+    """buffer += Σ_b ||g_b||² for each float32 0-dim buffer and [B, D] per-example gradient, two
+    calls for all of them (a LayerNorm's gain and bias): the squared norm of the whole tensor."""
+    norms = torch._foreach_norm(per_example_grads)
+    torch._foreach_addcmul_(buffers, norms, norms)
 
 
 def rms_norm_eps(eps, dtype):
@@ -51,50 +65,54 @@ def rms_norm_eps(eps, dtype):
     return torch.finfo(torch.promote_types(dtype, torch.float32)).eps if eps is None else eps
 
 
-def forward(x2d, weight, bias, eps, rms=False):
+def forward(x, weight, bias, eps, rms=False):
     """
     LayerNorm y = (x - mean) * rstd * weight + bias, or with rms RMSNorm y = x * rstd * weight
-    (no bias); returns y (x's dtype), float32 mean [N] (None for RMSNorm) and rstd [N].
+    (no bias), over the last dimension of x [..., D]; returns y (x's dtype) and the float32 row
+    statistics mean (None for RMSNorm) and rstd, shaped [..., 1] as torch's kernels give them.
     """
-    dtype, D = x2d.dtype, x2d.shape[1]
+    dtype, D = x.dtype, x.shape[-1]
     if dtype in (torch.float16, torch.bfloat16):  # compute in float32, as the kernels do
-        x2d, weight = x2d.float(), weight.float()
+        x, weight = x.float(), weight.float()
         bias = None if bias is None else bias.float()
     if rms:  # torch's own RMSNorm, which also gives its rstd
-        y, rstd = torch.ops.aten._fused_rms_norm(x2d, (D,), weight, eps)
-        return y.to(dtype), None, rstd.view(-1).float()
-    y, mean, rstd = torch.native_layer_norm(x2d, (D,), weight, bias, eps)
-    return y.to(dtype), mean.view(-1).float(), rstd.view(-1).float()
+        y, rstd = torch.ops.aten._fused_rms_norm(x, (D,), weight, eps)
+        return _as(y, dtype), None, _as(rstd, torch.float32)
+    y, mean, rstd = torch.native_layer_norm(x, (D,), weight, bias, eps)
+    return _as(y, dtype), _as(mean, torch.float32), _as(rstd, torch.float32)
 
 
-def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count):
+def _as(t, dtype):
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count):
     """
     dx, and the parameter gradients dw, db (None where not needed; mean None: RMSNorm, which
-    has no db). Adds to the float32 buffers: weight_sq += sum_b ||dγ_b||², bias_sq +=
-    sum_b ||dβ_b||², count += num_examples.
+    has no db), for x, dy [..., D] of num_examples examples (the first dimension, or of x2d
+    [N, D] the runs of N / num_examples rows) and the row statistics of forward, [N] or [..., 1].
+    dw and db are the sums of the per-example dγ_b, dβ_b: torch's own reduction is not run. Adds
+    to the float32 buffers: weight_sq += sum_b ||dγ_b||², bias_sq += sum_b ||dβ_b||², count += num_examples.
     """
-    N, D = x2d.shape
-    xc, dyc, wc = x2d, dy2d, weight
-    if x2d.dtype in (torch.float16, torch.bfloat16):
-        xc, dyc, wc = x2d.float(), dy2d.float(), weight.float()
-    rstd2 = rstd.view(N, 1).to(xc.dtype)
+    D = x.shape[-1]
+    xc, dyc, wc = x, dy, weight
+    if x.dtype in (torch.float16, torch.bfloat16):
+        xc, dyc, wc = x.float(), dy.float(), weight.float()
+    stats = xc.shape[:-1] + (1,)
+    rstd = _as(rstd.view(stats), xc.dtype)
     if mean is None:  # RMSNorm: dx = rstd (w⊙dy - x̂ mean(x̂ ⊙ w⊙dy)), LayerNorm's without the centring term
-        xhat, wdy = xc * rstd2, dyc * wc
-        dx = (wdy - xhat * (xhat * wdy).mean(1, keepdim=True)).mul_(rstd2)
-        mean3 = None
+        xhat, wdy = xc * rstd, dyc * wc
+        dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)).mul_(rstd)
     else:
-        mean2 = mean.view(N, 1).to(xc.dtype)
-        dx = torch.ops.aten.native_layer_norm_backward(dyc, xc, (D,), mean2, rstd2, wc, None,
-                                                       [True, False, False])[0]
-        mean3 = mean2.view(num_examples, -1, 1)
-    dw_b, db_b = per_example_affine_grads(dyc.view(num_examples, -1, D), xc.view(num_examples, -1, D),
-                                          mean3, rstd2.view(num_examples, -1, 1), need_dw, need_db)
-    dw = db = None
-    if need_dw:
-        weight_sq.add_(dw_b.square().sum())
-        dw = dw_b.sum(0).to(weight.dtype)
-    if need_db:
-        bias_sq.add_(db_b.square().sum())
-        db = db_b.sum(0).to(weight.dtype)
+        mean = _as(mean.view(stats), xc.dtype)
+        dx = torch.ops.aten.native_layer_norm_backward(dyc, xc, (D,), mean, rstd, wc, None, [True, False, False])[0]
+        mean = mean.view(num_examples, -1, 1)
+    dw_b, db_b = per_example_affine_grads(dyc.reshape(num_examples, -1, D), xc.reshape(num_examples, -1, D),
+                                          mean, rstd.view(num_examples, -1, 1), need_dw, need_db)
+    measured = [(sq, g) for sq, g in ((weight_sq, dw_b), (bias_sq, db_b)) if g is not None]
+    if measured:
+        add_squared_norms(*map(list, zip(*measured)))
+    dw = _as(dw_b.sum(0), weight.dtype) if need_dw else None
+    db = _as(db_b.sum(0), weight.dtype) if need_db else None
     count.add_(num_examples)
-    return dx.to(x2d.dtype), dw, db
+    return _as(dx, x.dtype), dw, db
