@@ -99,16 +99,18 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
     if x.dtype in (torch.float16, torch.bfloat16):
         xc, dyc, wc = x.float(), dy.float(), weight.float()
     stats = xc.shape[:-1] + (1,)
-    rstd = _as(rstd.view(stats), xc.dtype)
+    rstd = _as(rstd if rstd.dim() == xc.dim() else rstd.view(stats), xc.dtype)
     if mean is None:  # RMSNorm: dx = rstd (w⊙dy - x̂ mean(x̂ ⊙ w⊙dy)), LayerNorm's without the centring term
         xhat, wdy = xc * rstd, dyc * wc
         dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)).mul_(rstd)
     else:
-        mean = _as(mean.view(stats), xc.dtype)
+        mean = _as(mean if mean.dim() == xc.dim() else mean.view(stats), xc.dtype)
         dx = torch.ops.aten.native_layer_norm_backward(dyc, xc, (D,), mean, rstd, wc, None, [True, False, False])[0]
-        mean = mean.view(num_examples, -1, 1)
-    dw_b, db_b = per_example_affine_grads(dyc.reshape(num_examples, -1, D), xc.reshape(num_examples, -1, D),
-                                          mean, rstd.view(num_examples, -1, 1), need_dw, need_db)
+    # [B, T, D] and [B, T, 1] views, which a [B, T, D] input already is
+    if xc.dim() != 3 or xc.shape[0] != num_examples:
+        xc, dyc, rstd = (t.reshape(num_examples, -1, t.shape[-1]) for t in (xc, dyc, rstd))
+        mean = None if mean is None else mean.reshape(num_examples, -1, 1)
+    dw_b, db_b = per_example_affine_grads(dyc, xc, mean, rstd, need_dw, need_db)
     measured = [(sq, g) for sq, g in ((weight_sq, dw_b), (bias_sq, db_b)) if g is not None]
     if measured:
         add_squared_norms(*map(list, zip(*measured)))
