@@ -34,11 +34,14 @@ tensors rather than the heap's leftovers.
 
 --repo DIR (repeatable) times another checkout's train.py in the same rounds, each (repo, setting)
 a row with its ratios against the same repo's nn: how a change is shown to cost nothing.
+--modes eager,compiled does the same for train.py's --compile: each setting eager and compiled,
+each against the nn of its own mode.
 
     python bench/throughput.py --quick
     python bench/throughput.py --rounds 10 --csv small.csv
     python bench/throughput.py --n_layer 6 --n_embd 384 --n_head 6 --block_size 256 --batch_size 16
     python bench/throughput.py --settings nn,all-gns,lnclass=fused+linearclass=shim --profile all-gns
+    python bench/throughput.py --settings nn,ln-shim,ln-fused,all-gns --modes eager,compiled
     git worktree add /tmp/before HEAD~1 && python bench/throughput.py --quick --repo . --repo /tmp/before
 """
 import argparse
@@ -176,10 +179,10 @@ def flags_text(flags):
     return ' '.join(f'--{k}={v}' for k, v in flags.items()) or '(plain nn)'
 
 
-def train_flags(args, dataset, out_dir, iters):
+def train_flags(args, dataset, out_dir, iters, compiled=False):
     """train.py's flags of every run: the model, the device, and the least evaluation and logging
     train.py allows (it evaluates before the first step and after the last)."""
-    return dict(device=args.device, dtype=args.dtype, compile=args.compile, n_layer=args.n_layer,
+    return dict(device=args.device, dtype=args.dtype, compile=compiled, n_layer=args.n_layer,
                 n_head=args.n_head, n_embd=args.n_embd, block_size=args.block_size, batch_size=args.batch_size,
                 bias=args.bias, dropout=0.0, seed=args.seed, gradient_accumulation_steps=1, dataset=dataset,
                 out_dir=out_dir, max_iters=iters, eval_interval=iters + 1, eval_iters=1, log_interval=iters + 1,
@@ -198,13 +201,15 @@ def write_dataset(folder, vocab_size, block_size, seed):
             pickle.dump({'vocab_size': vocab_size}, f)
 
 
-def run_train(repo, setting, args, work, iters, memory=False, profile=None):
+def run_train(repo, setting, args, work, iters, memory=False, profile=None, compiled=None):
     """
-    One fresh train.py of `repo` under `setting` for `iters` iterations: the seconds of each
-    iteration after the warmup ones (log.csv's dt), the peak memory in bytes, and train.py's output.
+    One fresh train.py of `repo` under `setting` for `iters` iterations, compiled or eager (None:
+    the first of --modes): the seconds of each iteration after the warmup ones (log.csv's dt), the
+    peak memory in bytes, and train.py's output.
     """
     out_dir = tempfile.mkdtemp(prefix='run-', dir=work)
-    flags = {**train_flags(args, os.path.join(work, 'data'), out_dir, iters), **args.settings[setting]}
+    compiled = args.modes[0] if compiled is None else compiled
+    flags = {**train_flags(args, os.path.join(work, 'data'), out_dir, iters, compiled), **args.settings[setting]}
     options = dict(device=args.device, threads=args.threads, warmup=args.warmup, iters=args.iters,
                    profile=profile, rows=args.profile_rows)
     env = dict(os.environ, WANDB_MODE='disabled')
@@ -228,7 +233,7 @@ def run_train(repo, setting, args, work, iters, memory=False, profile=None):
 
 # -- profile ------------------------------------------------------------------------------------
 
-def profile(repos, settings, args, work):
+def profile(variants, settings, args, work):
     """
     torch.profiler over the timed iterations of PROFILE_PASSES runs of each setting and the
     baseline, taking turns. Prints, per setting: the top ops by self CPU time (last pass), the
@@ -236,7 +241,7 @@ def profile(repos, settings, args, work):
     from the baseline's: where a setting's extra time goes.
     """
     settings = [BASELINE] + [s for s in settings if s != BASELINE]
-    keys = [(repo, s) for s in settings for repo in repos]
+    keys = [(v, s) for s in settings for v in variants]
     self_ms = {k: {} for k in keys}  # op -> self CPU ms per iteration
     node_ms = {k: {} for k in keys}  # backward node -> total CPU ms per iteration
     wall_ms = {k: 0.0 for k in keys}
@@ -244,35 +249,35 @@ def profile(repos, settings, args, work):
     n = PROFILE_PASSES * args.iters
     path = os.path.join(work, 'profile.json')
     for _ in range(PROFILE_PASSES):
-        for repo, s in keys:
-            run_train(repo, s, args, work, args.warmup + args.iters, profile=path)
+        for v, s in keys:
+            run_train(v[0], s, args, work, args.warmup + args.iters, profile=path, compiled=v[1])
             with open(path) as f:
                 result = json.load(f)
-            wall_ms[repo, s] += result['wall_s'] * 1e3 / n
-            for into, got in ((self_ms[repo, s], result['self_us']), (node_ms[repo, s], result['node_us'])):
+            wall_ms[v, s] += result['wall_s'] * 1e3 / n
+            for into, got in ((self_ms[v, s], result['self_us']), (node_ms[v, s], result['node_us'])):
                 for op, us in got.items():
                     into[op] = into.get(op, 0.0) + us / 1e3 / n
-            tables[repo, s] = result['table']
+            tables[v, s] = result['table']
     rows = args.profile_rows
-    for repo, s in keys:
-        name = s if len(repos) == 1 else f"{s} in {repo}"
-        in_ops = sum(self_ms[repo, s].values())
+    for v, s in keys:
+        name = s if len(variants) == 1 else f"{s} in {variant_name(*v)}"
+        in_ops = sum(self_ms[v, s].values())
         print(f"\nprofile of {name} ({flags_text(args.settings[s])}), {PROFILE_PASSES} x {args.iters} iterations: "
-              f"{wall_ms[repo, s]:.1f} ms per iteration under the profiler, {in_ops:.1f} ms of it inside ops; "
+              f"{wall_ms[v, s]:.1f} ms per iteration under the profiler, {in_ops:.1f} ms of it inside ops; "
               f"ops by self CPU time (last pass):")
-        print(tables[repo, s])
+        print(tables[v, s])
         print(f"backward nodes of {name}, total CPU time per iteration (the ops inside them included):")
-        for node, ms in sorted(node_ms[repo, s].items(), key=lambda kv: -kv[1])[:rows]:
+        for node, ms in sorted(node_ms[v, s].items(), key=lambda kv: -kv[1])[:rows]:
             print(f"  {node:<56} {ms:9.2f} ms")
         if s == BASELINE:
             continue
-        base = self_ms[repo, BASELINE]
-        deltas = sorted(((ms - base.get(op, 0.0), op) for op, ms in self_ms[repo, s].items()), reverse=True)
-        deltas += sorted((-ms, op) for op, ms in base.items() if op not in self_ms[repo, s])
+        base = self_ms[v, BASELINE]
+        deltas = sorted(((ms - base.get(op, 0.0), op) for op, ms in self_ms[v, s].items()), reverse=True)
+        deltas += sorted((-ms, op) for op, ms in base.items() if op not in self_ms[v, s])
         print(f"self CPU time per iteration against {BASELINE}'s ({in_ops - sum(base.values()):+.1f} ms inside ops, "
-              f"{wall_ms[repo, s] - wall_ms[repo, BASELINE]:+.1f} ms wall), the largest differences:")
+              f"{wall_ms[v, s] - wall_ms[v, BASELINE]:+.1f} ms wall), the largest differences:")
         for delta, op in sorted(deltas, key=lambda d: -abs(d[0]))[:rows]:
-            print(f"  {op:<56} {delta:+8.2f} ms  ({base.get(op, 0.0):.2f} -> {self_ms[repo, s].get(op, 0.0):.2f})")
+            print(f"  {op:<56} {delta:+8.2f} ms  ({base.get(op, 0.0):.2f} -> {self_ms[v, s].get(op, 0.0):.2f})")
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -306,6 +311,14 @@ def settings_list(text):
     return settings
 
 
+def modes_list(text):
+    """[False, True] of "eager,compiled": train.py's --compile of each mode."""
+    names = [m.strip() for m in text.split(',') if m.strip()]
+    if not names or set(names) - {'eager', 'compiled'}:
+        raise argparse.ArgumentTypeError(f"{text!r}: give eager, compiled or eager,compiled")
+    return [name == 'compiled' for name in dict.fromkeys(names)]
+
+
 def parse_args(argv):
     parser = ToolParser(prog='bench/throughput.py', description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -318,7 +331,9 @@ def parse_args(argv):
     parser.add_argument('--device', default='cpu', help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument('--dtype', choices=DTYPES, default='float32',
                         help="float32, or autocast to bfloat16/float16 as train.py does (default: float32)")
-    parser.add_argument('--compile', action='store_true', help="train.py's --compile=True (default: eager)")
+    parser.add_argument('--compile', action='store_true', help="train.py's --compile=True: --modes compiled")
+    parser.add_argument('--modes', type=modes_list, help="eager, compiled or eager,compiled: each setting in each "
+                        "mode, against the same mode's baseline (default: eager)")
     quick = lambda k: f"(default: {SIZES[k][0]}, --quick: {SIZES[k][1]})"
     for k, what in (('n_layer', 'transformer blocks'), ('n_embd', 'model width'), ('n_head', 'attention heads'),
                     ('block_size', 'tokens per example'), ('batch_size', 'examples per step')):
@@ -362,6 +377,9 @@ def parse_args(argv):
         parser.error(f"--device={args.device} but CUDA is not available here; use --device=cpu")
     if args.csv and not os.path.isdir(os.path.dirname(os.path.abspath(args.csv))):
         parser.error(f"--csv {args.csv}: the folder {os.path.dirname(os.path.abspath(args.csv))} does not exist")
+    if args.compile and args.modes and args.modes != [True]:
+        parser.error("--compile is --modes compiled; give one of them")
+    args.modes = args.modes or [args.compile]
     args.repo = list(dict.fromkeys(args.repo or [os.path.relpath(ROOT)]))
     for repo in args.repo:
         if not os.path.isfile(os.path.join(repo, 'train.py')):
@@ -375,19 +393,24 @@ def parse_args(argv):
     return args
 
 
+def variant_name(repo, compiled):
+    return f"{repo} compiled" if compiled else repo
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     repos, settings = args.repo, list(args.settings)
+    variants = [(repo, compiled) for compiled in args.modes for repo in repos]  # each timed against its own nn
     tokens_per_iter = args.batch_size * args.block_size
     where = torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else \
         f"cpu, {args.threads or torch.get_num_threads()} threads"
     print(f"train.py's GPT {args.n_layer} layers x {args.n_embd} wide, {args.n_head} heads, block {args.block_size}, "
           f"batch {args.batch_size} ({tokens_per_iter:,} tokens/iter), vocabulary {args.vocab_size}; {args.dtype}, "
-          f"{'compiled' if args.compile else 'eager'}, {where}")
-    print(f"{len(settings)} settings x {len(repos)} checkout(s) x {args.rounds} rounds, each a fresh train.py timing "
-          f"{args.iters} iterations after {args.warmup} warmup ones", flush=True)
-    keys = [(repo, s) for s in settings for repo in repos]  # a setting's checkouts side by side in each round
-    name = lambda repo, s: s if len(repos) == 1 else f"{s} in {repo}"
+          f"{' and '.join('compiled' if c else 'eager' for c in args.modes)}, {where}")
+    print(f"{len(settings)} settings x {len(repos)} checkout(s) x {len(args.modes)} mode(s) x {args.rounds} rounds, "
+          f"each a fresh train.py timing {args.iters} iterations after {args.warmup} warmup ones", flush=True)
+    keys = [(v, s) for s in settings for v in variants]  # a setting's checkouts and modes side by side in each round
+    name = lambda v, s: s if len(variants) == 1 else f"{s} in {variant_name(*v)}"
     with tempfile.TemporaryDirectory(prefix='bench-throughput-') as work:
         os.makedirs(os.path.join(work, 'data'))
         write_dataset(os.path.join(work, 'data'), args.vocab_size, args.block_size, args.seed)
@@ -395,34 +418,36 @@ def main(argv=None):
             times = {k: [] for k in keys}  # per (repo, setting), per round: seconds of each iteration
             n_params = None  # as train.py prints it
             for r in range(args.rounds):
-                for repo, s in keys:
-                    run = run_train(repo, s, args, work, args.warmup + args.iters)
-                    times[repo, s].append(run['dts'])
+                for (repo, compiled), s in keys:
+                    run = run_train(repo, s, args, work, args.warmup + args.iters, compiled=compiled)
+                    times[(repo, compiled), s].append(run['dts'])
                     n_params = n_params or re.search(r'number of parameters: (\S+)', run['stdout'])
                 print(f"  round {r + 1}/{args.rounds}: " + ', '.join(
                     f"{name(*k)} {statistics.median(times[k][-1]) * 1e3:.1f}" for k in keys) + " ms/iter", flush=True)
             if args.profile:
-                profile(repos, list(args.profile), args, work)
+                profile(variants, list(args.profile), args, work)
             memory = {k: math.nan for k in keys}
             if not args.no_memory:
                 print("peak memory: one more run of each ...", flush=True)
-                memory = {k: run_train(*k, args, work, MEMORY_ITERS, memory=True)['peak'] for k in keys}
+                memory = {k: run_train(k[0][0], k[1], args, work, MEMORY_ITERS, memory=True, compiled=k[0][1])['peak']
+                          for k in keys}
         except BenchError as e:
             print(f"bench/throughput.py: error: {e}", file=sys.stderr)
             return e.code
 
     rows = []
-    for repo, s in keys:
-        base, this = times[repo, BASELINE], times[repo, s]
+    for (repo, compiled), s in keys:
+        v = (repo, compiled)
+        base, this = times[v, BASELINE], times[v, s]
         base_ms = statistics.median(t for rnd in base for t in rnd) * 1e3
         ms = statistics.median(t for rnd in this for t in rnd) * 1e3
         round_ratios = [statistics.median(b) / statistics.median(t) for b, t in zip(base, this)]
         rows.append(dict(setting=s, repo=repo, flags=flags_text(args.settings[s]), ms_per_iter=ms,
                          tokens_per_s=tokens_per_iter / ms * 1e3, ratio=base_ms / ms,
                          ratio_rounds=statistics.median(round_ratios), ratio_min=min(round_ratios),
-                         ratio_max=max(round_ratios), peak_mem_mib=memory[repo, s] / 2**20,
-                         mem_ratio=memory[repo, s] / memory[repo, BASELINE], device=args.device, dtype=args.dtype,
-                         compile=args.compile, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                         ratio_max=max(round_ratios), peak_mem_mib=memory[v, s] / 2**20,
+                         mem_ratio=memory[v, s] / memory[v, BASELINE], device=args.device, dtype=args.dtype,
+                         compile=compiled, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                          block_size=args.block_size, batch_size=args.batch_size, vocab_size=args.vocab_size,
                          iters=args.iters, warmup=args.warmup, rounds=args.rounds))
     mem_what = 'max_memory_allocated' if args.device.startswith('cuda') else 'peak RSS increase'
@@ -436,7 +461,7 @@ def main(argv=None):
         memory_text = f"{'-':>9} {'-':>6}" if args.no_memory else f"{row['peak_mem_mib']:9.1f} {row['mem_ratio']:5.2f}x"
         print(f"{row['setting']:<{width}} {row['ms_per_iter']:9.2f} {row['tokens_per_s']:10,.0f} {row['ratio']:6.3f}x "
               f"{row['ratio_rounds']:9.3f}x ({row['ratio_min']:.3f}-{row['ratio_max']:.3f}) "
-              f"{memory_text}  {row['repo']:<12} {row['flags']}")
+              f"{memory_text}  {variant_name(row['repo'], row['compile']):<12} {row['flags']}")
     print(f"(vs nn: tokens/s over the same checkout's baseline, from the medians over all timed iterations; by "
           f"round: the median and range of each round's ratio to the same round's baseline, which cancels drift "
           f"between rounds, a wide range says the machine was noisy; peak memory: "

@@ -72,6 +72,8 @@ def load_bench():
     (["--vocab_size=70000"], "uint16 tokens"),
     (["--csv", "/no/such/folder/x.csv"], "does not exist"),
     (["--repo", "/no/such/checkout"], "--repo /no/such/checkout: there is no train.py in it"),
+    (["--modes", "eager,fast"], "give eager, compiled or eager,compiled"),
+    (["--compile", "--modes", "eager"], "--compile is --modes compiled"),
 ])
 def test_bad_input_is_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -158,3 +160,24 @@ def test_another_checkout_is_timed_in_the_same_rounds_against_its_own_baseline(t
     assert (other / "ran").read_text() == "ran\n"  # timed, and not again for memory
     assert "peak memory: not measured (--no_memory)" in done.stdout and "nan" not in done.stdout  # "-" instead
     assert not os.path.exists(os.path.join(ROOT, "ran"))
+
+
+def test_modes_time_each_setting_eager_and_compiled_against_the_same_modes_baseline(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    throughput = load_bench()
+    args = throughput.parse_args([*TINY, "--modes", "eager,compiled"])
+    assert args.modes == [False, True] and throughput.parse_args([*TINY, "--compile"]).modes == [True]
+    seen = []
+    monkeypatch.setattr(throughput, "run_train", lambda repo, s, args, work, iters, memory=False, profile=None,
+                        compiled=None: seen.append((s, compiled)) or dict(
+                            dts=[0.1 if s == "nn" else 0.2 if compiled else 0.4] * 2, peak=1, stdout=""))
+    out = tmp_path / "bench.csv"
+    assert throughput.main([*TINY, "--modes", "eager,compiled", "--settings", "ln-shim", "--csv", str(out),
+                            "--no_memory"]) == 0
+    assert seen == [("nn", False), ("nn", True), ("ln-shim", False), ("ln-shim", True)]  # side by side in a round
+    with open(out) as f:
+        rows = [(r["setting"], r["compile"], float(r["ratio"])) for r in csv.DictReader(f)]
+    assert rows == [("nn", "False", 1.0), ("nn", "True", 1.0), ("ln-shim", "False", 0.25), ("ln-shim", "True", 0.5)]
+    # train.py gets --compile from the mode
+    flags = throughput.train_flags(args, "d", "o", 3, compiled=True)
+    assert flags["compile"] is True and throughput.train_flags(args, "d", "o", 3)["compile"] is False
