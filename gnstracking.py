@@ -30,8 +30,7 @@ import adamgns
 import ddpgns
 import gnshooks
 import microbatch_gns
-from buffered import (allreduce_sqgradnorm_buffers, find_sqgradnorm_buffers, layer_kinds, sum_of_squares,
-                      zero_sqgradnorm_buffers)
+from buffered import all_sqgradnorm_buffers, allreduce_buffers, find_sqgradnorm_buffers, layer_kinds, sum_of_squares
 # the interface every estimator offers, from its leaf module (importable from here, as before)
 from estimator import Estimator, Measurement, current_scale, distributed_world_size, unwrap  # noqa: F401
 # the maths and the column names, from their torch-free home; imported here by the estimators
@@ -285,6 +284,9 @@ class ExactGNS(Estimator):
         self.model = unwrap(model)
         self.logs = AccumulateMeasurements(prefix=self.name)
         self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
+        # every buffer, the untracked ones too (a layer whose parameters are frozen, or shared): found once,
+        # as the tracker's entries are, not by a walk over the model's modules twice a step
+        self.buffers = all_sqgradnorm_buffers(self.model)
         self.gns = GradientNoiseScale(beta=beta)
         self.groups = {"total": self.gns}
         kinds = layer_kinds(self.model)  # as measured, not by name: any model's normalisation layers
@@ -298,7 +300,7 @@ class ExactGNS(Estimator):
 
     def measure(self, step, examples, scaler):
         if self.tracker.world_size > 1:
-            allreduce_sqgradnorm_buffers(self.model)  # the global batch's sums, not one rank's
+            allreduce_buffers(self.buffers)  # the global batch's sums, not one rank's
         self.tracker.scaler = scaler
         measurements = self.tracker.step(batch_size=examples, step=step)
         if measurements and examples > 1:  # one example: no small batch below it
@@ -309,7 +311,7 @@ class ExactGNS(Estimator):
         return self.logs.pop()
 
     def reset(self):
-        zero_sqgradnorm_buffers(self.model)
+        torch._foreach_zero_(self.buffers)
 
 
 def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None, fsdp=False,
