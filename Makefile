@@ -33,9 +33,8 @@ gpu-check:
 	$(GPU_PY) bench/layernorm.py
 	$(GPU_PY) bench/layernorm.py --sweep --iters 20
 	$(GPU_PY) bench/throughput.py --device cuda --dtype bfloat16 --n_layer 12 --n_embd 768 --n_head 12 \
-		--block_size 1024 --batch_size 8 --vocab_size 50304 --settings nn,ln-shim,ln-fused,all-gns --rounds 3
-	$(GPU_PY) bench/throughput.py --device cuda --dtype bfloat16 --n_layer 12 --n_embd 768 --n_head 12 \
-		--block_size 1024 --batch_size 8 --vocab_size 50304 --settings nn,ln-shim,ln-fused,all-gns --rounds 3 --compile
+		--block_size 1024 --batch_size 8 --vocab_size 50304 --settings nn,ln-shim,ln-fused,all-gns --rounds 3 \
+		--modes eager,compiled
 
 clean:
 	rm -rf out-* .pytest_cache
