@@ -17,6 +17,7 @@ normalisation layers alone, and of the Adam-preconditioned normalisation layers.
     python data/shakespeare_char/prepare.py
     python bench/critical_batch.py --out_dir bench/results/critical_batch   # 2 families x 2 seeds
     python bench/critical_batch.py --quick --out_dir /tmp/cb --dataset=PATH    # the pipeline, ~1 minute
+    python bench/critical_batch.py --report --out_dir bench/results/critical_batch  # the tables, from the CSVs
 
 Writes OUT_DIR/branches.csv (family, seed, branch_tokens, batch_size, learning_rate, best, steps,
 examples, reached: one row per branch), OUT_DIR/summary.csv (family, seed, branch_tokens, s_min,
@@ -25,7 +26,8 @@ OUT_DIR/gns_<family>-s<seed>.csv (each B_simple of the base run over its tokens,
 A finished branch is kept: run it again and it goes on where it stopped. Base runs and their
 checkpoints go to --work_dir; a checkpoint that no longer matches the one a branch started from
 (its fingerprint, OUT_DIR/checkpoints.csv) has its branches run again. Any other --key=value goes
-to train.py for the base runs (e.g. --dataset=PATH).
+to train.py for the base runs (e.g. --dataset=PATH). --report runs nothing: it prints the results
+as Markdown tables (the README's), each ratio B_crit / B_simple with its spread over seeds.
 """
 import argparse
 import contextlib
@@ -59,10 +61,11 @@ SUMMARY_COLUMNS = ['family', 'seed', 'branch_tokens', 's_min', 'e_min', 'b_crit'
 KEY = ['family', 'seed', 'branch_tokens', 'batch_size', 'learning_rate']
 ADAM_PREFIX = PREFIXES['adam']
 # the experiment: the CPU demo's model and schedule (2000 steps of 768 tokens), and --quick: a tiny one.
-# The rates reach down to 1e-4: in the first rows the best rate of the small batches was 3e-4, the
-# lowest of a grid that stopped there. 3e-3 was dropped after two whole branch points where it was never
-# best at any batch size and took 60% of the steps; its rows stay in branches.csv, never marked best.
-FULL = dict(points=(250, 750, 1500), batch_sizes=(4, 8, 16, 32, 64), learning_rates=(1e-4, 3e-4, 1e-3),
+# The grid followed the rows: 3e-4 to 3e-3 first; 1e-4 added when 3e-4 was the best of the small batches;
+# 3e-3 dropped after two whole branch points where it was never best and took 60% of the steps (its rows
+# stay in branches.csv, never marked best); 3e-5 added when 1e-4 was the best of every batch up to 32 at
+# the late point (the base run's own rate had decayed to 2.3e-4 there).
+FULL = dict(points=(250, 750, 1500), batch_sizes=(4, 8, 16, 32, 64), learning_rates=(3e-5, 1e-4, 3e-4, 1e-3),
             delta=0.05, max_steps=2000, eval_batches=8, eval_batch_size=16, flags={})
 QUICK = dict(points=(20, 40, 60), batch_sizes=(2, 4, 8, 16, 32), learning_rates=(3e-3, 1e-2, 3e-2),
              delta=0.2, max_steps=150, eval_batches=4, eval_batch_size=16,
@@ -223,6 +226,15 @@ def mark_best(branches, learning_rates):
     return branches
 
 
+def at_edge(best, branches):
+    """Whether a best branch's rate is the lowest or the highest tried at its point and batch size (any
+    rate tried, in the grid or not): a rate beyond it was not tried, and might take fewer steps."""
+    tried = branches[(branches['family'] == best.family) & (branches['seed'] == best.seed) &
+                     (branches['branch_tokens'] == best.branch_tokens) & (branches['batch_size'] == best.batch_size)]
+    rates = tried['learning_rate'].astype(float)
+    return bool(np.isclose(best.learning_rate, rates.min()) or np.isclose(best.learning_rate, rates.max()))
+
+
 def summarise(branches, series, setup):
     """summary.csv's rows: per branch point the fit of its best branches, and the base run's B_simple
     there. A point whose grid is not finished gets no fit (NaN): a batch size's best rate, and so its
@@ -234,8 +246,7 @@ def summarise(branches, series, setup):
         group = group[in_grid(group, rates)]
         best = group[group['best']]
         s_min = e_min = math.nan
-        edge = best[np.isclose(best['learning_rate'].astype(float), rates[0]) |
-                    np.isclose(best['learning_rate'].astype(float), rates[-1])]
+        edge = best[[at_edge(row, branches) for row in best.itertuples()]]
         if len(edge):
             print(f"  {family} seed {seed} at {tokens:,} tokens: the best rate is the grid's edge for "
                   f"B = {', '.join(str(int(b)) for b in edge['batch_size'])} (their steps may be too many)")
@@ -253,6 +264,41 @@ def summarise(branches, series, setup):
                          **{k: (at[k] if at is not None else math.nan)
                             for k in ('b_simple_total', 'b_simple_norm', 'b_simple_norm_adam')}))
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+
+
+RATIOS = (('b_simple_total', 'total'), ('b_simple_norm', 'norm'), ('b_simple_norm_adam', 'norm, Adam'))
+
+
+def report(branches, summary, setup):
+    """Markdown: one row per branch point and seed, then per family and branch point the ratios
+    B_crit / B_simple as the mean over seeds (min-max), then per estimate how far and how steadily
+    it follows B_crit over all fitted points: the geometric mean ratio and the spread of log ratio."""
+    grid = len(setup['batch_sizes']) * len(setup['learning_rates'])
+    g = lambda v: '–' if pd.isna(v) else f"{v:.3g}"  # noqa: E731
+    lines = ["| family | seed | branch point (tokens) | branches done | S_min | E_min | B_crit | B_simple total | "
+             "B_simple norm | B_simple norm, Adam |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in summary.itertuples():
+        here = branches[(branches['family'] == row.family) & (branches['seed'] == row.seed) &
+                        (branches['branch_tokens'] == row.branch_tokens)]
+        lines.append(f"| {row.family} | {row.seed} | {row.branch_tokens:,} | {in_grid(here, setup['learning_rates']).sum()} "
+                     f"of {grid} | {g(row.s_min)} | {g(row.e_min)} | {g(row.b_crit)} | {g(row.b_simple_total)} | "
+                     f"{g(row.b_simple_norm)} | {g(row.b_simple_norm_adam)} |")
+    fitted = summary[summary['b_crit'].notna()].copy()
+    for column, _ in RATIOS:
+        fitted[f"ratio_{column}"] = fitted['b_crit'] / fitted[column]
+    spread = lambda v: f"{v.mean():.2f} ({v.min():.2f}–{v.max():.2f})" if len(v) > 1 else f"{v.mean():.2f}"  # noqa: E731
+    lines += ["", "| family | branch point (tokens) | seeds | B_crit | " +
+              " | ".join(f"B_crit / B_simple {name}" for _, name in RATIOS) + " |", "|---|---|---|---|---|---|---|"]
+    for (family, tokens), group in fitted.groupby(['family', 'branch_tokens']):
+        lines.append(f"| {family} | {tokens:,} | {len(group)} | {spread(group['b_crit'])} | " +
+                     " | ".join(spread(group[f"ratio_{c}"].dropna()) for c, _ in RATIOS) + " |")
+    lines += ["", "| estimate | fitted points | B_crit / B_simple, geometric mean | spread of log ratio (sd) |",
+              "|---|---|---|---|"]
+    for column, name in RATIOS:
+        logs = np.log(fitted[f"ratio_{column}"].dropna())
+        lines.append(f"| B_simple {name} | {len(logs)} | {g(np.exp(logs.mean())) if len(logs) else '–'} | "
+                     f"{g(logs.std()) if len(logs) > 1 else '–'} |")
+    return "\n".join(lines)
 
 
 def write_csv(path, frame):
@@ -274,6 +320,9 @@ def main(argv=None):
     parser.add_argument('--quick', action='store_true',
                         help="a tiny model, a short base run, few steps, one family and seed: ~1 minute")
     parser.add_argument('--delta', type=float, help="the loss drop each branch trains for (default: 0.05, --quick 0.2)")
+    parser.add_argument('--report', action='store_true',
+                        help="run nothing: fit OUT_DIR's branches as they stand and print the results as Markdown "
+                             "tables (the README's)")
     parser.add_argument('--alpha', type=float, default=gns_analysis.EMA_BETA,
                         help=f"the EMA's alpha, as gns-analysis.py's (default: {gns_analysis.EMA_BETA})")
     args, extra = parser.parse_known_args(argv)
@@ -287,6 +336,19 @@ def main(argv=None):
         parser.error("--seeds must be >= 1, --delta > 0 and --alpha in [0, 1)")
     if not families or set(families) - set(FAMILIES):
         parser.error(f"--families must name some of {', '.join(FAMILIES)}")
+    if args.report:  # the fits again from branches.csv as it stands (a running experiment adds rows to it)
+        branches_csv = os.path.join(args.out_dir, 'branches.csv')
+        if not os.path.exists(branches_csv):
+            parser.error(f"--report: {args.out_dir} has no branches.csv (run the experiment first)")
+        branches = mark_best(pd.read_csv(branches_csv), setup['learning_rates'])
+        series = {}
+        for family, seed in branches[['family', 'seed']].drop_duplicates().itertuples(index=False):
+            path = os.path.join(args.out_dir, f"gns_{family}-s{seed}.csv")
+            series[(family, seed)] = pd.read_csv(path) if os.path.exists(path) else pd.DataFrame(columns=['tokens'])
+        with contextlib.redirect_stdout(sys.stderr):  # the fits' notes
+            summary = summarise(branches, series, setup)
+        print(report(branches, summary, setup))
+        return 0
     work_dir = args.work_dir or os.path.join(args.out_dir, 'base')
     os.makedirs(args.out_dir, exist_ok=True)
     from tqdm import tqdm
