@@ -69,3 +69,72 @@ def test_bad_input_is_one_line_exit_2():
     assert p.returncode == 2 and "--seeds must be >= 1" in p.stderr.strip().splitlines()[-1]
     p = critical_batch("--families=gpt3", timeout=60)
     assert p.returncode == 2 and "--families must name some of gpt2, llama" in p.stderr.strip().splitlines()[-1]
+
+
+def load_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("critical_batch", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows(*branches):
+    """branches.csv rows of one point: (batch_size, learning_rate, steps or None)."""
+    return pd.DataFrame([dict(family="gpt2", seed=1, branch_tokens=100, batch_size=b, learning_rate=lr, best=False,
+                              steps=s if s is not None else np.nan, examples=b * s if s is not None else np.nan,
+                              reached=s is not None) for b, lr, s in branches])
+
+
+def test_a_rate_no_longer_in_the_grid_is_kept_but_never_best():
+    cb = load_script()
+    marked = cb.mark_best(rows((4, 1e-3, 50), (4, 3e-3, 20), (8, 1e-3, None), (8, 3e-4, 30)), (3e-4, 1e-3))
+    assert marked["best"].tolist() == [True, False, False, True]  # 3e-3 took fewer steps, but is out of the grid
+    assert len(marked) == 4
+
+
+def test_a_best_rate_is_at_the_edge_only_when_no_rate_beyond_it_was_tried():
+    cb = load_script()
+    branches = cb.mark_best(rows((4, 1e-4, 90), (4, 3e-4, 140), (4, 1e-3, 300),
+                                 (32, 1e-4, 40), (32, 3e-4, 30), (32, 1e-3, 20), (32, 3e-3, 45),
+                                 (64, 1e-4, 40), (64, 3e-4, 30), (64, 1e-3, 20)), (1e-4, 3e-4, 1e-3))
+    best = branches[branches["best"]]
+    # B = 4 at the lowest rate, B = 64 at the highest; B = 32's best is the grid's top, but 3e-3 was tried
+    assert {r.batch_size: cb.at_edge(r, branches) for r in best.itertuples()} == {4: True, 32: False, 64: True}
+
+
+def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread(tmp_path):
+    cb = load_script()
+    out = tmp_path / "cb"
+    out.mkdir()
+    s_min, e_min = 10.0, 300.0  # B_crit 30: exact points of S(B) = S_min + E_min / B at each B's best rate
+    grid, sizes = cb.QUICK["learning_rates"], cb.QUICK["batch_sizes"]
+    frames = []
+    for seed in (1, 2):
+        frames.append(rows(*[(b, lr, s_min + e_min / b + (0 if lr == grid[1] else 50)) for b in sizes
+                             for lr in grid]).assign(seed=seed))
+        # B_simple at the branch point (100 tokens) is the last value at or before it: total 15 or 30
+        pd.DataFrame(dict(tokens=[50, 100, 150], b_simple_total=[1.0, 15.0 * seed, 99.0],
+                          b_simple_norm=[1.0, 10.0, 99.0], b_simple_norm_adam=[1.0, 30.0, 99.0])
+                     ).to_csv(out / f"gns_gpt2-s{seed}.csv", index=False)
+    frames[1] = frames[1][frames[1]["batch_size"] != sizes[0]]  # seed 2 has not finished its grid
+    pd.concat(frames).to_csv(out / "branches.csv", index=False)
+    p = critical_batch("--report", "--quick", f"--out_dir={out}", timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "| gpt2 | 1 | 100 | 15 of 15 | 10 | 300 | 30 | 15 | 10 | 30 |" in lines
+    assert "| gpt2 | 2 | 100 | 12 of 15 | – | – | – | 30 | 10 | 30 |" in lines
+    assert "seed 2 at 100 tokens: 12 of 15 branches run, no fit yet" in p.stderr
+    # the ratios over the fitted seeds (one here), then each estimate over every fitted point
+    assert "| gpt2 | 100 | 1 | 30.00 | 2.00 | 3.00 | 1.00 |" in lines
+    assert "| B_simple total | 1 | 2 | – |" in lines and "| B_simple norm, Adam | 1 | 1 | – |" in lines
+    # both seeds fitted: the mean ratio with its range over seeds, and the spread of the log ratio
+    pd.concat([frames[0], frames[0].assign(seed=2)]).to_csv(out / "branches.csv", index=False)
+    lines = critical_batch("--report", "--quick", f"--out_dir={out}", timeout=60).stdout.splitlines()
+    assert "| gpt2 | 100 | 2 | 30.00 (30.00–30.00) | 1.50 (1.00–2.00) | 3.00 (3.00–3.00) | 1.00 (1.00–1.00) |" in lines
+    assert f"| B_simple total | 2 | 1.41 | {np.std(np.log([2, 1]), ddof=1):.3g} |" in lines
+
+
+def test_report_needs_the_experiments_csvs(tmp_path):
+    p = critical_batch("--report", f"--out_dir={tmp_path}", timeout=60)
+    assert p.returncode == 2 and "has no branches.csv" in p.stderr.strip().splitlines()[-1]
