@@ -18,6 +18,7 @@ Settings (train.py's flags for each; any `flag=value[+flag=value...]` is one too
     llama-nn     --norm=rmsnorm --mlp=swiglu --pos_emb=rope --tie_embeddings=False   a Llama-style
                  model (config/train_shakespeare_char_llama_cpu.py's layout), no measurement
     llama-rms-shim   llama-nn's flags and --lnclass=shim     its normalisations only
+    llama-rms-fused  llama-nn's flags and --lnclass=fused    its normalisations only, fused
     llama-all-gns    llama-nn's flags and --linearclass=gns --embeddingclass=gns --lnclass=shim
 Every ratio is against nn, so a llama-* row's holds the architecture's cost too: the measurement's
 own is its ratio over llama-nn's.
@@ -79,6 +80,7 @@ SETTINGS = {
     'hooks-exact': dict(gns_hooks='exact'),
     'llama-nn': LLAMA,
     'llama-rms-shim': dict(LLAMA, lnclass='shim'),
+    'llama-rms-fused': dict(LLAMA, lnclass='fused'),
     'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
 }
 BASELINE = 'nn'
