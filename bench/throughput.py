@@ -11,6 +11,7 @@ Settings (train.py's flags for each; any `flag=value[+flag=value...]` is one too
     nn           plain torch layers, no measurement: the baseline
     ln-shim      --lnclass=shim                          LayerNorm only, separated LayerNorm
     ln-fused     --lnclass=fused                         LayerNorm only, fused kernel
+    ln-adam      --lnclass=shim --gns_adam=True          ln-shim and the Adam-preconditioned GNS
     all-gns      --linearclass=gns --embeddingclass=gns --lnclass=shim    every parameter
     all-shim     --linearclass=shim --embeddingclass=shim --lnclass=shim  every parameter
     hooks-sogns  --gns_hooks=sogns                       SOGNS hooks on plain Linears
@@ -74,6 +75,7 @@ SETTINGS = {
     'nn': {},
     'ln-shim': dict(lnclass='shim'),
     'ln-fused': dict(lnclass='fused'),
+    'ln-adam': dict(lnclass='shim', gns_adam=True),
     'all-gns': dict(linearclass='gns', embeddingclass='gns', lnclass='shim'),
     'all-shim': dict(linearclass='shim', embeddingclass='shim', lnclass='shim'),
     'hooks-sogns': dict(gns_hooks='sogns'),
