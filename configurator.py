@@ -177,6 +177,19 @@ def check_train_config(config, places=None):
             config[f'{key}_tokens'] = (iters if iters is not None else default_iters) * tokens_per_iter
 
 
+def configure_train(argv, config, doc=""):
+    """train.py's command line applied to its defaults `config` (configure()), then every value
+    checked (check_train_config()) before anything runs: bad input is one line and exit code 2.
+    Where each key was set goes along, so that a later place's length replaces an earlier one's
+    other unit."""
+    places = {}
+    try:
+        configure(argv, config, doc, places)
+    except ConfigError as e:
+        die(str(e))
+    check_train_config(config, places)
+
+
 def _checked(key, value, default, shown):
     """value if it fits the default's type (an int where a float is expected becomes a float),
     else ConfigError; a default of None takes anything (train.py checks those itself)."""

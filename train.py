@@ -26,7 +26,7 @@ import torch
 import gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state,
                         save_training_state, step_seed)
-from configurator import ConfigError, check_dataset, check_device, check_train_config, configure, die
+from configurator import check_dataset, check_device, configure_train, die
 from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
@@ -119,12 +119,7 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
-config_places = {}  # where each key was set: a later place's length replaces an earlier one's other unit
-try:
-    configure(sys.argv[1:], config, __doc__, config_places)
-except ConfigError as e:
-    die(str(e))
-check_train_config(config, config_places)  # every value, before anything runs: bad input is one line and exit 2
+configure_train(sys.argv[1:], config, __doc__)  # every value checked before anything runs: bad input is one line and exit 2
 globals().update(config)
 device_type = check_device(device)
 data_dir = check_dataset(dataset, root=os.path.dirname(os.path.abspath(__file__)))  # prepared, or exit 2
