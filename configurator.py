@@ -15,6 +15,7 @@ Scripts written for nanoGPT (or the reference implementation) apply it their way
 """
 import math
 import os
+import pickle
 import sys
 import tokenize
 from ast import literal_eval
@@ -72,6 +73,18 @@ def check_dataset(dataset, root):
                    else f"run: python data/{dataset}/prepare.py")
             die(f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing); {how}")
     return data_dir
+
+
+def dataset_vocab_size(data_dir):
+    """The vocabulary size a dataset folder's meta.pkl names (character-level datasets write one),
+    else None: the dataset is GPT-2's BPE."""
+    meta_path = os.path.join(data_dir, 'meta.pkl')
+    if not os.path.exists(meta_path):
+        return None
+    with open(meta_path, 'rb') as f:
+        vocab_size = pickle.load(f)['vocab_size']
+    print(f"found vocab_size = {vocab_size} (inside {meta_path})")
+    return vocab_size
 
 
 def check_train_config(config, places=None):

@@ -9,7 +9,6 @@ $ torchrun --standalone --nproc_per_node=4 train.py config/train_cgpt_111M_owt.p
 """
 import math
 import os
-import pickle
 import sys
 import time
 import warnings
@@ -26,7 +25,7 @@ import torch
 import gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state,
                         save_training_state, step_seed)
-from configurator import check_dataset, check_device, configure_train, die
+from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
 from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
@@ -180,13 +179,7 @@ def get_batch(split, rng=None):
     return x.to(device), y.to(device)
 
 
-# vocab size from the dataset's meta.pkl (character-level datasets), else GPT-2's padded 50304
-meta_path = os.path.join(data_dir, 'meta.pkl')
-meta_vocab_size = None
-if os.path.exists(meta_path):
-    with open(meta_path, 'rb') as f:
-        meta_vocab_size = pickle.load(f)['vocab_size']
-    print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
+meta_vocab_size = dataset_vocab_size(data_dir)  # from meta.pkl (character-level datasets), else GPT-2's padded 50304
 
 # the flags named after GPTConfig's fields (n_layer, ..., norm, mlp, ...) are the model's arguments
 model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}

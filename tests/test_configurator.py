@@ -146,6 +146,16 @@ def test_check_dataset_finds_a_prepared_one_by_name_or_path_and_says_how_to_prep
                                        f"run: python data/tiny/prepare.py\n")
 
 
+def test_dataset_vocab_size_is_meta_pkls_or_none_for_gpt2s_bpe(tmp_path, capsys):
+    import pickle
+    from configurator import dataset_vocab_size
+    assert dataset_vocab_size(str(tmp_path)) is None
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({'vocab_size': 65, 'itos': {}, 'stoi': {}}, f)
+    assert dataset_vocab_size(str(tmp_path)) == 65
+    assert capsys.readouterr().out == f"found vocab_size = 65 (inside {tmp_path / 'meta.pkl'})\n"
+
+
 @pytest.mark.parametrize("args, words", [
     (["--init_from=gpt2-xxl"], "--init_from='gpt2-xxl' is not one of scratch, resume, gpt2, gpt2-medium, gpt2-large, "
                                "gpt2-xl"),
