@@ -31,7 +31,7 @@ from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, leave, stop_early, stopped_message
-from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
+from tracker import LogWriteError, OutDirInUse, lock_out_dir, log_for_run
 
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on OpenWebText, as in nanoGPT
@@ -229,12 +229,8 @@ try:  # what sizes each step when it is not fixed: the editable schedule file, o
 except ValueError as e:
     die(str(e))
 
-try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.json (not with eval_only), wandb
-    logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
-                        resume_step=iter_num if init_from == 'resume' else None, numbers_only=True, wandb_project=wandb_project,
-                        wandb_run_name=wandb_run_name) if master_process else None
-    if logger is not None:  # the measured layers' kinds, by which gns-analysis.py groups the parameters
-        logger.record_kinds(layer_kinds(raw_model))
+try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.json, layer_kinds.json, wandb
+    logger = log_for_run(config, iter_num if init_from == 'resume' else None, layer_kinds(raw_model)) if master_process else None
 except (ValueError, OSError) as e:
     die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 params = [p for p in raw_model.parameters() if p.requires_grad]
