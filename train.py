@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 import gnstracking
-from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state,
-                        save_training_state, step_seed)
+from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, resumed_counts,
+                        save_training_state, step_seed, training_run_state)
 from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
 from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
@@ -192,8 +192,7 @@ with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddin
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
 config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
-iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint else 0
-best_val_loss = float(checkpoint.get('best_val_loss', 1e9)) if checkpoint else 1e9
+iter_num, best_val_loss, nonfinite_steps = resumed_counts(checkpoint)  # nonfinite_steps: steps in a row skipped, not finite
 model.to(device)
 if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
     fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
@@ -238,7 +237,6 @@ last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (non
 # a host copy of the model's tokens_processed buffer: reading the device buffer would sync
 tokens_processed = int(raw_model.tokens_processed)
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
-nonfinite_steps = int(checkpoint.get('nonfinite_steps', 0)) if checkpoint else 0  # steps in a row skipped: not finite
 signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint, distributed=ddp)
 
 
@@ -266,12 +264,8 @@ def estimate_loss():
 def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
-    run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
-                 'best_val_loss': best_val_loss, 'config': config, 'data_order': data_order_state,
-                 'nonfinite_steps': nonfinite_steps}
-    gnstracking.save_states(estimators, run_state)
-    if bs_controller == 'gns':
-        run_state['bs_controller'] = schedule.state_dict()
+    run_state = training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps,
+                                   data_order_state, estimators, schedule if bs_controller == 'gns' else None)
     try:  # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
         if save_training_state(os.path.join(out_dir, 'ckpt.pt'), raw_model, optimizer, run_state, fsdp, master_process):
             last_checkpoint = f"iter {iter_num}"
