@@ -30,8 +30,8 @@ from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
-from stopping import StopSignals, leave, stop_early, stopped_message
-from tracker import LogWriteError, OutDirInUse, lock_out_dir, log_for_run
+from stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
+from tracker import OutDirInUse, lock_out_dir, log_for_run
 
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on OpenWebText, as in nanoGPT
@@ -289,13 +289,6 @@ def evaluate_and_checkpoint():
             save_checkpoint()
 
 
-def log_step():  # a failed write (a full disk) ends the run: log.csv keeps its complete rows for resume
-    try:
-        logger.step()
-    except LogWriteError as e:
-        stop_early(f"error: {e}", 1, logger, ddp)
-
-
 def finished(tokens, iters):
     return tokens >= max_tokens or (max_iters is not None and iters >= max_iters)
 
@@ -319,7 +312,7 @@ while eval_only or not finished(tokens_processed, iter_num):
         evaluate_and_checkpoint()
     if eval_only:
         if master_process:
-            log_step()  # to wandb only
+            log_step_or_stop(logger, ddp)  # to wandb only
         break
 
     # forward/backward with gradient accumulation; the per-example-norm layers add into their buffers
@@ -373,10 +366,9 @@ while eval_only or not finished(tokens_processed, iter_num):
     if last_step and (master_process or fsdp):  # the final evaluation (and checkpoint), on the last step's row
         evaluate_and_checkpoint()
     if master_process:
-        log_step()
+        log_step_or_stop(logger, ddp)
     if not last_step and nonfinite_steps >= max_nonfinite_steps:
-        stop_early(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient and "
-                   f"were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", 1, logger, ddp)
+        stop_early(diverged_message(iter_num, nonfinite_steps, last_checkpoint), 1, logger, ddp)
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
         if (master_process or fsdp) and always_save_checkpoint:
             save_checkpoint()
