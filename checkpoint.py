@@ -236,6 +236,14 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
                               f"away or use another out_dir")
 
 
+def model_args_for(config, data_vocab_size=None):
+    """train.py's model arguments: its flags named after GPTConfig's fields (n_layer, ..., norm, mlp, ...),
+    and the dataset's vocabulary size, else GPT-2's 50257 padded to 50304."""
+    model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}
+    model_args['vocab_size'] = data_vocab_size or 50304
+    return model_args
+
+
 def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None):
     """
     train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of

@@ -13,7 +13,6 @@ import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import fields
 
 from stopping import interrupt_in_one_line
 interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
@@ -23,12 +22,12 @@ import numpy as np
 import torch
 
 import gnstracking
-from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, resumed_counts,
-                        save_training_state, step_seed, training_run_state)
+from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
+                        resumed_counts, save_training_state, step_seed, training_run_state)
 from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
 from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
-from model import GPTConfig, fully_shard_gpt
+from model import fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
 from tracker import OutDirInUse, lock_out_dir, log_for_run
@@ -179,11 +178,8 @@ def get_batch(split, rng=None):
     return x.to(device), y.to(device)
 
 
-meta_vocab_size = dataset_vocab_size(data_dir)  # from meta.pkl (character-level datasets), else GPT-2's padded 50304
-
-# the flags named after GPTConfig's fields (n_layer, ..., norm, mlp, ...) are the model's arguments
-model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}
-model_args['vocab_size'] = meta_vocab_size or 50304
+meta_vocab_size = dataset_vocab_size(data_dir)  # from meta.pkl (character-level datasets), else None
+model_args = model_args_for(config, meta_vocab_size)  # the flags named after GPTConfig's fields, and vocab_size
 # from scratch, from out_dir/ckpt.pt (its architecture, and weights from nanoGPT's and the reference's
 # checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):

@@ -133,6 +133,13 @@ def test_save_training_state_writes_only_finite_weights_and_only_from_the_writer
     assert read_checkpoint(path)['iter_num'] == 7 and sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pt']
 
 
+def test_model_args_are_the_flags_named_after_gptconfigs_fields_with_the_datasets_vocabulary():
+    from checkpoint import model_args_for
+    flags = dict(n_layer=2, n_head=2, n_embd=32, norm='rmsnorm', learning_rate=6e-4, out_dir='out')
+    assert model_args_for(flags, 65) == dict(n_layer=2, n_head=2, n_embd=32, norm='rmsnorm', vocab_size=65)
+    assert model_args_for(flags)['vocab_size'] == 50304  # GPT-2's 50257, padded
+
+
 def test_the_run_state_saved_is_what_a_resume_reads_back():
     from checkpoint import resumed_counts, training_run_state
 
