@@ -27,7 +27,7 @@ from checkpoint import (CheckpointError, data_order, eval_generator, init_model,
 from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
 from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
-from model import fully_shard_gpt
+from model import fully_shard_gpt, grad_scaler
 from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
 from tracker import OutDirInUse, lock_out_dir, log_for_run
@@ -194,10 +194,7 @@ if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) 
     fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
 batch_rng = data_order(seed, checkpoint)  # the train batches' order, where a resumed run's checkpoint left it
 
-GradScaler = torch.amp.GradScaler
-if fsdp:  # FSDP: a float16 overflow in one rank's shards must skip the step on every rank (found_inf all-reduced)
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as GradScaler
-scaler = GradScaler(device_type, enabled=(dtype == 'float16'))
+scaler = grad_scaler(device_type, enabled=(dtype == 'float16'), fsdp=fsdp)  # FSDP: an overflow on one rank skips the step on all
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
     try:
