@@ -236,6 +236,14 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
                               f"away or use another out_dir")
 
 
+def model_args_for(config, data_vocab_size=None):
+    """train.py's model arguments: its flags named after GPTConfig's fields (n_layer, ..., norm, mlp, ...),
+    and the dataset's vocabulary size, else GPT-2's 50257 padded to 50304."""
+    model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}
+    model_args['vocab_size'] = data_vocab_size or 50304
+    return model_args
+
+
 def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None):
     """
     train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of
@@ -290,6 +298,34 @@ def step_seed(seed, rank, iter_num):
 def eval_generator(seed, iter_num, split):
     """The generator of the evaluation batches at iter_num: the same batches whenever that evaluation runs."""
     return torch.Generator().manual_seed((seed * 1_000_003 + iter_num) * 4 + 1 + ('train', 'val').index(split))
+
+
+def training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps, data_order_state,
+                       estimators, controller=None):
+    """
+    What ckpt.pt holds beside the model's and the optimizer's state (save_training_state's run_state),
+    read back on resume: the scaler's state (load_optimizer_state), the architecture and the config
+    (resume_model), the counts (resumed_counts), the train batches' order (data_order), the GNS
+    estimators' states (gnstracking.load_states) and the batch-size controller's, if the run has one
+    (schedules.controller_for_run).
+    """
+    import gnstracking  # here: sample.py reads checkpoints without the estimators
+    run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
+                 'best_val_loss': best_val_loss, 'config': config, 'data_order': data_order_state,
+                 'nonfinite_steps': nonfinite_steps}
+    gnstracking.save_states(estimators, run_state)
+    if controller is not None:
+        run_state['bs_controller'] = controller.state_dict()
+    return run_state
+
+
+def resumed_counts(checkpoint):
+    """(iter_num, best_val_loss, nonfinite_steps) a run starts from: a resumed run's checkpoint's
+    (nanoGPT's and the reference's count no non-finite steps), or a new run's (no checkpoint)."""
+    if not checkpoint:
+        return 0, 1e9, 0
+    return (int(checkpoint.get('iter_num', 0)), float(checkpoint.get('best_val_loss', 1e9)),
+            int(checkpoint.get('nonfinite_steps', 0)))
 
 
 def save_training_state(path, model, optimizer, run_state, fsdp=False, writer=True):

@@ -15,6 +15,7 @@ Scripts written for nanoGPT (or the reference implementation) apply it their way
 """
 import math
 import os
+import pickle
 import sys
 import tokenize
 from ast import literal_eval
@@ -72,6 +73,18 @@ def check_dataset(dataset, root):
                    else f"run: python data/{dataset}/prepare.py")
             die(f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing); {how}")
     return data_dir
+
+
+def dataset_vocab_size(data_dir):
+    """The vocabulary size a dataset folder's meta.pkl names (character-level datasets write one),
+    else None: the dataset is GPT-2's BPE."""
+    meta_path = os.path.join(data_dir, 'meta.pkl')
+    if not os.path.exists(meta_path):
+        return None
+    with open(meta_path, 'rb') as f:
+        vocab_size = pickle.load(f)['vocab_size']
+    print(f"found vocab_size = {vocab_size} (inside {meta_path})")
+    return vocab_size
 
 
 def check_train_config(config, places=None):
@@ -175,6 +188,19 @@ def check_train_config(config, places=None):
             tokens, iters = config[f'{key}_tokens'], config[f'{key}_iters']
         if tokens is None:
             config[f'{key}_tokens'] = (iters if iters is not None else default_iters) * tokens_per_iter
+
+
+def configure_train(argv, config, doc=""):
+    """train.py's command line applied to its defaults `config` (configure()), then every value
+    checked (check_train_config()) before anything runs: bad input is one line and exit code 2.
+    Where each key was set goes along, so that a later place's length replaces an earlier one's
+    other unit."""
+    places = {}
+    try:
+        configure(argv, config, doc, places)
+    except ConfigError as e:
+        die(str(e))
+    check_train_config(config, places)
 
 
 def _checked(key, value, default, shown):

@@ -403,3 +403,13 @@ def fully_shard_gpt(model, device_type, world_size, bf16_params=False):
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def grad_scaler(device_type, enabled, fsdp=False):
+    """The loss scaler of a float16 run (`enabled`; a disabled one does nothing). FSDP: the sharded
+    one, since a float16 overflow in one rank's shards must skip the step on every rank (found_inf
+    all-reduced)."""
+    if fsdp:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device_type, enabled=enabled)
+    return torch.amp.GradScaler(device_type, enabled=enabled)

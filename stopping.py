@@ -110,6 +110,12 @@ def stopped_message(signum, iter_num, tokens, checkpoint_held, distributed):
             f"ckpt.pt holds {checkpoint_held}; to go on: {go_on}")
 
 
+def diverged_message(iter_num, nonfinite_steps, checkpoint_held):
+    """The one line a run that diverged ends with: --max_nonfinite_steps skipped steps in a row."""
+    return (f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient and "
+            f"were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {checkpoint_held}")
+
+
 def stop_early(message, code, logger=None, distributed=False):
     """End the run before its last step with `message`, one line on stderr, said by the process that
     holds the `logger` (the master). log.csv stays complete up to the last finished step: the values
@@ -119,6 +125,16 @@ def stop_early(message, code, logger=None, distributed=False):
         logger.log_dict.clear()
         logger.close()
     leave(code, distributed)
+
+
+def log_step_or_stop(logger, distributed=False):
+    """logger.step(); a failed write (a full disk) ends the run with code 1: log.csv keeps its
+    complete rows, from which the run resumes."""
+    from tracker import LogWriteError  # here: this module loads before the slow imports
+    try:
+        logger.step()
+    except LogWriteError as e:
+        stop_early(f"error: {e}", 1, logger, distributed)
 
 
 def leave(code, distributed):

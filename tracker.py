@@ -561,6 +561,20 @@ class LogWrapper:
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names (exact/tracker.py)
 
+def log_for_run(config, resume_step, kinds):
+    """
+    train.py's log, from its config: out_dir/log.csv (numbers only, a row per iteration), config.json
+    and layer_kinds.json (`kinds`: the measured layers', see record_kinds), none of them with
+    eval_only; wandb with wandb_log. resume_step: the iteration a resumed run restarts from, else
+    None. Raises ValueError (a log.csv a resume refuses) or OSError.
+    """
+    logger = LogWrapper(config=config, out_dir=None if config['eval_only'] else config['out_dir'],
+                        resume_step=resume_step, numbers_only=True, wandb_log=config['wandb_log'],
+                        wandb_project=config['wandb_project'], wandb_run_name=config['wandb_run_name'])
+    logger.record_kinds(kinds)
+    return logger
+
+
 class OutDirInUse(Exception):
     """out_dir cannot be this run's: another live process holds its lock (the message, one line,
     names it), or it cannot be created or written."""

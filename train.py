@@ -9,12 +9,10 @@ $ torchrun --standalone --nproc_per_node=4 train.py config/train_cgpt_111M_owt.p
 """
 import math
 import os
-import pickle
 import sys
 import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import fields
 
 from stopping import interrupt_in_one_line
 interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
@@ -24,15 +22,15 @@ import numpy as np
 import torch
 
 import gnstracking
-from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state,
-                        save_training_state, step_seed)
-from configurator import ConfigError, check_dataset, check_device, check_train_config, configure, die
+from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
+                        resumed_counts, save_training_state, step_seed, training_run_state)
+from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
 from buffered import layer_kinds
 from layer_config import classes_for_flags, set_contextual_config
-from model import GPTConfig, fully_shard_gpt
+from model import fully_shard_gpt, grad_scaler
 from schedules import lr_at, step_sizes_for_run
-from stopping import StopSignals, leave, stop_early, stopped_message
-from tracker import LogWrapper, LogWriteError, OutDirInUse, lock_out_dir
+from stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
+from tracker import OutDirInUse, lock_out_dir, log_for_run
 
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on OpenWebText, as in nanoGPT
@@ -119,12 +117,7 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
-config_places = {}  # where each key was set: a later place's length replaces an earlier one's other unit
-try:
-    configure(sys.argv[1:], config, __doc__, config_places)
-except ConfigError as e:
-    die(str(e))
-check_train_config(config, config_places)  # every value, before anything runs: bad input is one line and exit 2
+configure_train(sys.argv[1:], config, __doc__)  # every value checked before anything runs: bad input is one line and exit 2
 globals().update(config)
 device_type = check_device(device)
 data_dir = check_dataset(dataset, root=os.path.dirname(os.path.abspath(__file__)))  # prepared, or exit 2
@@ -185,17 +178,8 @@ def get_batch(split, rng=None):
     return x.to(device), y.to(device)
 
 
-# vocab size from the dataset's meta.pkl (character-level datasets), else GPT-2's padded 50304
-meta_path = os.path.join(data_dir, 'meta.pkl')
-meta_vocab_size = None
-if os.path.exists(meta_path):
-    with open(meta_path, 'rb') as f:
-        meta_vocab_size = pickle.load(f)['vocab_size']
-    print(f"found vocab_size = {meta_vocab_size} (inside {meta_path})")
-
-# the flags named after GPTConfig's fields (n_layer, ..., norm, mlp, ...) are the model's arguments
-model_args = {f.name: config[f.name] for f in fields(GPTConfig) if f.name in config}
-model_args['vocab_size'] = meta_vocab_size or 50304
+meta_vocab_size = dataset_vocab_size(data_dir)  # from meta.pkl (character-level datasets), else None
+model_args = model_args_for(config, meta_vocab_size)  # the flags named after GPTConfig's fields, and vocab_size
 # from scratch, from out_dir/ckpt.pt (its architecture, and weights from nanoGPT's and the reference's
 # checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
@@ -204,17 +188,13 @@ with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddin
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
 config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
-iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint else 0
-best_val_loss = float(checkpoint.get('best_val_loss', 1e9)) if checkpoint else 1e9
+iter_num, best_val_loss, nonfinite_steps = resumed_counts(checkpoint)  # nonfinite_steps: steps in a row skipped, not finite
 model.to(device)
 if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
     fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
 batch_rng = data_order(seed, checkpoint)  # the train batches' order, where a resumed run's checkpoint left it
 
-GradScaler = torch.amp.GradScaler
-if fsdp:  # FSDP: a float16 overflow in one rank's shards must skip the step on every rank (found_inf all-reduced)
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as GradScaler
-scaler = GradScaler(device_type, enabled=(dtype == 'float16'))
+scaler = grad_scaler(device_type, enabled=(dtype == 'float16'), fsdp=fsdp)  # FSDP: an overflow on one rank skips the step on all
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if checkpoint is not None:
     try:
@@ -241,12 +221,8 @@ try:  # what sizes each step when it is not fixed: the editable schedule file, o
 except ValueError as e:
     die(str(e))
 
-try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.json (not with eval_only), wandb
-    logger = LogWrapper(config=config, out_dir=None if eval_only else out_dir, wandb_log=wandb_log,
-                        resume_step=iter_num if init_from == 'resume' else None, numbers_only=True, wandb_project=wandb_project,
-                        wandb_run_name=wandb_run_name) if master_process else None
-    if logger is not None:  # the measured layers' kinds, by which gns-analysis.py groups the parameters
-        logger.record_kinds(layer_kinds(raw_model))
+try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.json, layer_kinds.json, wandb
+    logger = log_for_run(config, iter_num if init_from == 'resume' else None, layer_kinds(raw_model)) if master_process else None
 except (ValueError, OSError) as e:
     die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 params = [p for p in raw_model.parameters() if p.requires_grad]
@@ -254,7 +230,6 @@ last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (non
 # a host copy of the model's tokens_processed buffer: reading the device buffer would sync
 tokens_processed = int(raw_model.tokens_processed)
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
-nonfinite_steps = int(checkpoint.get('nonfinite_steps', 0)) if checkpoint else 0  # steps in a row skipped: not finite
 signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint, distributed=ddp)
 
 
@@ -282,12 +257,8 @@ def estimate_loss():
 def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
-    run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
-                 'best_val_loss': best_val_loss, 'config': config, 'data_order': data_order_state,
-                 'nonfinite_steps': nonfinite_steps}
-    gnstracking.save_states(estimators, run_state)
-    if bs_controller == 'gns':
-        run_state['bs_controller'] = schedule.state_dict()
+    run_state = training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps,
+                                   data_order_state, estimators, schedule if bs_controller == 'gns' else None)
     try:  # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
         if save_training_state(os.path.join(out_dir, 'ckpt.pt'), raw_model, optimizer, run_state, fsdp, master_process):
             last_checkpoint = f"iter {iter_num}"
@@ -309,13 +280,6 @@ def evaluate_and_checkpoint():
         best_val_loss = min(best_val_loss, losses['val'])
         if local_iter_num > 0:  # nothing new to save before this process has taken a step
             save_checkpoint()
-
-
-def log_step():  # a failed write (a full disk) ends the run: log.csv keeps its complete rows for resume
-    try:
-        logger.step()
-    except LogWriteError as e:
-        stop_early(f"error: {e}", 1, logger, ddp)
 
 
 def finished(tokens, iters):
@@ -341,7 +305,7 @@ while eval_only or not finished(tokens_processed, iter_num):
         evaluate_and_checkpoint()
     if eval_only:
         if master_process:
-            log_step()  # to wandb only
+            log_step_or_stop(logger, ddp)  # to wandb only
         break
 
     # forward/backward with gradient accumulation; the per-example-norm layers add into their buffers
@@ -395,10 +359,9 @@ while eval_only or not finished(tokens_processed, iter_num):
     if last_step and (master_process or fsdp):  # the final evaluation (and checkpoint), on the last step's row
         evaluate_and_checkpoint()
     if master_process:
-        log_step()
+        log_step_or_stop(logger, ddp)
     if not last_step and nonfinite_steps >= max_nonfinite_steps:
-        stop_early(f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient and "
-                   f"were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {last_checkpoint}", 1, logger, ddp)
+        stop_early(diverged_message(iter_num, nonfinite_steps, last_checkpoint), 1, logger, ddp)
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
         if (master_process or fsdp) and always_save_checkpoint:
             save_checkpoint()

@@ -133,6 +133,31 @@ def test_save_training_state_writes_only_finite_weights_and_only_from_the_writer
     assert read_checkpoint(path)['iter_num'] == 7 and sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pt']
 
 
+def test_model_args_are_the_flags_named_after_gptconfigs_fields_with_the_datasets_vocabulary():
+    from checkpoint import model_args_for
+    flags = dict(n_layer=2, n_head=2, n_embd=32, norm='rmsnorm', learning_rate=6e-4, out_dir='out')
+    assert model_args_for(flags, 65) == dict(n_layer=2, n_head=2, n_embd=32, norm='rmsnorm', vocab_size=65)
+    assert model_args_for(flags)['vocab_size'] == 50304  # GPT-2's 50257, padded
+
+
+def test_the_run_state_saved_is_what_a_resume_reads_back():
+    from checkpoint import resumed_counts, training_run_state
+
+    class Controller:
+        def state_dict(self):
+            return {'accumulation': 3}
+    scaler = torch.amp.GradScaler('cpu', enabled=False)
+    order = torch.Generator().manual_seed(1).get_state()
+    state = training_run_state(scaler, {'n_layer': 2}, {'seed': 1}, 7, 1.5, 2, order, [], Controller())
+    assert list(state) == ['scaler', 'model_args', 'iter_num', 'best_val_loss', 'config', 'data_order',
+                           'nonfinite_steps', 'gns_estimators', 'gns_groups', 'bs_controller']
+    assert state['bs_controller'] == {'accumulation': 3} and torch.equal(state['data_order'], order)
+    assert 'bs_controller' not in training_run_state(scaler, {}, {}, 7, 1.5, 2, order, [])
+    assert resumed_counts(state) == (7, 1.5, 2)
+    assert resumed_counts({'iter_num': 7, 'best_val_loss': 1.5}) == (7, 1.5, 0)  # nanoGPT's checkpoint
+    assert resumed_counts(None) == (0, 1e9, 0)
+
+
 def test_an_errors_sentence_is_cut_after_a_whole_word():
     from checkpoint import why
     long = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory " * 3 + "\nmore")

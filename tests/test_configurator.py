@@ -115,6 +115,21 @@ def test_a_nanogpt_style_script_that_execs_this_file_gets_its_overrides(tmp_path
     assert p.returncode == 2 and p.stderr.strip() == "error: --batch_size expects int (default 12), got 'abc'"
 
 
+def test_configure_train_checks_the_values_with_where_each_was_set_and_exits_2_on_bad_input(tmp_path, monkeypatch,
+                                                                                              capsys):
+    import configurator
+    f = tmp_path / "c.py"
+    f.write_text("batch_size = 64\n")
+    checked = []
+    monkeypatch.setattr(configurator, "check_train_config", lambda config, places: checked.append((dict(config), places)))
+    configurator.configure_train([str(f), "--learning_rate=1"], dict(DEFAULTS))
+    assert checked == [({**DEFAULTS, 'batch_size': 64, 'learning_rate': 1.0},
+                        {'batch_size': (str(f), 0), 'learning_rate': ("the command line", 1)})]
+    with pytest.raises(SystemExit) as e:
+        configurator.configure_train(["--bogus=1"], dict(DEFAULTS))
+    assert e.value.code == 2 and capsys.readouterr().err == "error: unknown config key 'bogus'; see --help\n"
+
+
 def test_check_dataset_finds_a_prepared_one_by_name_or_path_and_says_how_to_prepare_one(tmp_path, capsys):
     from configurator import check_dataset
     named = tmp_path / "data" / "tiny"
@@ -129,6 +144,16 @@ def test_check_dataset_finds_a_prepared_one_by_name_or_path_and_says_how_to_prep
     assert e.value.code == 2
     assert capsys.readouterr().err == (f"error: dataset 'tiny' is not prepared ({named / 'val.bin'} is missing); "
                                        f"run: python data/tiny/prepare.py\n")
+
+
+def test_dataset_vocab_size_is_meta_pkls_or_none_for_gpt2s_bpe(tmp_path, capsys):
+    import pickle
+    from configurator import dataset_vocab_size
+    assert dataset_vocab_size(str(tmp_path)) is None
+    with open(tmp_path / "meta.pkl", "wb") as f:
+        pickle.dump({'vocab_size': 65, 'itos': {}, 'stoi': {}}, f)
+    assert dataset_vocab_size(str(tmp_path)) == 65
+    assert capsys.readouterr().out == f"found vocab_size = 65 (inside {tmp_path / 'meta.pkl'})\n"
 
 
 @pytest.mark.parametrize("args, words", [

@@ -266,3 +266,11 @@ def test_an_architecture_that_cannot_be_built_is_one_line(change, words):
     with pytest.raises(ValueError) as error:
         GPT(GPTConfig(**{**CFG, **change}))
     assert words in str(error.value) and '\n' not in str(error.value)
+
+
+def test_the_grad_scaler_scales_float16_alone_and_is_the_sharded_one_under_fsdp():
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from model import grad_scaler
+    assert grad_scaler('cpu', enabled=True).is_enabled() and not grad_scaler('cpu', enabled=False).is_enabled()
+    assert not isinstance(grad_scaler('cpu', enabled=True), ShardedGradScaler)
+    assert isinstance(grad_scaler('cpu', enabled=True, fsdp=True), ShardedGradScaler)

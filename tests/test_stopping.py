@@ -9,7 +9,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from stopping import StopSignals, stopped_message  # noqa: E402
+from stopping import StopSignals, diverged_message, log_step_or_stop, stopped_message  # noqa: E402
 
 
 @pytest.fixture
@@ -54,6 +54,32 @@ def test_the_stopped_message_gives_the_resume_command(monkeypatch):
     assert line == ("stopped by SIGTERM after iter 12 (34,567 tokens); ckpt.pt holds iter 12; "
                     "to go on: python train.py config/x.py '--out_dir=a b' --init_from=resume")
     assert "torchrun command" in stopped_message(signal.SIGINT, 1, 1, "nothing", distributed=True)
+
+
+def test_the_diverged_message_says_what_was_skipped_and_what_ckpt_pt_keeps():
+    assert diverged_message(9, 5, "iter 4") == (
+        "stopping at iter 9: the last 5 steps had a non-finite loss or gradient and were skipped (the run diverged: "
+        "try a lower --learning_rate); ckpt.pt keeps iter 4")
+
+
+def test_a_failed_log_write_stops_the_run_with_code_1_and_its_row_dropped(tmp_path, capsys):
+    import errno
+    from tracker import LogWrapper, LogWriteError
+
+    class FullDisk(LogWrapper):
+        def step(self):
+            raise LogWriteError(errno.ENOSPC, f"{self.path}: appending a row failed, the disk is full")
+    log = LogWrapper(out_dir=tmp_path)
+    log.log({'lr': 0.1})
+    log_step_or_stop(log)
+    log.close()
+    assert (tmp_path / "log.csv").read_text() == "step,lr\n0,0.1\n"
+    log = FullDisk(out_dir=tmp_path, resume_step=1)
+    log.log({'lr': 0.2})
+    with pytest.raises(SystemExit) as e:
+        log_step_or_stop(log)
+    assert e.value.code == 1 and log.log_dict == {} and (tmp_path / "log.csv").read_text() == "step,lr\n0,0.1\n"
+    assert capsys.readouterr().err == f"error: {tmp_path / 'log.csv'}: appending a row failed, the disk is full\n"
 
 
 # a gloo callback that takes the GIL back while the main thread has already begun to exit: on

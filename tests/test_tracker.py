@@ -820,3 +820,22 @@ def test_a_missing_or_empty_log_says_which_steps_are_gone(tmp_path, content):
     first_kept = 3 if content and b"3,3" in content else 5
     missing = f"steps 0 to {first_kept - 1} are missing"
     assert len(caught) == 1 + (first_kept < 5) and missing in str(caught[0].message), [str(w.message) for w in caught]
+
+
+def test_log_for_run_writes_the_config_and_layer_kinds_and_nothing_with_eval_only(tmp_path):
+    from tracker import log_for_run
+    config = dict(out_dir=str(tmp_path / "out"), eval_only=False, wandb_log=False, wandb_project="owt",
+                  wandb_run_name="gpt2")
+    for resume_step, lr in ((None, 0.1), (1, 0.2)):  # a resumed run's rows follow the kept ones
+        log = log_for_run(config, resume_step, {"lm_head.weight": "linear"})
+        log.log({"lr": lr})
+        log.step()
+        log.close()
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f) == config
+    with open(tmp_path / "out" / "layer_kinds.json") as f:
+        assert json.load(f) == {"lm_head.weight": "linear"}
+    assert read_csv(tmp_path / "out" / "log.csv") == [["step", "lr"], ["0", "0.1"], ["1", "0.2"]]
+    log = log_for_run(dict(config, out_dir=str(tmp_path / "eval"), eval_only=True), 1, {"lm_head.weight": "linear"})
+    log.close()
+    assert not os.path.exists(tmp_path / "eval")
