@@ -84,11 +84,12 @@ def check_train_config(config, places=None):
     both units from one place is an error.
     """
     places = places or {}
+    from buffered import PER_EXAMPLE_MODES
     from layer_config import FLAG_CLASSES  # here: imports torch
     from schedules import LR_DECAY_SHAPES
     choices = {**{flag: tuple(values) for flag, values in FLAG_CLASSES.items()},
                'gns_hooks': ('none', 'sogns', 'exact'), 'dtype': ('float32', 'bfloat16', 'float16'),
-               'lr_decay_shape': LR_DECAY_SHAPES}
+               'lr_decay_shape': LR_DECAY_SHAPES, 'per_example_mode': PER_EXAMPLE_MODES}
     for key, allowed in choices.items():
         if config[key] not in allowed:
             die(f"--{key}={config[key]!r} is not one of {', '.join(allowed)}")

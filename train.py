@@ -27,7 +27,7 @@ import gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state,
                         save_training_state, step_seed)
 from configurator import ConfigError, check_dataset, check_device, check_train_config, configure, die
-from buffered import layer_kinds
+from buffered import layer_kinds, linear_norm_methods, set_per_example_mode
 from layer_config import classes_for_flags, set_contextual_config
 from model import GPTConfig, fully_shard_gpt
 from schedules import lr_at, step_sizes_for_run
@@ -73,6 +73,9 @@ device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
 linearclass = 'nn'
 embeddingclass = 'nn'
 lnclass = 'nn'
+# the measured Linears' weight norms: auto (each times the ghost norm and materialised per-example
+# gradients at its first step, kept on resume), shapes (a flop rule: two runs agree to the bit), ghost, materialise
+per_example_mode = 'auto'
 # earlier estimators, logged beside the exact one for comparison: hooks on nn.Linear layers
 # (gnshooks.py), the micro-batch estimator (microbatch_gns.py)
 gns_hooks = 'none'  # none, sogns or exact
@@ -204,6 +207,7 @@ with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddin
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
 config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
+set_per_example_mode(model, per_example_mode)
 iter_num = int(checkpoint.get('iter_num', 0)) if checkpoint else 0
 best_val_loss = float(checkpoint.get('best_val_loss', 1e9)) if checkpoint else 1e9
 model.to(device)
@@ -314,6 +318,8 @@ def evaluate_and_checkpoint():
 def log_step():  # a failed write (a full disk) ends the run: log.csv keeps its complete rows for resume
     try:
         logger.step()
+        if local_iter_num == 1:  # the method each measured Linear chose in this process's first step
+            logger.record_norm_methods(linear_norm_methods(raw_model))
     except LogWriteError as e:
         stop_early(f"error: {e}", 1, logger, ddp)
 
