@@ -49,6 +49,7 @@ torch.compile: every class compiles (the buffers are handed to the autograd Func
 inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts).
 """
 import math
+import time
 import warnings
 
 import torch
@@ -255,12 +256,17 @@ def sum_of_squares(t):
         return torch.stack([torch.dot(p, p) for p in pieces]).sum(dtype=torch.float64).float()
     if low:
         return torch.linalg.vector_norm(flat, dtype=torch.float32).square()
-    return torch.dot(flat, flat).float()
+    return _cast(torch.dot(flat, flat), torch.float32)
 
 
 def _chunk(per_example_numel, B, max_chunk_numel):
     """How many examples to process at once so the temporaries stay under max_chunk_numel."""
     return max(1, min(B, max_chunk_numel // max(1, per_example_numel)))
+
+
+def _cast(t, dtype):
+    """t in dtype, without a call when it is already (a no-op .to() still costs a dispatch)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 # Fused layers: use the ghost norm when T^2 (K+L) < FUSED_GHOST_RATIO * K L. The crossover
@@ -269,20 +275,51 @@ def _chunk(per_example_numel, B, max_chunk_numel):
 # Gram matrices take far less memory than B*K*L per-example weight gradients.
 FUSED_GHOST_RATIO = 48
 
+# How a measured Linear chooses between the ghost norm and materialised per-example weight
+# gradients (its per_example_mode): "auto" times both on its own tensors at its first measured
+# backward and keeps the faster (linear_norm_methods reads the choices); "shapes" the flop rule
+# of _use_ghost at every call (what two runs agree on bit for bit; None, its earlier name, is the
+# same); or one of the two, forced.
+PER_EXAMPLE_MODES = ("auto", "shapes", "ghost", "materialise")
+NORM_METHODS = ("ghost", "materialise")
+TIMING_REPEATS = 3  # runs of each method when choosing; the fastest run of each is compared
+
 
 def _use_ghost(T, K, L, fused, mode):
     """Ghost norm or materialised per-example weight gradients, from shapes only (T = tokens
-    per example). Shim: materialising costs the weight GEMM again, 2TKL flops per example,
-    against the ghost norm's 2T^2(K+L). Fused: the materialised W_b are the weight GEMM
-    itself split by example, so materialising costs only a batched GEMM and memory traffic
-    (~KL per example, dear when T is small) against the ghost's 2T^2(K+L) extra flops."""
-    if mode is not None:
-        if mode not in ("ghost", "materialise"):
-            raise ValueError(f"per_example_mode must be 'ghost', 'materialise' or None, not {mode!r}")
+    per example), or as `mode` forces. Shim: materialising costs the weight GEMM again, 2TKL
+    flops per example, against the ghost norm's 2T^2(K+L). Fused: the materialised W_b are the
+    weight GEMM itself split by example, so materialising costs only a batched GEMM and memory
+    traffic (~KL per example, dear when T is small) against the ghost's 2T^2(K+L) extra flops."""
+    if mode not in ("shapes", None):  # None: "shapes", as it was called before "auto" came
+        if mode not in NORM_METHODS:
+            raise ValueError(f"per_example_mode must be one of {', '.join(map(repr, PER_EXAMPLE_MODES))}, not {mode!r}")
         return mode == "ghost"
     if fused:
         return T * T * (K + L) < FUSED_GHOST_RATIO * K * L
     return T * (K + L) < K * L
+
+
+def _timed_choice(layer, ways, device):
+    """
+    Run each of `ways` ({method: function computing the weight's norm and whatever goes with it})
+    TIMING_REPEATS times on the layer's own tensors, keep the method of the fastest single run on
+    `layer` (its norm_method) and return that method's result: its norm is then added once, like
+    any other call's. The functions must not write to the buffers.
+    """
+    fastest, results = {}, {}
+    for method, way in ways.items():
+        fastest[method] = math.inf
+        for _ in range(TIMING_REPEATS):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            results[method] = way()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            fastest[method] = min(fastest[method], time.perf_counter() - start)
+    layer.norm_method = min(fastest, key=fastest.get)
+    return results[layer.norm_method]
 
 
 def _weight_sqnorm_ghost(x, dy, max_chunk_numel):
@@ -292,13 +329,19 @@ def _weight_sqnorm_ghost(x, dy, max_chunk_numel):
     L = dy.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)
     chunk = _chunk(2 * T * T + T * (K + L), B, max_chunk_numel)
+    if chunk >= B:  # one chunk: no slices
+        return _gram_dot(_cast(x, acc), _cast(dy, acc))
     total = None
     for s in range(0, B, chunk):
-        xc, dc = x[s:s + chunk].to(acc), dy[s:s + chunk].to(acc)
-        gram_x, gram_dy = torch.bmm(xc, xc.mT), torch.bmm(dc, dc.mT)
-        part = torch.dot(gram_x.view(-1), gram_dy.view(-1)).float()  # <G_x, G_dy> over the chunk
+        part = _gram_dot(_cast(x[s:s + chunk], acc), _cast(dy[s:s + chunk], acc))
         total = part if total is None else total + part
     return total
+
+
+def _gram_dot(x, dy):
+    """<x_b x_b^T, dy_b dy_b^T> summed over the examples of x [c, T, K] and dy [c, T, L], as float32."""
+    gram_x, gram_dy = torch.bmm(x, x.mT), torch.bmm(dy, dy.mT)
+    return _cast(torch.dot(gram_x.view(-1), gram_dy.view(-1)), torch.float32)
 
 
 def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
@@ -313,7 +356,8 @@ def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
     total = grad = None
     q_parts = []
     for s in range(0, B, chunk):
-        per_example = torch.bmm(dy[s:s + chunk].mT, x[s:s + chunk])  # [chunk, L, K]
+        xc, dc = (x, dy) if chunk >= B else (x[s:s + chunk], dy[s:s + chunk])  # one chunk: no slices
+        per_example = torch.bmm(dc.mT, xc)  # [chunk, L, K]
         part = sum_of_squares(per_example)
         total = part if total is None else total + part
         if want_grad:
@@ -482,11 +526,11 @@ class _LinearFn(torch.autograd.Function):
     """y = x W^T + b whose backward computes dx, dW, db and the per-example norms together."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, max_chunk_numel):
+    def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel):
         ctx.save_for_backward(x, weight, ids)
         ctx.bufs = (w_sq, b_sq, count)
         ctx.has_bias, ctx.linked = bias is not None, link_q is not None
-        ctx.ghost, ctx.max_chunk_numel = ghost, max_chunk_numel
+        ctx.ghost, ctx.chooser, ctx.max_chunk_numel = ghost, chooser, max_chunk_numel
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -499,30 +543,45 @@ class _LinearFn(torch.autograd.Function):
         dx = dw = db = q = h_sq = None
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(weight)
-        if ctx.needs_input_grad[1]:
-            measured = w_sq is not None or ctx.linked
+        if ctx.needs_input_grad[1] and (w_sq is not None or ctx.linked):
             ids2 = ids.reshape(B, -1) if ctx.linked else None
-            if measured and not ctx.ghost:
-                sq, dw32, q = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, True, ids2)
-                dw = dw32.to(weight.dtype)
-            else:
+            chunk = ctx.max_chunk_numel
+
+            def ghost():
                 dw = dy.reshape(-1, L).mT.mm(x.reshape(-1, K))
-                if measured:
-                    sq = _weight_sqnorm_ghost(x3, dy3, ctx.max_chunk_numel)
-                if ctx.linked:
-                    q = _head_grad_at_ids(x3, dy3, ids2, ctx.max_chunk_numel)
+                q = _head_grad_at_ids(x3, dy3, ids2, chunk) if ctx.linked else None
+                return _weight_sqnorm_ghost(x3, dy3, chunk), dw, q
+
+            def materialised():
+                sq, dw, q = _weight_sqnorm_materialised(x3, dy3, chunk, True, ids2)
+                return sq, _cast(dw, weight.dtype), q
+
+            sq, dw, q = _weight_norm(ctx, x.device, ghost, materialised)
             if ctx.linked:  # tied head: the norm and the cross-term factor go to the embedding
                 h_sq = sq
-            elif w_sq is not None:
+            else:
                 w_sq.add_(sq)
+        elif ctx.needs_input_grad[1]:
+            dw = dy.reshape(-1, L).mT.mm(x.reshape(-1, K))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             per_example = dy3.sum(1, dtype=torch.float32)  # [B, L]
-            db = per_example.sum(0).to(dy.dtype)
+            db = _cast(per_example.sum(0), dy.dtype)
             if b_sq is not None:
-                b_sq.add_(per_example.square().sum())
+                b_sq.add_(sum_of_squares(per_example))
         if count is not None:
             count.add_(B)
-        return dx, dw, db, None, None, None, None, q, h_sq, None, None
+        return dx, dw, db, None, None, None, None, q, h_sq, None, None, None
+
+
+def _weight_norm(ctx, device, ghost, materialised):
+    """The result of ghost() or materialised(): the one the layer's call chose (ctx.ghost), the one
+    its layer has chosen since, or, while its layer (ctx.chooser) has none, the faster, timed here."""
+    chooser = ctx.chooser
+    if chooser is None:
+        return ghost() if ctx.ghost else materialised()
+    if chooser.norm_method is None:
+        return _timed_choice(chooser, {"ghost": ghost, "materialise": materialised}, device)
+    return ghost() if chooser.norm_method == "ghost" else materialised()
 
 
 class _LinearNormTap(torch.autograd.Function):
@@ -530,11 +589,11 @@ class _LinearNormTap(torch.autograd.Function):
     from dy and the saved input x and hands dy on untouched."""
 
     @staticmethod
-    def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, max_chunk_numel):
+    def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel):
         ctx.save_for_backward(x, ids)
         ctx.bufs = (w_sq, b_sq, count)
         ctx.has_bias, ctx.linked = has_bias, link_q is not None
-        ctx.ghost, ctx.max_chunk_numel = ghost, max_chunk_numel
+        ctx.ghost, ctx.chooser, ctx.max_chunk_numel = ghost, chooser, max_chunk_numel
         return y.view_as(y)
 
     @staticmethod
@@ -547,25 +606,31 @@ class _LinearNormTap(torch.autograd.Function):
         q = h_sq = None
         if w_sq is not None or ctx.linked:
             ids2 = ids.reshape(B, -1) if ctx.linked else None
-            if ctx.ghost:
-                sq = _weight_sqnorm_ghost(x3, dy3, ctx.max_chunk_numel)
-                if ctx.linked:
-                    q = _head_grad_at_ids(x3, dy3, ids2, ctx.max_chunk_numel)
-            else:
-                sq, _, q = _weight_sqnorm_materialised(x3, dy3, ctx.max_chunk_numel, False, ids2)
+            chunk = ctx.max_chunk_numel
+
+            def ghost():
+                q = _head_grad_at_ids(x3, dy3, ids2, chunk) if ctx.linked else None
+                return _weight_sqnorm_ghost(x3, dy3, chunk), q
+
+            def materialised():
+                sq, _, q = _weight_sqnorm_materialised(x3, dy3, chunk, False, ids2)
+                return sq, q
+
+            sq, q = _weight_norm(ctx, x.device, ghost, materialised)
             if ctx.linked:
                 h_sq = sq
             else:
                 w_sq.add_(sq)
         if b_sq is not None:
-            b_sq.add_(dy3.sum(1, dtype=torch.float32).square().sum())
+            b_sq.add_(sum_of_squares(dy3.sum(1, dtype=torch.float32)))
         count.add_(B)
-        return dy, None, None, None, None, None, None, q, h_sq, None, None
+        return dy, None, None, None, None, None, None, q, h_sq, None, None, None
 
 
 class _MeasuredLinear(MeasuredLayer, nn.Linear):
-    """What the two Linear classes share: buffers, the tie link, autocast handling."""
-    per_example_mode = None  # None: pick ghost or materialise per call from shapes; or force one
+    """What the two Linear classes share: buffers, the tie link, autocast handling, the choice
+    between the ghost norm and materialised per-example weight gradients."""
+    per_example_mode = "auto"  # one of PER_EXAMPLE_MODES, on the class or a layer
     max_chunk_numel = 1 << 24  # bound on the float32 elements of per-example temporaries
     fused = True
     weight_transposed = False  # set by measure() for a weight stored [in, out] (Hugging Face's Conv1D)
@@ -574,6 +639,9 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         register_sqgradnorm_buffers(self)
         self._tie = None  # set by tie_weights when this is a tied output head
+        # "ghost" or "materialise": the method of this layer's last measured call; under "auto" the
+        # one it keeps (timed at its first measured backward, or restored: set_linear_norm_methods)
+        self.norm_method = None
 
     def forward(self, x):
         self._check_applied_once()
@@ -592,15 +660,19 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         return y.view(*x.shape[:-1], weight.shape[-1])
 
     def _measurement_args(self, x):
-        """(ids, link_q, link_s, w_sq, b_sq, ghost) for this call, or None if nothing is measured."""
+        """(ids, link_q, link_s, w_sq, b_sq, ghost, chooser) for this call, or None if nothing is
+        measured; chooser is this layer where its backward is to time both methods and choose.
+        Runs on every forward: parameters and buffers are read from their dicts (a module
+        attribute lookup goes through two __getattr__)."""
         link = self._tie.pop("link", None) if self._tie is not None else None
-        w_trains = self.weight.requires_grad
-        b_trains = self.bias is not None and self.bias.requires_grad
-        if not torch.is_grad_enabled() or not (w_trains or b_trains):
+        if not torch.is_grad_enabled():
             return None
-        # a parametrized weight (spectral norm) is computed: its per-example gradient is not
-        # the parameter's, and find_sqgradnorm_buffers does not report it
-        w_sq = self._buffers.get("weight_sqgradnorm") if w_trains and not is_parametrized(self, "weight") else None
+        # a parametrized weight (spectral norm) is computed and not in _parameters: its per-example
+        # gradient is not the parameter's, and find_sqgradnorm_buffers does not report it
+        weight, bias = self._parameters.get("weight"), self._parameters.get("bias")
+        w_trains = weight.requires_grad if weight is not None else self.weight.requires_grad
+        b_trains = bias is not None and bias.requires_grad
+        w_sq = self._buffers.get("weight_sqgradnorm") if weight is not None and w_trains else None
         b_sq = self._buffers.get("bias_sqgradnorm") if b_trains else None
         ids = link_q = link_s = None
         if link is not None and w_trains:
@@ -610,53 +682,115 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
                                  f"embedding ids' {tuple(ids.shape)} examples in its first dimension")
         if w_sq is None and b_sq is None and link_q is None:
             return None
-        T = math.prod(x.shape[1:-1])
-        ghost = _use_ghost(T, self.in_features, self.out_features, self.fused, self.per_example_mode)
-        return ids, link_q, link_s, w_sq, b_sq, ghost
+        mode, method = self.per_example_mode, self.norm_method
+        if mode == "auto" and method is not None:
+            return ids, link_q, link_s, w_sq, b_sq, method == "ghost", None
+        compiling = torch.compiler.is_compiling()
+        if mode == "auto" and not compiling:
+            return ids, link_q, link_s, w_sq, b_sq, None, self  # timed in backward
+        # the shapes decide (under torch.compile "auto" too: nothing is timed while tracing)
+        ghost = _use_ghost(math.prod(x.shape[1:-1]), self.in_features, self.out_features, self.fused,
+                           "shapes" if mode == "auto" else mode)
+        if not compiling:
+            self.norm_method = "ghost" if ghost else "materialise"
+        return ids, link_q, link_s, w_sq, b_sq, ghost, None
 
     def _autocast(self, x):
         """Cast like autocast would, outside the Function, so .grad flows back through the casts."""
+        weight, bias = self.weight, self._parameters.get("bias")  # the weight may be computed (parametrized)
+        if self.weight_transposed:
+            weight = weight.mT
         dtype = _autocast_dtype(x)
-        weight = self.weight.mT if self.weight_transposed else self.weight
         if dtype is None or not x.is_floating_point():
-            return x, weight, self.bias
-        bias = self.bias.to(dtype) if self.bias is not None else None
-        return x.to(dtype), weight.to(dtype), bias
+            return x, weight, bias
+        return x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
 
 
 class PEGradNormLinear(_MeasuredLinear):
     """
     nn.Linear whose single backward computes dx, dW, db and the per-example squared norms.
-    Per layer and call, from the shapes alone (T = tokens per example), the weight norm is
-    either materialised (W_b = dy_b^T x_b, the weight GEMM split by example: a batched GEMM,
-    summed for the weight gradient) or a ghost norm (sum((x_b x_b^T) * (dy_b dy_b^T)), one more
-    GEMM-sized pass); set `per_example_mode` ("ghost"/"materialise") on the class or a layer to
-    force one. Examples are processed in chunks of at most max_chunk_numel float32 elements of
-    temporaries (or one example, if one needs more: 2*K*L materialised, 3*T^2 + T*(K+L) ghost);
-    beyond that only [B, L] bias sums and, when materialising, two [L, K] float32 accumulators.
+    The weight's norm is either materialised (W_b = dy_b^T x_b, the weight GEMM split by example:
+    a batched GEMM, summed for the weight gradient) or a ghost norm (sum((x_b x_b^T) * (dy_b dy_b^T)),
+    one more GEMM-sized pass), as `per_example_mode` (class or layer) says: "auto" (the default)
+    times both at the layer's first measured backward and keeps the faster, "shapes" picks per call
+    from the shapes alone (T = tokens per example), "ghost" / "materialise" force one. Examples are
+    processed in chunks of at most max_chunk_numel float32 elements of temporaries (or one example,
+    if one needs more: 2*K*L materialised, 3*T^2 + T*(K+L) ghost); beyond that only [B, L] bias
+    sums and, when materialising, two [L, K] float32 accumulators.
     """
     fused = True
 
-    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
+    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost, chooser):
         x, weight, bias = self._autocast(x)
         return _LinearFn.apply(x, weight, bias, w_sq, b_sq, self.example_count, ids, link_q, link_s,
-                               ghost, self.max_chunk_numel)
+                               ghost, chooser, self.max_chunk_numel)
 
 
 class PEGradNormShimLinear(_MeasuredLinear):
     """
     nn.Linear whose backward is torch's own (so .grad is bit-identical), with the per-example
-    squared norms measured beside it from dy and the input. Ghost or materialised norms and
-    chunking as in PEGradNormLinear, except that here materialising costs the weight GEMM again.
+    squared norms measured beside it from dy and the input. Ghost or materialised norms, chosen as
+    in PEGradNormLinear, and chunking as there, except that here materialising costs the weight
+    GEMM again.
     """
     fused = False
 
-    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
-        if _autocast_dtype(x) is not None and x.is_floating_point():
-            x = x.to(_autocast_dtype(x))  # the very tensor F.linear saves, so saved only once
-        y = self._linear(x, self.weight, self.bias)
+    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost, chooser):
+        dtype = _autocast_dtype(x)
+        if dtype is not None and x.is_floating_point():
+            x = x.to(dtype)  # the very tensor F.linear saves, so saved only once
+        y = self._linear(x, self.weight, self._parameters.get("bias"))
         return _LinearNormTap.apply(y, x.detach(), self.bias is not None, w_sq, b_sq, self.example_count,
-                                    ids, link_q, link_s, ghost, self.max_chunk_numel)
+                                    ids, link_q, link_s, ghost, chooser, self.max_chunk_numel)
+
+
+def measured_linears(model):
+    """(name, layer) of every measured Linear of `model`, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _MeasuredLinear)]
+
+
+def set_per_example_mode(model, mode):
+    """Set per_example_mode (one of PER_EXAMPLE_MODES) on every measured Linear of `model`."""
+    if mode not in PER_EXAMPLE_MODES and mode is not None:
+        raise ValueError(f"per_example_mode must be one of {', '.join(map(repr, PER_EXAMPLE_MODES))}, not {mode!r}")
+    for _, layer in measured_linears(model):
+        layer.per_example_mode = mode
+
+
+def linear_norm_methods(model):
+    """{layer name: "ghost" or "materialise"} of every measured Linear that has measured its weight
+    (or had its method restored): what a checkpoint keeps and out_dir records."""
+    return {name: layer.norm_method for name, layer in measured_linears(model) if layer.norm_method is not None}
+
+
+def set_linear_norm_methods(model, methods):
+    """Give the measured Linears of `model` named in `methods` (linear_norm_methods' dict) their
+    methods: "auto" layers keep them instead of timing; other modes go on deciding per call."""
+    for name, layer in measured_linears(model):
+        if name in methods:
+            if methods[name] not in NORM_METHODS:
+                raise ValueError(f"{name}: a Linear's method is one of {', '.join(NORM_METHODS)}, not {methods[name]!r}")
+            layer.norm_method = methods[name]
+
+
+@torch.no_grad()
+def agree_linear_norm_methods(model, group=None):
+    """
+    Give every rank of `group` its first rank's method for each measured Linear (None where that
+    rank has none yet), all layers in one broadcast: each rank times its own layers, and the
+    ranks must then measure alike. Call it on every rank at the same point, as the buffers'
+    all-reduce. Returns linear_norm_methods(model).
+    """
+    layers = [layer for _, layer in measured_linears(model)]
+    if not layers:
+        return {}
+    codes = [0 if layer.norm_method is None else 1 + NORM_METHODS.index(layer.norm_method) for layer in layers]
+    codes = torch.tensor(codes, dtype=torch.int64, device=layers[0].example_count.device)
+    first = 0 if group is None else torch.distributed.get_global_rank(group, 0)
+    torch.distributed.broadcast(codes, src=first, group=group)
+    for layer, code in zip(layers, codes.tolist()):
+        layer.norm_method = None if code == 0 else NORM_METHODS[code - 1]
+    return linear_norm_methods(model)
 
 
 @torch.no_grad()
@@ -664,19 +798,22 @@ def linear_sqnorms(x, dy, weight=True, bias=True):
     """
     (sum_b ||dW_b||^2, sum_b ||db_b||^2) of a Linear y = x W^T + b from its input x [B, ..., K] and
     output gradient dy [B, ..., L], float32 0-dim (None where not asked): PEGradNormShimLinear's
-    maths, its ghost/materialise choice and chunking, for code that sees x and dy beside torch's own
-    backward (gnshooks.py). x is taken in dy's dtype, the one the layer computed in under autocast.
+    maths and chunking, for code that sees x and dy beside torch's own backward (gnshooks.py). It
+    keeps no layer to time on: ghost or materialise as PEGradNormShimLinear.per_example_mode
+    forces, else ("auto", "shapes") from the shapes. x is taken in dy's dtype, the one the layer
+    computed in under autocast.
     """
     B, K, L = _examples(x, 1), x.shape[-1], dy.shape[-1]
     x3, dy3 = x.to(dy.dtype).reshape(B, -1, K), dy.reshape(B, -1, L)
     max_chunk_numel = PEGradNormShimLinear.max_chunk_numel
+    mode = PEGradNormShimLinear.per_example_mode
     w_sq = b_sq = None
-    if weight and _use_ghost(x3.shape[1], K, L, False, PEGradNormShimLinear.per_example_mode):
+    if weight and _use_ghost(x3.shape[1], K, L, False, "shapes" if mode == "auto" else mode):
         w_sq = _weight_sqnorm_ghost(x3, dy3, max_chunk_numel)
     elif weight:
         w_sq = _weight_sqnorm_materialised(x3, dy3, max_chunk_numel, False)[0]
     if bias:
-        b_sq = dy3.sum(1, dtype=torch.float32).square().sum()
+        b_sq = sum_of_squares(dy3.sum(1, dtype=torch.float32))
     return w_sq, b_sq
 
 

@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import sys
+import warnings
 import tokenize
 from ast import literal_eval
 
@@ -97,11 +98,12 @@ def check_train_config(config, places=None):
     both units from one place is an error.
     """
     places = places or {}
+    from buffered import PER_EXAMPLE_MODES
     from layer_config import FLAG_CLASSES  # here: imports torch
     from schedules import LR_DECAY_SHAPES
     choices = {**{flag: tuple(values) for flag, values in FLAG_CLASSES.items()},
                'gns_hooks': ('none', 'sogns', 'exact'), 'dtype': ('float32', 'bfloat16', 'float16'),
-               'lr_decay_shape': LR_DECAY_SHAPES}
+               'lr_decay_shape': LR_DECAY_SHAPES, 'per_example_mode': PER_EXAMPLE_MODES}
     for key, allowed in choices.items():
         if config[key] not in allowed:
             die(f"--{key}={config[key]!r} is not one of {', '.join(allowed)}")
@@ -192,9 +194,11 @@ def check_train_config(config, places=None):
 
 def configure_train(argv, config, doc=""):
     """train.py's command line applied to its defaults `config` (configure()), then every value
-    checked (check_train_config()) before anything runs: bad input is one line and exit code 2.
-    Where each key was set goes along, so that a later place's length replaces an earlier one's
-    other unit."""
+    checked (check_train_config()) before anything runs: bad input is one line and exit code 2,
+    and from here on every warning (a resumed log's missing rows, a schedule edit refused) is one
+    line too. Where each key was set goes along, so that a later place's length replaces an
+    earlier one's other unit."""
+    warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     places = {}
     try:
         configure(argv, config, doc, places)

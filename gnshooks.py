@@ -6,7 +6,8 @@ Both kinds accumulate in float32 over the micro-steps until zero_hook_results():
 
 - 'exact' (add_exact_hooks): from the layer's input x and output gradient dy, per example
   ||sum_t dy_bt x_bt^T||^2 and ||sum_t dy_bt||^2, by buffered.linear_sqnorms (the shim layer's
-  ghost/materialise choice and chunking). The big batch is ||p.grad||.
+  maths and chunking, ghost or materialised from the shapes: a hook keeps no choice to time). The
+  big batch is ||p.grad||.
 - 'sogns' (add_sogns_hooks): the Scaled Output GNS, each example's input replaced by its RMS
   sigma_b = ||x_b|| / sqrt(T K) at every position: the surrogate W~_b = sigma_b (sum_t dy_bt) 1_K^T,
   ||W~_b||^2 = (||x_b||^2 / T) ||sum_t dy_bt||^2, exact for T = 1. As in the paper's code, the

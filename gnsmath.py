@@ -175,6 +175,8 @@ def total_columns(prefix):
 KIND_NAMES = {"linear": "Linear", "embedding": "Embedding", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 NORM_KINDS = ("layernorm", "rmsnorm")
 KINDS_NAME = "layer_kinds.json"
+# each measured Linear's ghost/materialise method ({layer name: method}), recorded after the first step
+METHODS_NAME = "linear_norm_methods.json"
 
 
 def layer_kind(name, kinds=None, norm="layernorm"):

@@ -30,7 +30,8 @@ import adamgns
 import ddpgns
 import gnshooks
 import microbatch_gns
-from buffered import all_sqgradnorm_buffers, allreduce_buffers, find_sqgradnorm_buffers, layer_kinds, sum_of_squares
+from buffered import (agree_linear_norm_methods, all_sqgradnorm_buffers, allreduce_buffers, find_sqgradnorm_buffers,
+                      layer_kinds, linear_norm_methods, measured_linears, set_linear_norm_methods, sum_of_squares)
 # the interface every estimator offers, from its leaf module (importable from here, as before)
 from estimator import Estimator, Measurement, current_scale, distributed_world_size, unwrap  # noqa: F401
 # the maths and the column names, from their torch-free home; imported here by the estimators
@@ -276,6 +277,10 @@ class ExactGNS(Estimator):
     estimates from the totals over all measured parameters, carried across a resume; and one of
     the normalisation group's alone when it has measured LayerNorms or RMSNorms (live_gns() reads
     either; the group is called 'LayerNorm' there, --bs_gns_group's value, whichever they are).
+    Under DDP each rank's measured Linears time their own ghost/materialise choice (buffered.py's
+    per_example_mode "auto"); measure() then gives every rank rank 0's, in one broadcast of them
+    all, on the step in which a layer first chose (the same step on every rank, which run the same
+    layers on the same shapes).
     """
     name = PREFIXES["exact"]
     label = "gns"
@@ -293,6 +298,8 @@ class ExactGNS(Estimator):
         self.norm_names = {n for n in self.tracker.names if layer_kind(n, kinds) in NORM_KINDS}
         if self.norm_names:
             self.groups["LayerNorm"] = GradientNoiseScale(beta=beta)
+        self.linears = [layer for _, layer in measured_linears(self.model)]
+        self.agreed_methods = None  # how many Linears had a method when the ranks last agreed on them
 
     @property
     def skipped_steps(self):
@@ -301,6 +308,10 @@ class ExactGNS(Estimator):
     def measure(self, step, examples, scaler):
         if self.tracker.world_size > 1:
             allreduce_buffers(self.buffers)  # the global batch's sums, not one rank's
+            methods = sum(layer.norm_method is not None for layer in self.linears)
+            if methods != self.agreed_methods:  # a layer chose this step: rank 0's choices for all
+                agree_linear_norm_methods(self.model)
+                self.agreed_methods = sum(layer.norm_method is not None for layer in self.linears)
         self.tracker.scaler = scaler
         measurements = self.tracker.step(batch_size=examples, step=step)
         if measurements and examples > 1:  # one example: no small batch below it
@@ -406,6 +417,7 @@ def skipped_steps_line(estimators, float16):
 # the checkpoint key of the estimators' states, and this fork's older keys of single ones
 CHECKPOINT_KEY = "gns_estimators"
 GROUPS_KEY = "gns_groups"
+METHODS_KEY = "linear_norm_methods"  # each measured Linear's ghost/materialise method (buffered.linear_norm_methods)
 OLDER_CHECKPOINT_KEYS = {"live_gns": PREFIXES["exact"], "ddp_gns": PREFIXES["ddp"]}
 
 
@@ -415,13 +427,18 @@ def save_states(estimators, checkpoint):
     # the exact estimator's live GNS of its groups other than the total (the batch-size controller's)
     checkpoint[GROUPS_KEY] = {g: gns.state_dict() for e in estimators if isinstance(e, ExactGNS)
                               for g, gns in e.groups.items() if g != "total"}
+    # the Linears' methods, so that a resumed run measures as the run it continues (the two
+    # methods' norms are exact, but not to the bit)
+    checkpoint[METHODS_KEY] = {name: method for e in estimators if isinstance(e, ExactGNS)
+                               for name, method in linear_norm_methods(e.model).items()}
 
 
 def load_states(estimators, checkpoint):
     """
-    Restore the estimators' states from a checkpoint dict: save_states()'s, or this fork's older
-    'live_gns' (the exact estimator's) and 'ddp_gns'. An estimator without a state there starts afresh
-    (nanoGPT's and the reference's checkpoints have none); a state without its estimator is ignored.
+    Restore the estimators' states from a checkpoint dict: save_states()'s (with the measured
+    Linears' methods), or this fork's older 'live_gns' (the exact estimator's) and 'ddp_gns'. An
+    estimator without a state there starts afresh (nanoGPT's and the reference's checkpoints have
+    none); a state without its estimator is ignored.
     """
     states = checkpoint.get(CHECKPOINT_KEY)
     if states is None:
@@ -432,6 +449,8 @@ def load_states(estimators, checkpoint):
         for group, state in checkpoint.get(GROUPS_KEY, {}).items():
             if isinstance(e, ExactGNS) and group in e.groups:
                 e.groups[group].load_state_dict(state)
+        if isinstance(e, ExactGNS):
+            set_linear_norm_methods(e.model, checkpoint.get(METHODS_KEY, {}))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,8 @@ is replaced at the first step()).
 
 out_dir/config.json holds the run's configuration (rewritten by a resumed run);
 out_dir/layer_kinds.json, where record_kinds() writes it, the kind of each measured parameter.
+out_dir/linear_norm_methods.json, where record_norm_methods() writes it, each measured Linear's
+ghost/materialise method.
 """
 import atexit
 import csv
@@ -281,6 +283,16 @@ class LogWrapper:
             from gnsmath import KINDS_NAME  # here: gnsmath imports numpy, which the tracker does not need
             text = json.dumps(dict(kinds), indent=1).encode("utf-8")
             _replace_file(os.path.join(self.out_dir, KINDS_NAME), lambda f: f.write(text), "writing the layer kinds")
+
+    def record_norm_methods(self, methods):
+        """Write out_dir/linear_norm_methods.json: {layer name: 'ghost' or 'materialise'}, the method
+        each measured Linear measures its weight with (buffered.linear_norm_methods(model), chosen
+        in the first step). Nothing without out_dir."""
+        if self.out_dir is not None:
+            from gnsmath import METHODS_NAME
+            text = json.dumps(dict(methods), indent=1).encode("utf-8")
+            _replace_file(os.path.join(self.out_dir, METHODS_NAME), lambda f: f.write(text),
+                          "writing the Linears' methods")
 
     def log(self, values):
         """Add values (a dict of name -> number or string) to this step's row; later values win."""

@@ -11,7 +11,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from contextlib import nullcontext
 
 from stopping import interrupt_in_one_line
@@ -25,7 +24,7 @@ import gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
                         resumed_counts, save_training_state, step_seed, training_run_state)
 from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
-from buffered import layer_kinds
+from buffered import layer_kinds, linear_norm_methods, set_per_example_mode
 from layer_config import classes_for_flags, set_contextual_config
 from model import fully_shard_gpt, grad_scaler
 from schedules import lr_at, step_sizes_for_run
@@ -71,6 +70,7 @@ device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
 linearclass = 'nn'
 embeddingclass = 'nn'
 lnclass = 'nn'
+per_example_mode = 'auto'  # Linears' weight norms: auto (timed at the first step), shapes (bit-reproducible), ghost, materialise
 # earlier estimators, logged beside the exact one for comparison: hooks on nn.Linear layers
 # (gnshooks.py), the micro-batch estimator (microbatch_gns.py)
 gns_hooks = 'none'  # none, sogns or exact
@@ -121,8 +121,6 @@ configure_train(sys.argv[1:], config, __doc__)  # every value checked before any
 globals().update(config)
 device_type = check_device(device)
 data_dir = check_dataset(dataset, root=os.path.dirname(os.path.abspath(__file__)))  # prepared, or exit 2
-# warnings (a resumed log's missing rows, a schedule edit refused) are one line each, like errors
-warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
 
 # DDP: a torchrun launch sets RANK
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -188,6 +186,7 @@ with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddin
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
 config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
+set_per_example_mode(model, per_example_mode)
 iter_num, best_val_loss, nonfinite_steps = resumed_counts(checkpoint)  # nonfinite_steps: steps in a row skipped, not finite
 model.to(device)
 if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
@@ -358,8 +357,8 @@ while eval_only or not finished(tokens_processed, iter_num):
     local_iter_num += 1
     if last_step and (master_process or fsdp):  # the final evaluation (and checkpoint), on the last step's row
         evaluate_and_checkpoint()
-    if master_process:
-        log_step_or_stop(logger, ddp)
+    if master_process:  # in this process's first step, also the method each measured Linear chose
+        log_step_or_stop(logger, ddp, linear_norm_methods(raw_model) if local_iter_num == 1 else None)
     if not last_step and nonfinite_steps >= max_nonfinite_steps:
         stop_early(diverged_message(iter_num, nonfinite_steps, last_checkpoint), 1, logger, ddp)
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ddpgns  # noqa: E402
 from stopping import leave  # noqa: E402
 import gnstracking  # noqa: E402
-from buffered import measure, register_sqgradnorm_buffers  # noqa: E402
+from buffered import (NORM_METHODS, linear_norm_methods, measure, measured_linears,  # noqa: E402
+                      register_sqgradnorm_buffers, set_linear_norm_methods)
 from gns_fixtures import MEASURED, example_sqnorms, per_example_grads, tiny_gpt, tiny_hf  # noqa: E402
 
 MICRO_STEPS = 2
@@ -182,7 +183,30 @@ def every_estimator(rank, world):
         steps.append(dict(row=row, status=[e.status() for e in estimators], line=gnstracking.status_line(estimators)))
     states = {}
     gnstracking.save_states(estimators, states)
-    return dict(names=[e.name for e in estimators], steps=steps, states=states[gnstracking.CHECKPOINT_KEY])
+    return dict(names=[e.name for e in estimators], steps=steps, states=states[gnstracking.CHECKPOINT_KEY],
+                methods=linear_norm_methods(raw))
+
+
+def rank_zero_methods_win(rank, world):
+    """Each rank's Linears start from methods of their own (as if each had timed them differently):
+    after the exact estimator's first measure() every rank holds rank 0's, from one broadcast; the
+    second step broadcasts nothing."""
+    raw = tiny_gpt(0, **MEASURED)
+    model = DDP(raw, broadcast_buffers=False)
+    names = [name for name, _ in measured_linears(raw)]
+    own = {name: NORM_METHODS[(i + rank) % 2] for i, name in enumerate(names)}  # rank 1: each the other one
+    set_linear_norm_methods(raw, own)
+    estimators = gnstracking.estimators_for(raw, world_size=world, ddp_model=model)
+    calls = []
+    broadcast = dist.broadcast
+    dist.broadcast = lambda *a, **k: (calls.append(1), broadcast(*a, **k))[1]
+    try:
+        optimizer = torch.optim.SGD(raw.parameters(), lr=0.1)
+        interface_steps(model, raw, estimators, optimizer, 2,
+                        lambda m, step, micro_step: m(*interface_batch(step, micro_step, rank))[1], "train/gns/")
+    finally:
+        dist.broadcast = broadcast
+    return dict(own=own, after=linear_norm_methods(raw), broadcasts=len(calls))
 
 
 def hf_batch(step, micro_step, rank):
@@ -275,6 +299,7 @@ def main():
                   buffers=buffers_allreduce(rank, world),
                   known=known_noise_scale(rank, world),
                   interface=every_estimator(rank, world),
+                  methods=rank_zero_methods_win(rank, world),
                   hf=measured_hf_gpt2(rank, world),
                   adam=adam_preconditioned(rank, world),
                   hf_fsdp=fsdp_hf_gpt2(rank, world))

@@ -111,7 +111,7 @@ def check(layer, plain, batches, rtol=1e-5, grad_exact=None):
 # Linear
 
 @pytest.mark.parametrize("cls", LINEARS)
-@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+@pytest.mark.parametrize("mode", buffered.PER_EXAMPLE_MODES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(5, 6), (3, 4, 6), (2, 3, 2, 6)])
 @pytest.mark.parametrize("steps", [1, 2, 3])
@@ -146,14 +146,96 @@ def test_linear_chunks_bound_memory_and_agree(cls, mode, monkeypatch):
     assert ran and other not in ran
 
 
-def test_automatic_choice_follows_the_shapes():
-    assert buffered._use_ghost(1, 384, 384, True, None)  # one token per example: ghost
-    assert not buffered._use_ghost(1024, 768, 768, True, None)  # long sequences: materialise
-    assert buffered._use_ghost(256, 384, 1536, False, None)  # shim: T (K+L) < K L
-    assert not buffered._use_ghost(256, 384, 65, False, None)
+def test_the_shape_rule_follows_the_shapes():
+    assert buffered._use_ghost(1, 384, 384, True, "shapes")  # one token per example: ghost
+    assert not buffered._use_ghost(1024, 768, 768, True, "shapes")  # long sequences: materialise
+    assert buffered._use_ghost(256, 384, 1536, False, "shapes")  # shim: T (K+L) < K L
+    assert not buffered._use_ghost(256, 384, 65, False, "shapes")
     assert buffered._use_ghost(1024, 8, 8, True, "ghost") and not buffered._use_ghost(1, 8, 8, True, "materialise")
     with pytest.raises(ValueError):
         buffered._use_ghost(1, 2, 2, True, "sometimes")
+
+
+def test_none_is_the_shape_rule_as_before_auto_came():
+    for shape in ((1, 384, 384, True), (1024, 768, 768, True), (256, 384, 1536, False), (256, 384, 65, False)):
+        assert buffered._use_ghost(*shape, None) == buffered._use_ghost(*shape, "shapes")
+    layer = buffered.PEGradNormLinear(8, 4)
+    buffered.set_per_example_mode(layer, None)
+    layer(torch.randn(2, 3, 8)).sum().backward()
+    assert layer.norm_method == ("ghost" if buffered._use_ghost(3, 8, 4, True, "shapes") else "materialise")
+
+
+class FakeClock:
+    """time.perf_counter for buffered.py that a run of the ghost norm advances by `ghost` and one of
+    the materialised weight gradients by `materialise`: which method is faster, without timing."""
+
+    def __init__(self, monkeypatch, ghost, materialise):
+        self.now, self.runs = 0.0, []
+        monkeypatch.setattr(buffered, "time", self)
+        for name, cost in (("_weight_sqnorm_ghost", ghost), ("_weight_sqnorm_materialised", materialise)):
+            fn = getattr(buffered, name)
+            monkeypatch.setattr(buffered, name, lambda *a, _fn=fn, _name=name, _cost=cost, **k:
+                                self.runs.append(_name) or self.tick(_cost) or _fn(*a, **k))
+
+    def tick(self, seconds):
+        self.now += seconds
+
+    def perf_counter(self):
+        return self.now
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+@pytest.mark.parametrize("faster", ["ghost", "materialise"])
+def test_auto_times_both_methods_at_the_first_backward_keeps_the_faster_and_counts_its_norm_once(cls, faster,
+                                                                                                 monkeypatch):
+    torch.manual_seed(2)
+    clock = FakeClock(monkeypatch, ghost=1.0 if faster == "ghost" else 2.0, materialise=1.0 if faster != "ghost" else 2.0)
+    layer, plain = twins(cls, 6, 5)
+    assert layer.per_example_mode == "auto" and layer.norm_method is None
+    batches = float_batches(3, (4, 3, 6), 5)
+    check(layer, plain, batches)  # three micro-steps into the buffers: each norm added once
+    assert layer.norm_method == faster
+    timed = [f"_weight_sqnorm_{m}" for m in ("ghost", "materialised") for _ in range(buffered.TIMING_REPEATS)]
+    chosen = "_weight_sqnorm_ghost" if faster == "ghost" else "_weight_sqnorm_materialised"
+    assert clock.runs == timed + [chosen, chosen]  # timed once, at the first backward only
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+def test_auto_chooses_once_when_two_forwards_precede_the_first_backward(cls, monkeypatch):
+    clock = FakeClock(monkeypatch, ghost=1.0, materialise=2.0)
+    layer = cls(6, 5)
+    x = torch.randn(4, 3, 6)
+    y1, y2 = layer(x), layer(x)  # both forwards before any method is chosen
+    (y1.sum() + y2.sum()).backward()
+    assert layer.norm_method == "ghost" and len(clock.runs) == 2 * buffered.TIMING_REPEATS + 1
+
+
+@pytest.mark.parametrize("cls", LINEARS)
+def test_a_restored_method_is_kept_without_timing_and_other_modes_decide_per_call(cls, monkeypatch):
+    clock = FakeClock(monkeypatch, ghost=1.0, materialise=2.0)
+    model = nn.Sequential(cls(6, 5), nn.Tanh(), cls(5, 4))
+    buffered.set_linear_norm_methods(model, {"0": "materialise", "2": "ghost"})
+    assert buffered.linear_norm_methods(model) == {"0": "materialise", "2": "ghost"}
+    model(torch.randn(4, 3, 6)).sum().backward()
+    assert sorted(clock.runs) == ["_weight_sqnorm_ghost", "_weight_sqnorm_materialised"]  # one run each, untimed
+    # a pinned mode decides per call and says what it used; the restored method is not used
+    buffered.set_per_example_mode(model, "shapes")
+    model(torch.randn(4, 1, 6)).sum().backward()  # one token per example: the ghost norm in both
+    assert buffered.linear_norm_methods(model) == {"0": "ghost", "2": "ghost"}
+    with pytest.raises(ValueError, match="sometimes"):
+        buffered.set_linear_norm_methods(model, {"0": "sometimes"})
+    with pytest.raises(ValueError, match="sometimes"):
+        buffered.set_per_example_mode(model, "sometimes")
+
+
+def test_nothing_is_timed_while_torch_compile_traces(monkeypatch):
+    """Under torch.compile (is_compiling) an undecided "auto" layer takes the shape rule and keeps no
+    choice: the compiled graph holds one method, and the saved choice or the rule is all it can use."""
+    clock = FakeClock(monkeypatch, ghost=1.0, materialise=2.0)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    layer = PEGradNormLinear(6, 5)
+    layer(torch.randn(4, 1, 6)).sum().backward()
+    assert clock.runs == ["_weight_sqnorm_ghost"] and layer.norm_method is None
 
 
 # T = 4, K = L = 4: the shim materialises (T (K+L) >= K L) where the fused rule would take the ghost
@@ -161,12 +243,13 @@ def test_automatic_choice_follows_the_shapes():
 @pytest.mark.parametrize("shape", [(3, 4, 4), (5, 4), (2, 2, 2, 4)], ids=["materialise", "ghost-2d", "materialise-4d"])
 @pytest.mark.parametrize("dy_dtype", [torch.float32, torch.bfloat16])
 def test_linear_sqnorms_are_the_shim_layers_own(shape, dy_dtype, monkeypatch):
-    """What gnshooks.py computes beside torch's backward: the shim layer's numbers to the bit (its
-    ghost/materialise choice and chunks), from an input in another dtype than the output gradient
-    (autocast), and against brute force."""
+    """What gnshooks.py computes beside torch's backward: the numbers of a shim layer that chooses
+    from the shapes, to the bit (its ghost/materialise choice and chunks), from an input in another
+    dtype than the output gradient (autocast), and against brute force."""
     monkeypatch.setattr(PEGradNormShimLinear, "max_chunk_numel", 40)  # a few examples per chunk
     torch.manual_seed(3)
     layer = PEGradNormShimLinear(4, 4)
+    layer.per_example_mode = "shapes"  # linear_sqnorms' rule under the default "auto"
     x = torch.randn(shape)
     dy = torch.randn(*shape[:-1], 4).to(dy_dtype)
     ran = []
@@ -832,7 +915,7 @@ def test_tied_head_with_mismatched_examples_is_an_error():
 @settings(max_examples=40, deadline=None)
 @given(kind=st.sampled_from(["gns", "shim", "ln", "rms"]), B=st.integers(1, 4), T=st.integers(1, 5),
        K=st.integers(1, 6), L=st.integers(1, 6), bias=st.booleans(), steps=st.integers(1, 3),
-       dtype=st.sampled_from([torch.float32, torch.float64]), mode=st.sampled_from([None, "ghost", "materialise"]))
+       dtype=st.sampled_from([torch.float32, torch.float64]), mode=st.sampled_from(buffered.PER_EXAMPLE_MODES))
 def test_property_linear_and_layernorm(kind, B, T, K, L, bias, steps, dtype, mode):
     torch.manual_seed(B * 1000 + T * 100 + K * 10 + L)
     if kind == "ln":
@@ -862,7 +945,7 @@ def test_property_embedding(cls, B, T, V, D, steps, padding, dtype):
 @settings(max_examples=15, deadline=None)
 @given(Embedding=st.sampled_from(EMBEDDINGS), Head=st.sampled_from(LINEARS), B=st.integers(1, 3),
        T=st.integers(1, 5), V=st.integers(1, 9), D=st.integers(1, 4), steps=st.integers(1, 2),
-       mode=st.sampled_from(["ghost", "materialise"]))
+       mode=st.sampled_from(buffered.PER_EXAMPLE_MODES))
 def test_property_tied(Embedding, Head, B, T, V, D, steps, mode):
     torch.manual_seed(B * 1000 + T * 100 + V * 10 + D)
     model, plain = TiedLM(Embedding, Head, V, D), TiedLM(nn.Embedding, nn.Linear, V, D)

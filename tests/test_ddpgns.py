@@ -305,6 +305,18 @@ def test_every_estimator_through_the_interface_on_two_ranks_equals_one_process(d
 
 
 @pytest.mark.slow
+def test_the_ranks_measure_each_linear_with_rank_zeros_method(ddp_worker_ranks):
+    """Each rank times its own Linears; the exact estimator gives all ranks rank 0's choices (one
+    broadcast of them all, once), so the ranks measure alike."""
+    timed = [r['interface']['methods'] for r in ddp_worker_ranks]
+    assert timed[0] == timed[1] and len(timed[0]) > 0
+    own = [r['methods']['own'] for r in ddp_worker_ranks]
+    assert all(own[0][name] != own[1][name] for name in own[0])  # each rank started from other methods
+    for r in ddp_worker_ranks:
+        assert r['methods']['after'] == own[0] and r['methods']['broadcasts'] == 1
+
+
+@pytest.mark.slow
 def test_measured_hugging_face_gpt2_on_two_ranks_equals_one_process(ddp_worker_ranks):
     """buffered.measure on Hugging Face's GPT-2 (Conv1D layers, the wte = lm_head tie, [1, T]
     positions) under DDP: each parameter's norms and the GNS are what one process gets on the same

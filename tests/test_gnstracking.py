@@ -665,11 +665,15 @@ def interface_run(model, steps, hooks, scaler):
 def test_the_interface_logs_what_todays_functions_log(hooks, scale):
     """Three steps of two micro-steps: the same columns, in the same order, with the same numbers,
     to the bit (the hooks and micro-batch estimators now read p.grad before unscale_ and divide the
-    scale out: a power of two, as GradScaler's always is, divides exactly)."""
+    scale out: a power of two, as GradScaler's always is, divides exactly). Two models: their
+    Linears choose from the shapes, as two timed choices need not agree."""
     steps = gpt_micro_batches(3, 2, 3)
     make_scaler = lambda: torch.amp.GradScaler("cpu", init_scale=scale or 1.0, enabled=scale is not None)
-    want, live_state = todays_run(tiny_gpt(**MEASURED), steps, hooks, make_scaler())
-    got, estimators = interface_run(tiny_gpt(**MEASURED), steps, hooks, make_scaler())
+    models = [tiny_gpt(**MEASURED), tiny_gpt(**MEASURED)]
+    for model in models:
+        buffered.set_per_example_mode(model, "shapes")
+    want, live_state = todays_run(models[0], steps, hooks, make_scaler())
+    got, estimators = interface_run(models[1], steps, hooks, make_scaler())
     assert [e.name for e in estimators] == ["train/gns", f"train/{'hooks_gns' if hooks == 'exact' else 'sogns'}",
                                             "train/microbatch_gns"]
     for (want_row, want_status), (got_row, got_status) in zip(want, got):
@@ -770,6 +774,33 @@ def test_checkpoint_states_round_trip_and_older_checkpoints_load(tmp_path):
     gnstracking.load_states(nothing, {"model": {}, "iter_num": 3})
     gnstracking.load_states(nothing, {"ddp_gns": ddp.state_dict()})
     assert nothing[0].status() == "gns nan"
+
+
+def test_the_linears_methods_go_into_the_checkpoint_and_a_resumed_model_keeps_them():
+    """A resumed run measures as the run it continues: each measured Linear's method ('auto': timed
+    at its first backward) is saved with the estimators' states and restored before any step."""
+    model = tiny_gpt(0, **MEASURED)
+    exact, = gnstracking.estimators_for(model)
+    for step, (x, y) in enumerate(gpt_batches(2, 3)):
+        model(x, y)[1].backward()
+        exact.measure(step, 3, None)
+        exact.reset()
+        model.zero_grad()
+    methods = buffered.linear_norm_methods(model)
+    assert len(methods) == len(buffered.measured_linears(model)) > 0
+    checkpoint = {}
+    gnstracking.save_states([exact], checkpoint)
+    assert checkpoint[gnstracking.METHODS_KEY] == methods
+    # the opposite of each, so that a fresh choice could not give them back by chance
+    flipped = {name: "ghost" if method == "materialise" else "materialise" for name, method in methods.items()}
+    checkpoint[gnstracking.METHODS_KEY] = flipped
+    fresh = tiny_gpt(0, **MEASURED)
+    assert buffered.linear_norm_methods(fresh) == {}
+    gnstracking.estimators_for(fresh, checkpoint=checkpoint)
+    assert buffered.linear_norm_methods(fresh) == flipped
+    x, y = gpt_batches(1, 3, seed=9)[0]
+    fresh(x, y)[1].backward()
+    assert buffered.linear_norm_methods(fresh) == flipped  # kept, not timed again
 
 
 def test_the_layernorm_group_has_a_live_gns_of_its_own():

@@ -2,6 +2,7 @@
 step and resumed writes the log.csv of a run never interrupted, value for value (the wall-clock
 columns aside), in one process, with the batch-size controller or schedule, and under DDP and FSDP."""
 import csv
+import json
 import os
 import random
 import signal
@@ -16,9 +17,11 @@ from conftest import REPO, TINY, run_train
 
 WALL_CLOCK = {"dt", "mfu", "tokens_per_sec"}  # the columns that measure time, not training
 STEPS = 12
-# dropout on (torch's global RNG), every layer measured (the GNS columns), accumulation (prefetched batches)
+# dropout on (torch's global RNG), every layer measured (the GNS columns), accumulation (prefetched batches);
+# the Linears' methods from the shapes: two runs' timed choices need not agree (a resume keeps its own)
 FLAGS = [*TINY, "--dropout=0.1", "--gradient_accumulation_steps=2", "--eval_interval=4", f"--max_iters={STEPS}",
-         "--warmup_iters=2", f"--lr_decay_iters={STEPS}", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim"]
+         "--warmup_iters=2", f"--lr_decay_iters={STEPS}", "--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim",
+         "--per_example_mode=shapes"]
 # every row takes 0.05 s longer, so that a signal lands mid-run on any machine
 SLOW_ROWS = """
 import sys, time
@@ -143,6 +146,25 @@ def test_the_batch_size_controller_and_schedule_resume_exactly(tiny_dataset, tmp
 def test_two_ranks_killed_and_resumed_write_the_log_of_an_uninterrupted_run(tiny_dataset, tmp_path, sharding):
     assert_resume_continues_exactly(tiny_dataset, tmp_path, [*FLAGS, "--backend=gloo", *sharding], signal.SIGKILL,
                                     torchrun_procs=2)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_measures_each_linear_with_its_checkpoints_method(tiny_dataset, tmp_path):
+    """--per_example_mode=auto (the default): each measured Linear's method, timed in the first step,
+    is recorded in out_dir and kept in the checkpoint; a resume takes the checkpoint's (here each one
+    flipped, which no timing would give back) and does not time again."""
+    flags = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--eval_interval=2", "--linearclass=gns"]
+    run_train(*flags, "--max_iters=2")
+    recorded = json.loads((tmp_path / "linear_norm_methods.json").read_text())
+    checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    assert recorded and checkpoint["linear_norm_methods"] == recorded
+    assert set(recorded.values()) <= {"ghost", "materialise"} and all(".c_" in name for name in recorded)
+    flipped = {name: "ghost" if method == "materialise" else "materialise" for name, method in recorded.items()}
+    checkpoint["linear_norm_methods"] = flipped
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    run_train(*flags, "--max_iters=4", "--init_from=resume")
+    assert json.loads((tmp_path / "linear_norm_methods.json").read_text()) == flipped
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["linear_norm_methods"] == flipped
 
 
 # ---------------------------------------------------------------------------------------------

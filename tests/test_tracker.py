@@ -747,6 +747,15 @@ def test_a_resume_that_cannot_write_leaves_both_files_as_they_were(tmp_path, mon
     assert (out / "log.csv.rejected").read_bytes() == b""  # not saved, or cut back: never twice
 
 
+def test_record_norm_methods_writes_linear_norm_methods_json(tmp_path):
+    log = LogWrapper(out_dir=str(tmp_path))
+    log.record_norm_methods({"h.0.c_fc": "ghost", "lm_head": "materialise"})
+    with open(tmp_path / "linear_norm_methods.json") as f:
+        assert json.load(f) == {"h.0.c_fc": "ghost", "lm_head": "materialise"}
+    assert not os.path.exists(tmp_path / "linear_norm_methods.json.tmp")
+    LogWrapper(out_dir=None).record_norm_methods({"lm_head": "ghost"})  # nowhere on disk: nothing
+
+
 def test_record_kinds_writes_layer_kinds_json(tmp_path):
     log = LogWrapper(out_dir=str(tmp_path))
     log.record_kinds({"a.weight": "linear", "n.weight": "rmsnorm"})

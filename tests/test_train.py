@@ -117,6 +117,7 @@ def test_lr_follows_the_token_schedule(tiny_dataset, tmp_path, shape):
     (["--no_such_key=1"], "unknown config key"),
     (["--batch_size=big"], "--batch_size expects int"),
     (["--linearclass=fast"], "--linearclass='fast' is not one of nn, gns, shim"),
+    (["--per_example_mode=sometimes"], "--per_example_mode='sometimes' is not one of auto, shapes, ghost, materialise"),
     (["--lnclass=gns"], "--lnclass='gns' is not one of nn, shim, fused"),
     (["--init_from=resume"], "no checkpoint"),
     (["--dataset=not_prepared_anywhere"], "python data/not_prepared_anywhere/prepare.py"),
@@ -731,8 +732,8 @@ def test_a_full_disk_stops_in_one_line_and_the_run_resumes_in_place(tiny_dataset
         assert p.returncode == 1
         err = p.stderr.strip().splitlines()
         assert len(err) == 1 and "disk is full" in err[0] and str(out) in err[0], p.stderr
-        assert sorted(f.name for f in out.iterdir()) == ["ckpt.pt", "config.json", "layer_kinds.json", "log.csv",
-                                                         "train.lock"]
+        assert sorted(f.name for f in out.iterdir()) == ["ckpt.pt", "config.json", "layer_kinds.json",
+                                                         "linear_norm_methods.json", "log.csv", "train.lock"]
         kept = torch.load(out / "ckpt.pt", weights_only=False)["iter_num"]
         text = (out / "log.csv").read_text()
         assert text.endswith("\n") and pd.read_csv(out / "log.csv").step.tolist() == list(range(len(text.splitlines()) - 1))
