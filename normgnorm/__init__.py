@@ -24,8 +24,10 @@ implementations behind:
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
 - "torch": pure PyTorch (normgnorm/torch_path.py), always used off GPU.
 Choose with the `backend` argument or the NORMGNORM_BACKEND environment variable. Under
-torch.compile both run torch.library custom ops, which the compiler treats as opaque nodes (no
-graph breaks); in eager mode they skip the ops' dispatch and call the implementation directly.
+torch.compile the kernels run as torch.library custom ops, which the compiler treats as opaque
+nodes (no graph breaks), and the torch path is traced like any PyTorch code, so that its
+per-example sums fuse with the model's own ops; in eager mode both skip the ops' dispatch and call
+the implementation directly.
 """
 import os
 from typing import Optional
@@ -202,13 +204,13 @@ def _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm
     the backward needs kept in ctx. In eager mode the implementation is called directly (the
     registered op's Python dispatch costs about as much as a small LayerNorm itself); under
     torch.compile the registered op, which the compiler keeps whole."""
-    if torch.compiler.is_compiling():
+    backend = resolve_backend(backend, x)  # once: the backward runs what the forward ran
+    if torch.compiler.is_compiling() and backend != "torch":
         # the op's buffer inputs serve its own autograd (layer_norm below); the Function keeps the
         # buffers itself, so the op gets a placeholder
         unused = x.new_zeros((), dtype=torch.float32)
         y, mean, rstd = _layer_norm_fwd(x, weight, bias, unused, None, unused, eps, backend)
-    else:
-        backend = resolve_backend(backend, x)  # once: the backward runs what the forward ran
+    else:  # eager, or the torch path traced: the compiler fuses its ops with the model's
         y, mean, rstd = _forward(x, weight, bias, eps, backend)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
@@ -222,7 +224,7 @@ def _layer_norm_backward(ctx, dy):
     x, weight, mean, rstd = ctx.saved_tensors
     # only parameters that receive a gradient are measured
     need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and ctx.backend != "torch":
         dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
         return dx, (dw if need_dw else None), (db if need_db else None)
     return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
@@ -267,7 +269,9 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         weight_sqgradnorm = fresh() if weight_sqgradnorm is None else weight_sqgradnorm
         bias_sqgradnorm = fresh() if bias is not None and bias_sqgradnorm is None else bias_sqgradnorm
         example_count = fresh() if example_count is None else example_count
-    if torch.compiler.is_compiling():  # the op with its registered autograd: what the compiler traces
+    # under torch.compile the kernels are the op with its registered autograd, which the compiler
+    # keeps whole; the torch path is traced through the Function, its ops fused with the model's
+    if torch.compiler.is_compiling() and resolve_backend(backend or "", x) != "torch":
         return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
                                backend or "")[0]
     return _LayerNormFn.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend or "")
@@ -355,7 +359,7 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
         raise ValueError(f"normgnorm.rms_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
                          f"must be ({x.shape[-1] if x.dim() else ''},) for input {tuple(x.shape)}")
     eps, backend = rms_norm_eps(eps, x.dtype), backend or ""
-    if torch.compiler.is_compiling():  # the op with its registered autograd: what the compiler traces
+    if torch.compiler.is_compiling() and resolve_backend(backend, x) != "torch":  # the kernels: the op, kept whole
         return _rms_norm_fwd(x, weight, weight_sqgradnorm, example_count, eps, backend)[0]
     return _RMSNormFn.apply(x, weight, weight_sqgradnorm, example_count, eps, backend)
 
