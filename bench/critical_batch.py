@@ -275,17 +275,18 @@ def report(branches, summary, setup):
     it follows B_crit over all fitted points: the geometric mean ratio and the spread of log ratio."""
     grid = len(setup['batch_sizes']) * len(setup['learning_rates'])
     g = lambda v: '–' if pd.isna(v) else f"{v:.3g}"  # noqa: E731
+    b = lambda v: g(v) if pd.isna(v) or v > 0 else "< 0"  # noqa: E731  (a B_simple whose |G|^2 EMA is negative)
     lines = ["| family | seed | branch point (tokens) | branches done | S_min | E_min | B_crit | B_simple total | "
              "B_simple norm | B_simple norm, Adam |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary.itertuples():
         here = branches[(branches['family'] == row.family) & (branches['seed'] == row.seed) &
                         (branches['branch_tokens'] == row.branch_tokens)]
         lines.append(f"| {row.family} | {row.seed} | {row.branch_tokens:,} | {in_grid(here, setup['learning_rates']).sum()} "
-                     f"of {grid} | {g(row.s_min)} | {g(row.e_min)} | {g(row.b_crit)} | {g(row.b_simple_total)} | "
-                     f"{g(row.b_simple_norm)} | {g(row.b_simple_norm_adam)} |")
+                     f"of {grid} | {g(row.s_min)} | {g(row.e_min)} | {g(row.b_crit)} | {b(row.b_simple_total)} | "
+                     f"{b(row.b_simple_norm)} | {b(row.b_simple_norm_adam)} |")
     fitted = summary[summary['b_crit'].notna()].copy()
-    for column, _ in RATIOS:
-        fitted[f"ratio_{column}"] = fitted['b_crit'] / fitted[column]
+    for column, _ in RATIOS:  # a B_simple not above 0 (its EMA of |G|^2 still negative) is no estimate: no ratio
+        fitted[f"ratio_{column}"] = (fitted['b_crit'] / fitted[column]).where(fitted[column] > 0)
     spread = lambda v: f"{v.mean():.2f} ({v.min():.2f}–{v.max():.2f})" if len(v) > 1 else f"{v.mean():.2f}"  # noqa: E731
     lines += ["", "| family | branch point (tokens) | seeds | B_crit | " +
               " | ".join(f"B_crit / B_simple {name}" for _, name in RATIOS) + " |", "|---|---|---|---|---|---|---|"]
