@@ -26,8 +26,9 @@ OUT_DIR/gns_<family>-s<seed>.csv (each B_simple of the base run over its tokens,
 A finished branch is kept: run it again and it goes on where it stopped. Base runs and their
 checkpoints go to --work_dir; a checkpoint that no longer matches the one a branch started from
 (its fingerprint, OUT_DIR/checkpoints.csv) has its branches run again. Any other --key=value goes
-to train.py for the base runs (e.g. --dataset=PATH). --report runs nothing: it prints the results
-as Markdown tables (the README's), each ratio B_crit / B_simple with its spread over seeds.
+to train.py for the base runs (e.g. --dataset=PATH). --report trains nothing: it fits the branches
+as they stand, rewrites summary.csv, and prints the results as Markdown tables (the README's), each
+ratio B_crit / B_simple with its spread over seeds.
 """
 import argparse
 import contextlib
@@ -322,8 +323,8 @@ def main(argv=None):
                         help="a tiny model, a short base run, few steps, one family and seed: ~1 minute")
     parser.add_argument('--delta', type=float, help="the loss drop each branch trains for (default: 0.05, --quick 0.2)")
     parser.add_argument('--report', action='store_true',
-                        help="run nothing: fit OUT_DIR's branches as they stand and print the results as Markdown "
-                             "tables (the README's)")
+                        help="train nothing: fit OUT_DIR's branches as they stand, rewrite summary.csv and print "
+                             "the results as Markdown tables (the README's)")
     parser.add_argument('--alpha', type=float, default=gns_analysis.EMA_BETA,
                         help=f"the EMA's alpha, as gns-analysis.py's (default: {gns_analysis.EMA_BETA})")
     args, extra = parser.parse_known_args(argv)
@@ -348,6 +349,7 @@ def main(argv=None):
             series[(family, seed)] = pd.read_csv(path) if os.path.exists(path) else pd.DataFrame(columns=['tokens'])
         with contextlib.redirect_stdout(sys.stderr):  # the fits' notes
             summary = summarise(branches, series, setup)
+        write_csv(os.path.join(args.out_dir, 'summary.csv'), summary)  # the notebook's figure reads it
         print(report(branches, summary, setup))
         return 0
     work_dir = args.work_dir or os.path.join(args.out_dir, 'base')

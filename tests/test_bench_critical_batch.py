@@ -125,6 +125,8 @@ def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread
     assert "| gpt2 | 1 | 100 | 15 of 15 | 10 | 300 | 30 | 15 | 10 | 30 |" in lines
     assert "| gpt2 | 2 | 100 | 12 of 15 | – | – | – | 30 | 10 | < 0 |" in lines  # an EMA of |G|^2 still negative
     assert "seed 2 at 100 tokens: 12 of 15 branches run, no fit yet" in p.stderr
+    summary = pd.read_csv(out / "summary.csv")  # rewritten for the notebook
+    assert summary.b_crit.tolist()[0] == pytest.approx(30) and np.isnan(summary.b_crit.tolist()[1])
     # the ratios over the fitted seeds (one here), then each estimate over every fitted point
     assert "| gpt2 | 100 | 1 | 30.00 | 2.00 | 3.00 | 1.00 |" in lines
     assert "| B_simple total | 1 | 2 | – |" in lines and "| B_simple norm, Adam | 1 | 1 | – |" in lines
