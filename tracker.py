@@ -279,20 +279,20 @@ class LogWrapper:
         """Write out_dir/layer_kinds.json: {parameter name: kind} of the measured layers
         (buffered.layer_kinds(model)), by which gns-analysis.py groups the parameters. Nothing
         without out_dir."""
-        if self.out_dir is not None:
-            from gnsmath import KINDS_NAME  # here: gnsmath imports numpy, which the tracker does not need
-            text = json.dumps(dict(kinds), indent=1).encode("utf-8")
-            _replace_file(os.path.join(self.out_dir, KINDS_NAME), lambda f: f.write(text), "writing the layer kinds")
+        from gnsmath import KINDS_NAME  # here: gnsmath imports numpy, which the tracker does not need
+        self._record(KINDS_NAME, kinds, "writing the layer kinds")
 
     def record_norm_methods(self, methods):
         """Write out_dir/linear_norm_methods.json: {layer name: 'ghost' or 'materialise'}, the method
         each measured Linear measures its weight with (buffered.linear_norm_methods(model), chosen
         in the first step). Nothing without out_dir."""
+        from gnsmath import METHODS_NAME
+        self._record(METHODS_NAME, methods, "writing the Linears' methods")
+
+    def _record(self, name, mapping, doing):
         if self.out_dir is not None:
-            from gnsmath import METHODS_NAME
-            text = json.dumps(dict(methods), indent=1).encode("utf-8")
-            _replace_file(os.path.join(self.out_dir, METHODS_NAME), lambda f: f.write(text),
-                          "writing the Linears' methods")
+            text = json.dumps(dict(mapping), indent=1).encode("utf-8")
+            _replace_file(os.path.join(self.out_dir, name), lambda f: f.write(text), doing)
 
     def log(self, values):
         """Add values (a dict of name -> number or string) to this step's row; later values win."""

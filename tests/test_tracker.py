@@ -747,22 +747,16 @@ def test_a_resume_that_cannot_write_leaves_both_files_as_they_were(tmp_path, mon
     assert (out / "log.csv.rejected").read_bytes() == b""  # not saved, or cut back: never twice
 
 
-def test_record_norm_methods_writes_linear_norm_methods_json(tmp_path):
-    log = LogWrapper(out_dir=str(tmp_path))
-    log.record_norm_methods({"h.0.c_fc": "ghost", "lm_head": "materialise"})
-    with open(tmp_path / "linear_norm_methods.json") as f:
-        assert json.load(f) == {"h.0.c_fc": "ghost", "lm_head": "materialise"}
-    assert not os.path.exists(tmp_path / "linear_norm_methods.json.tmp")
-    LogWrapper(out_dir=None).record_norm_methods({"lm_head": "ghost"})  # nowhere on disk: nothing
-
-
-def test_record_kinds_writes_layer_kinds_json(tmp_path):
-    log = LogWrapper(out_dir=str(tmp_path))
-    log.record_kinds({"a.weight": "linear", "n.weight": "rmsnorm"})
-    with open(tmp_path / "layer_kinds.json") as f:
-        assert json.load(f) == {"a.weight": "linear", "n.weight": "rmsnorm"}
-    assert not os.path.exists(tmp_path / "layer_kinds.json.tmp")
-    LogWrapper(out_dir=None).record_kinds({"a.weight": "linear"})  # nowhere on disk: nothing
+@pytest.mark.parametrize("record, name, content", [
+    ("record_norm_methods", "linear_norm_methods.json", {"h.0.c_fc": "ghost", "lm_head": "materialise"}),
+    ("record_kinds", "layer_kinds.json", {"a.weight": "linear", "n.weight": "rmsnorm"}),
+])
+def test_the_run_records_are_json_files_written_whole(tmp_path, record, name, content):
+    getattr(LogWrapper(out_dir=str(tmp_path)), record)(content)
+    with open(tmp_path / name) as f:
+        assert json.load(f) == content
+    assert not os.path.exists(tmp_path / f"{name}.tmp")
+    getattr(LogWrapper(out_dir=None), record)(content)  # nowhere on disk: nothing
 
 
 # -- atomic_write: every file written whole ------------------------------------------------------
