@@ -1011,8 +1011,8 @@ class _LayerNormFn(torch.autograd.Function):
         dw = dw.to(weight.dtype) if need_dw else None
         db = db.to(bias.dtype) if need_db else None
         B, N = _examples(x, len(shape)), weight.numel()
-        dw_b, db_b = per_example_affine_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N),
-                                              mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1), need_dw, need_db)
+        dw_b, db_b = per_example_affine_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N), mean.reshape(B, -1, 1),
+                                              rstd.reshape(B, -1, 1), need_dw, need_db, reuse_scratch=True)
         measured = [(sq, grads_b, coords) for needed, grads_b, sq, coords in
                     ((need_dw, dw_b, w_sq, ctx.coords[0]), (need_db, db_b, b_sq, ctx.coords[1])) if needed]
         if measured:
@@ -1135,7 +1135,7 @@ class _RMSNormTap(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         mean_square = torch.linalg.vector_norm(x3, dim=-1, keepdim=True, dtype=acc).square_().div_(N)
         rstd = mean_square.add_(rms_norm_eps(ctx.eps, x.dtype)).rsqrt_()
-        dw_b, _ = per_example_affine_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False)
+        dw_b, _ = per_example_affine_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False, reuse_scratch=True)
         add_squared_norms([w_sq], [dw_b])
         if ctx.coords is not None:
             ctx.coords.add_(dw_b.square().sum(0))
@@ -1194,6 +1194,15 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
 
     def forward(self, x):
         self._check_applied_once()
+        params, bufs = self._parameters, self._buffers  # dict reads: a module attribute is two __getattr__
+        weight = params.get("weight")
+        if weight is not None and "bias" in params and x.shape[-1:] == weight.shape \
+                and not torch.compiler.is_compiling():
+            # eager, own parameters: the Function itself, without layer_norm()'s checks of buffers
+            # that this layer registered
+            return normgnorm._LayerNormFn.apply(x, weight, params["bias"], bufs["weight_sqgradnorm"],
+                                                bufs.get("bias_sqgradnorm"), bufs["example_count"], self.eps,
+                                                self.backend or "")
         if self.weight is None:
             return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
         return normgnorm.layer_norm(x, self.weight, self.bias,
@@ -1208,6 +1217,12 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
 
     def forward(self, x):
         self._check_applied_once()
+        weight = self._parameters.get("weight")
+        if weight is not None and x.dim() and x.shape[-1:] == weight.shape and not torch.compiler.is_compiling():
+            # eager, own gain: the Function itself, without rms_norm()'s checks of this layer's own buffers
+            bufs = self._buffers
+            return normgnorm._RMSNormFn.apply(x, weight, bufs["weight_sqgradnorm"], bufs["example_count"],
+                                              rms_norm_eps(self.eps, x.dtype), self.backend or "")
         if self.weight is None:
             return F.rms_norm(x, self.normalized_shape, None, self.eps)
         return normgnorm.rms_norm(x, self.weight, self.weight_sqgradnorm, self.example_count, self.eps,

@@ -9,6 +9,8 @@ RMSNorm's output too (its dx is written out below: torch has no CPU kernel for i
 per-example reduction adds one [N, D] temporary (the kernels avoid it). RMSNorm is LayerNorm
 without the centring and the bias: everywhere here `mean` None means RMSNorm.
 """
+import threading
+
 import torch
 
 
@@ -17,7 +19,7 @@ import torch
 CPU_CHUNK_NUMEL = 1 << 19
 
 
-def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db):
+def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db, reuse_scratch=False):
     """
     The per-example gradients of a LayerNorm's gain and bias (Gray et al. 2024),
         dγ_b = Σ_t dy_bt ⊙ (x_bt - mean_bt) rstd_bt,    dβ_b = Σ_t dy_bt,
@@ -27,27 +29,49 @@ def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db):
     place, then the rstd-weighted sum over t as a batched matrix-vector product: fewer passes
     over [B, T, D] than forming x̂ first, and as precise (x is centred before the product, as
     torch's own backward does). Every call is paid per layer and micro-step, so nothing is
-    sliced or cast that need not be.
+    sliced or cast that need not be. reuse_scratch: in eager mode, the [B, T, D] temporary is
+    the thread's scratch tensor, kept between calls (on CPU a fresh tensor that size costs more
+    in page faults than the arithmetic on it); traced, the compiler plans the memory itself.
     """
     acc = torch.promote_types(dy3.dtype, torch.promote_types(x3.dtype, torch.float32))
     dw_b = db_b = None
     if need_dw:
         B, T, D = x3.shape
         chunk = max(1, CPU_CHUNK_NUMEL // max(1, T * D)) if x3.device.type == "cpu" else B
+        scratch = _scratch(x3.shape, acc, x3.device) if reuse_scratch and not torch.compiler.is_compiling() else None
         if chunk >= B:
-            dw_b = _dgamma_b(dy3, x3, mean3, rstd3, acc)
+            dw_b = _dgamma_b(dy3, x3, mean3, rstd3, acc, scratch)
         else:
             dw_b = torch.cat([_dgamma_b(dy3[s:s + chunk], x3[s:s + chunk], None if mean3 is None else mean3[s:s + chunk],
-                                        rstd3[s:s + chunk], acc) for s in range(0, B, chunk)])
+                                        rstd3[s:s + chunk], acc, None if scratch is None else scratch[s:s + chunk])
+                              for s in range(0, B, chunk)])
     if need_db:
         db_b = dy3.sum(1, dtype=acc)
     return dw_b, db_b
 
 
-def _dgamma_b(dy3, x3, mean3, rstd3, acc):
+# The scratch tensor of each thread (autograd runs a device's backward on one thread): one at a
+# time, of the last shape asked for, which the normalisation layers of a model mostly share.
+_scratch_of_thread = threading.local()
+
+
+def _scratch(shape, dtype, device):
+    """An uninitialised tensor, the same one at every call with these arguments (until another
+    is asked for); its contents are the caller's until the caller returns."""
+    kept = getattr(_scratch_of_thread, "tensor", None)
+    if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != device:
+        kept = _scratch_of_thread.tensor = torch.empty(shape, dtype=dtype, device=device)
+    return kept
+
+
+def _dgamma_b(dy3, x3, mean3, rstd3, acc, scratch=None):
     x3 = x3 if x3.dtype == acc else x3.to(acc)
-    # RMSNorm: out of place, as x3 may be the layer's input itself
-    centred_dy = x3 * dy3 if mean3 is None else (x3 - mean3).mul_(dy3)
+    # never in place on x3, which may be the layer's input itself
+    if scratch is not None:
+        centred_dy = (torch.mul(x3, dy3, out=scratch) if mean3 is None
+                      else torch.sub(x3, mean3, out=scratch).mul_(dy3))
+    else:
+        centred_dy = x3 * dy3 if mean3 is None else (x3 - mean3).mul_(dy3)
     rstd3 = rstd3 if rstd3.dtype == acc else rstd3.to(acc)
     return torch.bmm(rstd3.mT, centred_dy).view(x3.shape[0], x3.shape[2])
 
@@ -100,17 +124,19 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
         xc, dyc, wc = x.float(), dy.float(), weight.float()
     stats = xc.shape[:-1] + (1,)
     rstd = _as(rstd if rstd.dim() == xc.dim() else rstd.view(stats), xc.dtype)
+    if mean is not None:
+        mean = _as(mean if mean.dim() == xc.dim() else mean.view(stats), xc.dtype)
+    # [B, T, D] and [B, T, 1] views, which a [B, T, D] input already is
+    x3, dy3, rstd3, mean3 = xc, dyc, rstd, mean
+    if xc.dim() != 3 or xc.shape[0] != num_examples:
+        x3, dy3, rstd3 = (t.reshape(num_examples, -1, t.shape[-1]) for t in (xc, dyc, rstd))
+        mean3 = None if mean is None else mean.reshape(num_examples, -1, 1)
+    dw_b, db_b = per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db, reuse_scratch=True)
     if mean is None:  # RMSNorm: dx = rstd (w⊙dy - x̂ mean(x̂ ⊙ w⊙dy)), LayerNorm's without the centring term
         xhat, wdy = xc * rstd, dyc * wc
         dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)).mul_(rstd)
     else:
-        mean = _as(mean if mean.dim() == xc.dim() else mean.view(stats), xc.dtype)
         dx = torch.ops.aten.native_layer_norm_backward(dyc, xc, (D,), mean, rstd, wc, None, [True, False, False])[0]
-    # [B, T, D] and [B, T, 1] views, which a [B, T, D] input already is
-    if xc.dim() != 3 or xc.shape[0] != num_examples:
-        xc, dyc, rstd = (t.reshape(num_examples, -1, t.shape[-1]) for t in (xc, dyc, rstd))
-        mean = None if mean is None else mean.reshape(num_examples, -1, 1)
-    dw_b, db_b = per_example_affine_grads(dyc, xc, mean, rstd, need_dw, need_db)
     measured = [(sq, g) for sq, g in ((weight_sq, dw_b), (bias_sq, db_b)) if g is not None]
     if measured:
         add_squared_norms(*map(list, zip(*measured)))

@@ -151,6 +151,56 @@ def test_torch_path_one_example_at_a_time(monkeypatch, dtype):
     check_op(SHAPES["3d"], dtype, True, backend="torch")
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_torch_path_scratch_shared_by_layers_of_one_shape(rms):
+    """Two layers of one shape share the thread's scratch tensor in eager mode: each still gets
+    its own exact norms, and a chunked pass writes the same scratch a slice at a time."""
+    torch_path = normgnorm.torch_path
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, not rms, seed=11)
+    x2, dy2 = make_inputs((3, 5, 40), torch.float32, False, seed=12)[:2]
+    refs = [oracle(x, weight, b, dy, rms=rms, dtype=torch.float32), oracle(x2, weight, b, dy2, rms=rms, dtype=torch.float32)]
+    grads = []
+    for inp, grad in ((x, dy), (x2, dy2)):
+        bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
+        xx, w = inp.clone().requires_grad_(), weight.clone().requires_grad_()  # dγ needed: the scratch is used
+        y = (normgnorm.rms_norm(xx, w, bufs[0], bufs[2], None) if rms
+             else normgnorm.layer_norm(xx, w, b, *bufs))
+        y.backward(grad)
+        grads.append((xx.grad, bufs))
+    kept = torch_path._scratch_of_thread.tensor
+    assert kept.shape == (3, 5, 40)
+    assert torch_path._scratch((3, 5, 40), torch.float32, x.device) is kept  # reused, not allocated again
+    for (dx, bufs), ref in zip(grads, refs):
+        torch.testing.assert_close(dx.double(), ref["dx"], **TOL[torch.float32])
+        torch.testing.assert_close(bufs[0].double(), ref["sq_w"], **BUFFER_TOL)
+    # per_example_affine_grads with and without the scratch, whole and one example at a time
+    x3, dy3 = x.detach(), dy
+    mean3 = None if rms else x3.mean(-1, keepdim=True)
+    rstd3 = x3.var(-1, unbiased=False, keepdim=True).add(EPS).rsqrt()
+    fresh = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, True, not rms)
+    for chunk in (torch_path.CPU_CHUNK_NUMEL, 1):
+        torch_path.CPU_CHUNK_NUMEL, saved = chunk, torch_path.CPU_CHUNK_NUMEL
+        try:
+            reused = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, True, not rms, reuse_scratch=True)
+        finally:
+            torch_path.CPU_CHUNK_NUMEL = saved
+        for a, c in zip(fresh, reused):
+            if a is not None:
+                torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
+
+
+def test_torch_path_scratch_is_per_thread():
+    """autograd may run two backward passes at once on two threads: each has its own scratch."""
+    import threading
+    torch_path = normgnorm.torch_path
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(other=torch_path._scratch((4, 4), torch.float32, torch.device("cpu"))))
+    mine = torch_path._scratch((4, 4), torch.float32, torch.device("cpu"))
+    thread.start()
+    thread.join(timeout=60)
+    assert seen["other"] is not mine and seen["other"].data_ptr() != mine.data_ptr()
+
+
 def test_eager_calls_skip_the_custom_op():
     x, _, weight, b = make_inputs((2, 3, 8), torch.float32, True, seed=2)
     bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
