@@ -29,21 +29,24 @@ def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db, reuse_scra
     place, then the rstd-weighted sum over t as a batched matrix-vector product: fewer passes
     over [B, T, D] than forming x̂ first, and as precise (x is centred before the product, as
     torch's own backward does). Every call is paid per layer and micro-step, so nothing is
-    sliced or cast that need not be. reuse_scratch: in eager mode, the [B, T, D] temporary is
-    the thread's scratch tensor, kept between calls (on CPU a fresh tensor that size costs more
-    in page faults than the arithmetic on it); traced, the compiler plans the memory itself.
+    sliced or cast that need not be. reuse_scratch: on CPU in eager mode, the temporary of a
+    chunk of examples is the thread's scratch tensor, kept between calls: a fresh one costs more
+    in page faults than the arithmetic on it (GPU allocators cache; traced, the compiler plans).
     """
     acc = torch.promote_types(dy3.dtype, torch.promote_types(x3.dtype, torch.float32))
     dw_b = db_b = None
     if need_dw:
         B, T, D = x3.shape
-        chunk = max(1, CPU_CHUNK_NUMEL // max(1, T * D)) if x3.device.type == "cpu" else B
-        scratch = _scratch(x3.shape, acc, x3.device) if reuse_scratch and not torch.compiler.is_compiling() else None
-        if chunk >= B:
+        cpu = x3.device.type == "cpu"
+        chunk = min(B, max(1, CPU_CHUNK_NUMEL // max(1, T * D))) if cpu else B
+        scratch = None
+        if reuse_scratch and cpu and not torch.compiler.is_compiling():
+            scratch = _scratch((chunk, T, D), acc, x3.device)
+        if chunk == B:
             dw_b = _dgamma_b(dy3, x3, mean3, rstd3, acc, scratch)
         else:
             dw_b = torch.cat([_dgamma_b(dy3[s:s + chunk], x3[s:s + chunk], None if mean3 is None else mean3[s:s + chunk],
-                                        rstd3[s:s + chunk], acc, None if scratch is None else scratch[s:s + chunk])
+                                        rstd3[s:s + chunk], acc, None if scratch is None else scratch[:min(chunk, B - s)])
                               for s in range(0, B, chunk)])
     if need_db:
         db_b = dy3.sum(1, dtype=acc)
