@@ -258,6 +258,10 @@ def summarise(branches, series, setup):
                 s_min, e_min = fit_critical_batch(best['batch_size'].tolist(), best['steps'].tolist())
             except ValueError as e:
                 print(f"  {family} seed {seed} at {tokens:,} tokens: no fit ({e})")
+            if s_min > 0 and e_min / s_min > max(setup['batch_sizes']):
+                print(f"  {family} seed {seed} at {tokens:,} tokens: B_crit {e_min / s_min:.3g} lies beyond the "
+                      f"largest batch tried ({max(setup['batch_sizes'])}): an extrapolation, a lower bound only, "
+                      f"left out of the ratios")
         gns = series[(family, seed)]
         at = gns[gns['tokens'] <= tokens].iloc[-1] if (gns['tokens'] <= tokens).any() else None
         rows.append(dict(family=family, seed=seed, branch_tokens=tokens, s_min=s_min, e_min=e_min,
@@ -273,8 +277,10 @@ RATIOS = (('b_simple_total', 'total'), ('b_simple_norm', 'norm'), ('b_simple_nor
 def report(branches, summary, setup):
     """Markdown: one row per branch point and seed, then per family and branch point the ratios
     B_crit / B_simple as the mean over seeds (min-max), then per estimate how far and how steadily
-    it follows B_crit over all fitted points: the geometric mean ratio and the spread of log ratio."""
+    it follows B_crit over all fitted points: the geometric mean ratio and the spread of log ratio.
+    A fitted B_crit beyond the largest batch size tried is marked and left out of the ratios."""
     grid = len(setup['batch_sizes']) * len(setup['learning_rates'])
+    largest = max(setup['batch_sizes'])
     g = lambda v: '–' if pd.isna(v) else f"{v:.3g}"  # noqa: E731
     b = lambda v: g(v) if pd.isna(v) or v > 0 else "< 0"  # noqa: E731  (a B_simple whose |G|^2 EMA is negative)
     lines = ["| family | seed | branch point (tokens) | branches done | S_min | E_min | B_crit | B_simple total | "
@@ -283,9 +289,12 @@ def report(branches, summary, setup):
         here = branches[(branches['family'] == row.family) & (branches['seed'] == row.seed) &
                         (branches['branch_tokens'] == row.branch_tokens)]
         lines.append(f"| {row.family} | {row.seed} | {row.branch_tokens:,} | {in_grid(here, setup['learning_rates']).sum()} "
-                     f"of {grid} | {g(row.s_min)} | {g(row.e_min)} | {g(row.b_crit)} | {b(row.b_simple_total)} | "
+                     f"of {grid} | {g(row.s_min)} | {g(row.e_min)} | {g(row.b_crit)}"
+                     f"{f' (> {largest}: extrapolated)' if row.b_crit > largest else ''} | {b(row.b_simple_total)} | "
                      f"{b(row.b_simple_norm)} | {b(row.b_simple_norm_adam)} |")
-    fitted = summary[summary['b_crit'].notna()].copy()
+    # a B_crit beyond the largest batch tried is the fit's extrapolation: only "more than that" is
+    # measured, so it stands in the first table, marked, and in no ratio
+    fitted = summary[summary['b_crit'].notna() & (summary['b_crit'] <= largest)].copy()
     for column, _ in RATIOS:  # a B_simple not above 0 (its EMA of |G|^2 still negative) is no estimate: no ratio
         fitted[f"ratio_{column}"] = (fitted['b_crit'] / fitted[column]).where(fitted[column] > 0)
     spread = lambda v: f"{v.mean():.2f} ({v.min():.2f}–{v.max():.2f})" if len(v) > 1 else f"{v.mean():.2f}"  # noqa: E731

@@ -138,6 +138,30 @@ def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread
     assert f"| B_simple total | 2 | 1.41 | {np.std(np.log([2, 1]), ddof=1):.3g} |" in lines
 
 
+def test_a_b_crit_beyond_the_largest_batch_tried_is_marked_and_in_no_ratio(tmp_path):
+    """Steps that halve with every doubling of the batch up to the largest tried give a fit whose
+    B_crit lies far beyond it: an extrapolation, shown as such, in no ratio."""
+    cb = load_script()
+    out = tmp_path / "cb"
+    out.mkdir()
+    grid, sizes = cb.QUICK["learning_rates"], cb.QUICK["batch_sizes"]
+    frames = [rows(*[(b, lr, s_min + e_min / b + (0 if lr == grid[1] else 50)) for b in sizes for lr in grid]
+                   ).assign(branch_tokens=tokens)
+              for tokens, s_min, e_min in ((100, 10.0, 300.0), (150, 1.0, 3000.0))]  # B_crit 30, then 3000
+    pd.concat(frames).to_csv(out / "branches.csv", index=False)
+    pd.DataFrame(dict(tokens=[100, 150], b_simple_total=[15.0, 100.0], b_simple_norm=[10.0, 50.0],
+                      b_simple_norm_adam=[30.0, 80.0])).to_csv(out / "gns_gpt2-s1.csv", index=False)
+    p = critical_batch("--report", "--quick", f"--out_dir={out}", timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    largest = max(sizes)
+    assert f"| gpt2 | 1 | 150 | 15 of 15 | 1 | 3e+03 | 3e+03 (> {largest}: extrapolated) | 100 | 50 | 80 |" in lines
+    assert f"B_crit 3e+03 lies beyond the largest batch tried ({largest})" in p.stderr
+    assert pd.read_csv(out / "summary.csv").b_crit.tolist() == pytest.approx([30, 3000])  # the fit, as it is
+    assert not any(line.startswith("| gpt2 | 150 |") for line in lines)  # no ratio at that point
+    assert "| B_simple total | 1 | 2 | – |" in lines  # only the point within the batches tried
+
+
 def test_report_needs_the_experiments_csvs(tmp_path):
     p = critical_batch("--report", f"--out_dir={tmp_path}", timeout=60)
     assert p.returncode == 2 and "has no branches.csv" in p.stderr.strip().splitlines()[-1]
