@@ -553,18 +553,7 @@ class _LinearFn(torch.autograd.Function):
             dx = dy.matmul(weight)
         if ctx.needs_input_grad[1] and (w_sq is not None or ctx.linked):
             ids2 = ids.reshape(B, -1) if ctx.linked else None
-            chunk = ctx.max_chunk_numel
-
-            def ghost():
-                dw = dy.reshape(-1, L).mT.mm(x.reshape(-1, K))
-                q = _head_grad_at_ids(x3, dy3, ids2, chunk) if ctx.linked else None
-                return _weight_sqnorm_ghost(x3, dy3, chunk), dw, q
-
-            def materialised():
-                sq, dw, q = _weight_sqnorm_materialised(x3, dy3, chunk, True, ids2)
-                return sq, _cast(dw, weight.dtype), q
-
-            sq, dw, q = _weight_norm(ctx, x.device, ghost, materialised)
+            sq, dw, q = _weight_norm(ctx, x.device, _norm_ways(x3, dy3, ids2, ctx.max_chunk_numel, weight.dtype))
             if ctx.linked:  # tied head: the norm and the cross-term factor go to the embedding
                 h_sq = sq
             else:
@@ -581,15 +570,31 @@ class _LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, q, h_sq, None, None, None
 
 
-def _weight_norm(ctx, device, ghost, materialised):
-    """The result of ghost() or materialised(): the one the layer's call chose (ctx.ghost), the one
-    its layer has chosen since, or, while its layer (ctx.chooser) has none, the faster, timed here."""
+def _norm_ways(x3, dy3, ids, max_chunk_numel, grad_dtype=None):
+    """{method: function} for the two ways of a Linear's weight norm from x3 [B, T, K] and dy3 [B, T, L],
+    each returning (sum_b ||W_b||^2, the weight gradient in grad_dtype or None if grad_dtype is None (a
+    shim layer's is torch's), Q for a tied head whose embedding's ids [B, T] are given, else None)."""
+    def ghost():
+        dw = None if grad_dtype is None else dy3.reshape(-1, dy3.shape[-1]).mT.mm(x3.reshape(-1, x3.shape[-1]))
+        q = _head_grad_at_ids(x3, dy3, ids, max_chunk_numel) if ids is not None else None
+        return _weight_sqnorm_ghost(x3, dy3, max_chunk_numel), dw, q
+
+    def materialised():
+        sq, dw, q = _weight_sqnorm_materialised(x3, dy3, max_chunk_numel, grad_dtype is not None, ids)
+        return sq, None if dw is None else _cast(dw, grad_dtype), q
+
+    return {"ghost": ghost, "materialise": materialised}
+
+
+def _weight_norm(ctx, device, ways):
+    """The result of one of `ways` (_norm_ways): the one the layer's call chose (ctx.ghost), the one its
+    layer has chosen since, or, while its layer (ctx.chooser) has none, the faster, timed here."""
     chooser = ctx.chooser
     if chooser is None:
-        return ghost() if ctx.ghost else materialised()
+        return ways["ghost" if ctx.ghost else "materialise"]()
     if chooser.norm_method is None:
-        return _timed_choice(chooser, {"ghost": ghost, "materialise": materialised}, device)
-    return ghost() if chooser.norm_method == "ghost" else materialised()
+        return _timed_choice(chooser, ways, device)
+    return ways[chooser.norm_method]()
 
 
 class _LinearNormTap(torch.autograd.Function):
@@ -614,17 +619,7 @@ class _LinearNormTap(torch.autograd.Function):
         q = h_sq = None
         if w_sq is not None or ctx.linked:
             ids2 = ids.reshape(B, -1) if ctx.linked else None
-            chunk = ctx.max_chunk_numel
-
-            def ghost():
-                q = _head_grad_at_ids(x3, dy3, ids2, chunk) if ctx.linked else None
-                return _weight_sqnorm_ghost(x3, dy3, chunk), q
-
-            def materialised():
-                sq, _, q = _weight_sqnorm_materialised(x3, dy3, chunk, False, ids2)
-                return sq, q
-
-            sq, q = _weight_norm(ctx, x.device, ghost, materialised)
+            sq, _, q = _weight_norm(ctx, x.device, _norm_ways(x3, dy3, ids2, ctx.max_chunk_numel))
             if ctx.linked:
                 h_sq = sq
             else:
@@ -779,6 +774,30 @@ def set_linear_norm_methods(model, methods):
             if methods[name] not in NORM_METHODS:
                 raise ValueError(f"{name}: a Linear's method is one of {', '.join(NORM_METHODS)}, not {methods[name]!r}")
             layer.norm_method = methods[name]
+
+
+@torch.no_grad()
+def choose_linear_norm_methods(model, examples, tokens, device, dtype=torch.float32, seed=0):
+    """
+    Before torch.compile, which times nothing: give each measured Linear of `model` in "auto" mode
+    that has no method yet (none restored) the faster of the two, timed as its first backward would
+    time them, on random inputs [examples, tokens, in] and output gradients [examples, tokens, out]
+    of `dtype` (the shapes a GPT's Linears see in training). A tied output head, whose timing needs
+    the embedding's ids, keeps the shape rule; a weight not measured (frozen, or shared with an
+    unmeasured layer) is skipped. Touches nothing but norm_method: not the model's
+    parameters, gradients or buffers, nor the global random state. Returns linear_norm_methods(model).
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for _, layer in measured_linears(model):
+        weight = layer._parameters.get("weight")
+        measured = weight is not None and weight.requires_grad and layer._buffers.get("weight_sqgradnorm") is not None
+        if layer.per_example_mode != "auto" or layer.norm_method is not None or layer._tie is not None or not measured:
+            continue
+        x3, dy3 = (torch.randn(examples, tokens, width, generator=generator, device=device, dtype=dtype)
+                   for width in (layer.in_features, layer.out_features))
+        _timed_choice(layer, _norm_ways(x3, dy3, None, layer.max_chunk_numel, dtype if layer.fused else None),
+                      torch.device(device))
+    return linear_norm_methods(model)
 
 
 @torch.no_grad()

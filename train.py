@@ -24,7 +24,7 @@ import gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
                         resumed_counts, save_training_state, step_seed, training_run_state)
 from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
-from buffered import layer_kinds, linear_norm_methods, set_per_example_mode
+from buffered import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
 from layer_config import classes_for_flags, set_contextual_config
 from model import fully_shard_gpt, grad_scaler
 from schedules import lr_at, step_sizes_for_run
@@ -214,6 +214,8 @@ if ddp and not fsdp:
 estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp and not fsdp else None, world_size=ddp_world_size,
                                         hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint, fsdp=fsdp,
                                         adam_optimizer=optimizer if gns_adam else None)
+if compile:  # the compiled graph times nothing: the "auto" Linears not restored above choose now, at training's shapes
+    choose_linear_norm_methods(raw_model, batch_size, block_size, device, ptdtype)
 
 try:  # what sizes each step when it is not fixed: the editable schedule file, or the controller on the GNS
     schedule = step_sizes_for_run(config, estimators, ddp_world_size, master_process, device if ddp else None, checkpoint)

@@ -238,6 +238,39 @@ def test_nothing_is_timed_while_torch_compile_traces(monkeypatch):
     assert clock.runs == ["_weight_sqnorm_ghost"] and layer.norm_method is None
 
 
+@pytest.mark.parametrize("cls", LINEARS)
+@pytest.mark.parametrize("faster", ["ghost", "materialise"])
+def test_before_compiling_the_undecided_auto_linears_choose_on_random_tensors_of_the_training_shapes(cls, faster,
+                                                                                                      monkeypatch):
+    """choose_linear_norm_methods (train.py calls it before torch.compile, which times nothing): each
+    "auto" Linear with no method times both ways as its first backward would, on [B, T, in] and
+    [B, T, out] tensors; restored methods, other modes and a tied head are left alone, and nothing
+    of the model or of the global random state changes."""
+    clock = FakeClock(monkeypatch, ghost=1.0 if faster == "ghost" else 2.0, materialise=1.0 if faster != "ghost" else 2.0)
+    seen = []
+    timed = buffered._timed_choice
+    monkeypatch.setattr(buffered, "_timed_choice", lambda layer, ways, device: seen.append(layer) or timed(layer, ways, device))
+    model = nn.Sequential(cls(6, 5), nn.Tanh(), cls(5, 4), cls(4, 3), cls(3, 2))
+    buffered.set_linear_norm_methods(model, {"2": "ghost"})  # restored from a checkpoint
+    model[3].per_example_mode = "shapes"
+    model[4]._tie = {}  # a tied head (tie_weights): its timing needs the embedding's ids
+    state = deepcopy(model.state_dict())
+    buffers = [b.clone() for b in buffered.all_sqgradnorm_buffers(model)]
+    rng = torch.get_rng_state()
+    methods = buffered.choose_linear_norm_methods(model, 4, 3, "cpu")
+    assert methods == {"0": faster, "2": "ghost"} and seen == [model[0]]
+    assert len(clock.runs) == 2 * buffered.TIMING_REPEATS
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(buffered.all_sqgradnorm_buffers(model), buffers))
+    assert all(p.grad is None for p in model.parameters())
+    # the next backward uses the choice without timing it again (one run each of the first three layers;
+    # the last, untied again, times both at its first backward)
+    model[4]._tie = None
+    model(torch.randn(4, 3, 6)).sum().backward()
+    assert len(clock.runs) == 2 * buffered.TIMING_REPEATS + 3 + 2 * buffered.TIMING_REPEATS
+
+
 # T = 4, K = L = 4: the shim materialises (T (K+L) >= K L) where the fused rule would take the ghost
 # norm; T = 1: the ghost norm
 @pytest.mark.parametrize("shape", [(3, 4, 4), (5, 4), (2, 2, 2, 4)], ids=["materialise", "ghost-2d", "materialise-4d"])

@@ -167,6 +167,22 @@ def test_a_resumed_run_measures_each_linear_with_its_checkpoints_method(tiny_dat
     assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["linear_norm_methods"] == flipped
 
 
+@pytest.mark.slow
+def test_a_compiled_run_chooses_each_linears_method_before_compiling_and_keeps_it(tiny_dataset, tmp_path):
+    """torch.compile times nothing: under --compile=True each "auto" Linear times both methods before
+    the first step (buffered.choose_linear_norm_methods), and the choice is recorded and checkpointed
+    as in eager mode, rather than left to the shape rule."""
+    flags = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--eval_interval=2", "--linearclass=gns",
+             "--compile=True"]
+    run_train(*flags, "--max_iters=2")
+    recorded = json.loads((tmp_path / "linear_norm_methods.json").read_text())
+    assert set(recorded.values()) <= {"ghost", "materialise"}
+    # every measured Linear (the head shares its weight with an unmeasured embedding: not measured)
+    assert sorted(recorded) == sorted(f"transformer.h.{i}.{m}" for i in range(2)
+                                      for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=False)["linear_norm_methods"] == recorded
+
+
 # ---------------------------------------------------------------------------------------------
 # a resume checks what it continues before it changes anything
 
