@@ -285,7 +285,8 @@ FUSED_GHOST_RATIO = 48
 
 # How a measured Linear chooses between the ghost norm and materialised per-example weight
 # gradients (its per_example_mode): "auto" times both on its own tensors at its first measured
-# backward and keeps the faster (linear_norm_methods reads the choices); "shapes" the flop rule
+# backward and keeps the faster (linear_norm_methods reads the choices; under torch.compile, which
+# times nothing, choose_linear_norm_methods times them beforehand, else the shapes decide); "shapes" the flop rule
 # of _use_ghost at every call (what two runs agree on bit for bit; None, its earlier name, is the
 # same); or one of the two, forced.
 PER_EXAMPLE_MODES = ("auto", "shapes", "ghost", "materialise")
