@@ -40,7 +40,8 @@ def per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db, reuse_scra
         cpu = x3.device.type == "cpu"
         chunk = min(B, max(1, CPU_CHUNK_NUMEL // max(1, T * D))) if cpu else B
         scratch = None
-        if reuse_scratch and cpu and not torch.compiler.is_compiling():
+        # (not while autograd records, as a backward with create_graph=True does: out= is not differentiable)
+        if reuse_scratch and cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             scratch = _scratch((chunk, T, D), acc, x3.device)
         if chunk == B:
             dw_b = _dgamma_b(dy3, x3, mean3, rstd3, acc, scratch)

@@ -189,6 +189,20 @@ def test_torch_path_scratch_shared_by_layers_of_one_shape(rms):
                 torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_torch_path_backward_with_create_graph(rms):
+    """A backward that records its own graph (create_graph=True, e.g. a gradient penalty) gets the
+    same dx and norms: the scratch, written with out=, which autograd cannot record, is not used."""
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, not rms, seed=13)
+    ref = oracle(x, weight, b, dy, rms=rms, dtype=torch.float32)
+    bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
+    xx, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y = normgnorm.rms_norm(xx, w, bufs[0], bufs[2], None) if rms else normgnorm.layer_norm(xx, w, b, *bufs)
+    dx, = torch.autograd.grad(y, xx, dy, create_graph=True)
+    torch.testing.assert_close(dx.detach().double(), ref["dx"], **TOL[torch.float32])
+    torch.testing.assert_close(bufs[0].double(), ref["sq_w"], **BUFFER_TOL)
+
+
 def test_torch_path_scratch_is_per_thread():
     """autograd may run two backward passes at once on two threads: each has its own scratch."""
     import threading
