@@ -70,12 +70,8 @@ def _scratch(shape, dtype, device):
 
 def _dgamma_b(dy3, x3, mean3, rstd3, acc, scratch=None):
     x3 = x3 if x3.dtype == acc else x3.to(acc)
-    # never in place on x3, which may be the layer's input itself
-    if scratch is not None:
-        centred_dy = (torch.mul(x3, dy3, out=scratch) if mean3 is None
-                      else torch.sub(x3, mean3, out=scratch).mul_(dy3))
-    else:
-        centred_dy = x3 * dy3 if mean3 is None else (x3 - mean3).mul_(dy3)
+    # into the scratch, or (None) a fresh tensor: never in place on x3, which may be the layer's input itself
+    centred_dy = torch.mul(x3, dy3, out=scratch) if mean3 is None else torch.sub(x3, mean3, out=scratch).mul_(dy3)
     rstd3 = rstd3 if rstd3.dtype == acc else rstd3.to(acc)
     return torch.bmm(rstd3.mT, centred_dy).view(x3.shape[0], x3.shape[2])
 
