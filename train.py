@@ -228,8 +228,7 @@ except (ValueError, OSError) as e:
     die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 params = [p for p in raw_model.parameters() if p.requires_grad]
 last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (none was written)"
-# a host copy of the model's tokens_processed buffer: reading the device buffer would sync
-tokens_processed = int(raw_model.tokens_processed)
+tokens_processed = int(raw_model.tokens_processed)  # a host copy of the model's buffer: reading that would sync
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
 signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint, distributed=ddp)
 
