@@ -18,11 +18,13 @@ centring (Zhang & Sennrich 2019): its dγ_b has the same form, and every impleme
 the LayerNorm code with the mean left out (`rms=True` in forward, `mean` None in backward).
 
 Two functions, `layer_norm` and `rms_norm` (the reference implementation's `PEGLayerNorm`, with
-its seven arguments, is an adapter onto layer_norm's autograd Function, at the end), with three
+its seven arguments, is an adapter onto layer_norm's autograd Function, at the end), with four
 implementations behind:
 - "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
-- "torch": pure PyTorch (normgnorm/torch_path.py), always used off GPU.
+- "cpu": torch's forward and a backward in one native pass (normgnorm/cpu_ext.py, C built on
+  first use), the default on CPU in eager mode; what it does not take runs the PyTorch path;
+- "torch": pure PyTorch (normgnorm/torch_path.py): off GPU otherwise (mps, torch.compile).
 Choose with the `backend` argument or the NORMGNORM_BACKEND environment variable. Under
 torch.compile the kernels run as torch.library custom ops, which the compiler treats as opaque
 nodes (no graph breaks), and the torch path is traced like any PyTorch code, so that its
@@ -37,10 +39,10 @@ from torch import Tensor
 
 from reference_names import refuse_module_names
 
-from . import torch_path
+from . import cpu_ext, torch_path
 from .torch_path import rms_norm_eps
 
-BACKENDS = ("triton", "cuda", "torch")
+BACKENDS = ("triton", "cuda", "cpu", "torch")
 
 
 def _triton_importable():
@@ -54,16 +56,22 @@ def _triton_importable():
 def resolve_backend(requested, x):
     """
     The implementation that runs for input x. `requested` ("" for automatic) overrides
-    NORMGNORM_BACKEND. Off GPU only the torch path runs (never Triton, which would fail to find
-    a driver), except "triton" under TRITON_INTERPRET=1, which runs the kernels on CPU tensors.
+    NORMGNORM_BACKEND. Off GPU the CPU kernel runs on CPU tensors in eager mode (automatic, or
+    "cpu" asked for), the torch path otherwise (under torch.compile, which fuses its ops with the
+    model's; on mps); never Triton, which would fail to find a driver, except "triton" under
+    TRITON_INTERPRET=1, which runs the kernels on CPU tensors.
     """
     backend = requested or os.environ.get("NORMGNORM_BACKEND", "")
     if backend not in ("",) + BACKENDS:
         raise ValueError(f"unknown normgnorm backend {backend!r}; choose from {BACKENDS}")
     if not x.is_cuda:
-        interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-        return "triton" if interpreted else "torch"
-    if backend == "":
+        if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            return "triton"
+        on_cpu = x.device.type == "cpu"
+        if backend == "cpu" and on_cpu or backend in ("", "triton", "cuda") and on_cpu and not torch.compiler.is_compiling():
+            return "cpu"
+        return "torch"
+    if backend in ("", "cpu"):  # (NORMGNORM_BACKEND=cpu names the CPU's path, not the GPU's)
         return "triton" if _triton_importable() else "torch"
     return backend
 
@@ -75,6 +83,8 @@ def _implementation(backend):
     if backend == "cuda":
         from . import cuda_ext
         return cuda_ext
+    if backend == "cpu":
+        return cpu_ext
     return torch_path
 
 
@@ -87,7 +97,7 @@ def _examples_and_rows(x):
 def _forward(x, weight, bias, eps, backend, rms=False):
     """y, mean (None for RMSNorm), rstd from the implementation `backend` names (resolve_backend's):
     the kernels see x as rows [N, D] and give [N] statistics; torch's, which take any shape, [..., 1]."""
-    if backend == "torch":  # the path off GPU, paid per layer and micro-step: no reshapes it does not need
+    if backend in ("torch", "cpu"):  # the paths off GPU, paid per layer and micro-step: no reshapes they do not need
         return torch_path.forward(x, weight, bias, eps, rms=rms)
     D = x.shape[-1]
     y2d, mean, rstd = _implementation(backend).forward(x.reshape(-1, D).contiguous(), weight.contiguous(),
@@ -110,9 +120,9 @@ def _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnor
     if N == 0:
         example_count.add_(num_examples)
         return torch.zeros_like(x), weight.new_zeros(D) if need_dw else None, weight.new_zeros(D) if need_db else None
-    if backend == "torch":
-        return torch_path.backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
-                                   weight_sqgradnorm, bias_sqgradnorm, example_count)
+    if backend in ("torch", "cpu"):
+        return _implementation(backend).backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
+                                                 weight_sqgradnorm, bias_sqgradnorm, example_count)
     dx2d, dw, db = _implementation(backend).backward(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(),
                                                      weight.contiguous(), mean, rstd, num_examples, need_dw, need_db,
                                                      weight_sqgradnorm, bias_sqgradnorm, example_count)

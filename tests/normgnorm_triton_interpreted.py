@@ -32,7 +32,7 @@ def no_torch_path(monkeypatch):
 
 def test_triton_backend_runs_on_cpu_under_the_interpreter():
     assert normgnorm.resolve_backend("triton", torch.zeros(1, 2)) == "triton"
-    assert normgnorm.resolve_backend("", torch.zeros(1, 2)) == "torch"  # never by default off GPU
+    assert normgnorm.resolve_backend("", torch.zeros(1, 2)) == "cpu"  # never by default off GPU
 
 
 def run_kernels(shape, dtype, bias, need_dw=True, need_db=True, x_scale=1.0, rms=False, **plan_args):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import normgnorm
 from gns_fixtures import output_grad_loss, sqgradnorm_sums
-from normgnorm import cuda_ext
+from normgnorm import cpu_ext, cuda_ext
 
 EPS = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,6 +145,82 @@ def test_torch_path_matches_oracles(dtype, bias, shape, entry):
     check_op(SHAPES[shape], dtype, bias, backend="torch", layer_norm=ENTRIES[entry])
 
 
+# ---------------------------------------------------------------- the CPU kernel (cpu_ext.py)
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts the C kernel's calls, so that a test knows it ran (and not the PyTorch path)."""
+    fn, calls = cpu_ext.kernel(), []
+    assert fn is not None, cpu_ext._kernel  # this machine has a C compiler: the kernel must build
+
+    def counted(*args):
+        calls.append(args)
+        return fn(*args)
+    monkeypatch.setattr(cpu_ext, "_kernel", counted)
+    return calls
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("entry,bias", [(e, b) for e in ENTRIES for b in (True, False)] + [(e, False) for e in RMS_ENTRIES])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_cpu_kernel_matches_oracles(kernel_calls, bias, shape, entry, threads):
+    layer_norm = {**ENTRIES, **RMS_ENTRIES}[entry]
+    examples = 1 if len(SHAPES[shape][0]) == 1 else min(s[0] for s in SHAPES[shape])
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_op(SHAPES[shape], torch.float32, bias, backend="cpu", layer_norm=layer_norm)
+    finally:
+        torch.set_num_threads(saved)
+    # two micro-steps: the kernel ran both where every call has an example per thread
+    assert len(kernel_calls) == (2 if examples >= threads else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_backend_runs_the_pytorch_path_where_the_kernel_takes_no_input(kernel_calls, dtype):
+    check_op(SHAPES["3d"], dtype, True, backend="cpu")
+    assert kernel_calls == []
+
+
+def test_cpu_kernel_is_the_default_in_eager_mode_and_matches_the_torch_path(kernel_calls):
+    results = {}
+    for backend in ("", "torch"):
+        x, dy, weight, b = make_inputs((4, 9, 40), torch.float32, True, seed=5)
+        x, weight, b = x.requires_grad_(), weight.requires_grad_(), b.requires_grad_()
+        bufs = [torch.zeros(()) for _ in range(3)]
+        normgnorm.layer_norm(x, weight, b, *bufs, EPS, backend).backward(dy)
+        results[backend] = [x.grad, weight.grad, b.grad, *bufs]
+    assert len(kernel_calls) == 1
+    for ours, torchs in zip(results[""], results["torch"]):
+        torch.testing.assert_close(ours, torchs, rtol=2e-6, atol=2e-6)
+
+
+def test_cpu_kernel_without_a_compiler_warns_once_and_the_pytorch_path_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_ext, "_kernel", None)
+    with pytest.warns(UserWarning, match="the CPU kernel could not be built .*no-such-compiler.*PyTorch path runs") as seen:
+        check_op(SHAPES["3d"], torch.float32, True, backend="cpu")
+    assert len(seen) == 1 and isinstance(cpu_ext._kernel, str)
+
+
+def test_cpu_kernel_is_built_once_into_a_file_named_by_its_source_and_cpu(tmp_path):
+    path = cpu_ext.library_path(str(tmp_path))
+    assert os.path.dirname(path) == str(tmp_path) and not os.path.exists(path)
+    fn = cpu_ext.build(str(tmp_path))
+    assert fn is not None and os.listdir(tmp_path) == [os.path.basename(path)]  # renamed into place, no leftovers
+    built = os.path.getmtime(path)
+    cpu_ext.build(str(tmp_path))
+    assert os.path.getmtime(path) == built
+
+
+def test_cpu_kernel_under_create_graph_runs_the_differentiable_path(kernel_calls):
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, True, seed=2)
+    x, weight = x.requires_grad_(), weight.requires_grad_()
+    bufs = [torch.zeros(()) for _ in range(3)]
+    (dx,) = torch.autograd.grad(normgnorm.layer_norm(x, weight, b, *bufs, EPS, "cpu"), x, dy, create_graph=True)
+    assert dx.requires_grad and kernel_calls == []
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_path_one_example_at_a_time(monkeypatch, dtype):
     monkeypatch.setattr(normgnorm.torch_path, "CPU_CHUNK_NUMEL", 1)
@@ -163,8 +239,8 @@ def test_torch_path_scratch_shared_by_layers_of_one_shape(rms):
     for inp, grad in ((x, dy), (x2, dy2)):
         bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
         xx, w = inp.clone().requires_grad_(), weight.clone().requires_grad_()  # dγ needed: the scratch is used
-        y = (normgnorm.rms_norm(xx, w, bufs[0], bufs[2], None) if rms
-             else normgnorm.layer_norm(xx, w, b, *bufs))
+        y = (normgnorm.rms_norm(xx, w, bufs[0], bufs[2], None, "torch") if rms
+             else normgnorm.layer_norm(xx, w, b, *bufs, EPS, "torch"))
         y.backward(grad)
         grads.append((xx.grad, bufs))
     kept = torch_path._scratch_of_thread.tensor
@@ -197,7 +273,8 @@ def test_torch_path_backward_with_create_graph(rms):
     ref = oracle(x, weight, b, dy, rms=rms, dtype=torch.float32)
     bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
     xx, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-    y = normgnorm.rms_norm(xx, w, bufs[0], bufs[2], None) if rms else normgnorm.layer_norm(xx, w, b, *bufs)
+    y = (normgnorm.rms_norm(xx, w, bufs[0], bufs[2], None, "torch") if rms
+         else normgnorm.layer_norm(xx, w, b, *bufs, EPS, "torch"))
     dx, = torch.autograd.grad(y, xx, dy, create_graph=True)
     torch.testing.assert_close(dx.detach().double(), ref["dx"], **TOL[torch.float32])
     torch.testing.assert_close(bufs[0].double(), ref["sq_w"], **BUFFER_TOL)
@@ -422,11 +499,14 @@ def test_only_parameters_with_gradients_are_measured(layer_norm, frozen):
 
 def test_backend_choice_off_gpu(monkeypatch):
     x = torch.zeros(2, 3)
-    assert normgnorm.resolve_backend("", x) == "torch"
-    for name in ("triton", "cuda"):  # off GPU these mean nothing: the CPU path never runs Triton
+    assert normgnorm.resolve_backend("", x) == "cpu"  # eager on CPU: the native backward
+    for name in ("triton", "cuda", "cpu"):  # off GPU the GPU's names mean the CPU's path: never Triton
         monkeypatch.setenv("NORMGNORM_BACKEND", name)
-        assert normgnorm.resolve_backend("", x) == "torch"
-        assert normgnorm.resolve_backend(name, x) == "torch"
+        assert normgnorm.resolve_backend("", x) == "cpu"
+        assert normgnorm.resolve_backend(name, x) == "cpu"
+    monkeypatch.setenv("NORMGNORM_BACKEND", "torch")  # pure PyTorch, asked for
+    assert normgnorm.resolve_backend("", x) == "torch"
+    assert normgnorm.resolve_backend("torch", x) == "torch"
     with pytest.raises(ValueError, match="unknown normgnorm backend"):
         normgnorm.resolve_backend("cudnn", x)
 

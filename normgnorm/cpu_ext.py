@@ -1,0 +1,117 @@
+"""
+The CPU backward as one native pass: csrc/normgnorm_cpu.c (plain C and OpenMP, no torch
+headers), compiled with the system's C compiler ($CC, else cc) on first use, in well under a
+second, into torch's extension cache, once per version of the source, compiler and CPU, and
+called through ctypes. It computes dx, each example's dγ_b, dβ_b, their sums and the squared
+norms reading x and dy once; the PyTorch path (torch_path.py) reads them three times and pays a
+dozen op dispatches, which cost as much as a small LayerNorm. The output (forward) is torch's own.
+
+What it does not take goes to the PyTorch path, with the same results: other dtypes than
+float32, a frozen gain, a backward that records a graph (create_graph=True), fewer examples
+than threads (torch's kernels split rows, this one examples). Where no compiler works, the
+PyTorch path runs everything, after one warning that says why. The extension shares torch's
+OpenMP runtime (the same libgomp, loaded once), so its threads are torch's.
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+
+import torch
+from torch.utils import cpp_extension
+
+from . import torch_path
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "normgnorm_cpu.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+BUILD_TIMEOUT_S = 120
+_kernel = None  # the loaded function, or the reason it could not be had (a str)
+
+
+def compiler():
+    return os.environ.get("CC") or shutil.which("cc") or "gcc"
+
+
+def library_path(build_dir=None):
+    """Where build() keeps the library: named by a hash of the source, the compiler and the CPU,
+    so that an edit recompiles and a home directory shared by unlike machines (-march=native)
+    keeps one library per kind of CPU."""
+    with open(SOURCE, "rb") as f:
+        key = f.read() + " ".join([compiler(), *FLAGS, platform.machine(), _cpu_flags()]).encode()
+    build_dir = build_dir or os.path.join(cpp_extension.get_default_build_root(), "normgnorm_cpu")
+    return os.path.join(build_dir, f"normgnorm_cpu_{hashlib.sha1(key).hexdigest()[:16]}.so")
+
+
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def build(build_dir=None):
+    """Compile (unless built before) and load the kernel; returns the C function. Raises
+    RuntimeError saying what failed."""
+    path = library_path(build_dir)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"  # each process its own, renamed into place whole
+        cmd = [compiler(), *FLAGS, SOURCE, "-o", tmp]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"{' '.join(cmd)}: {e}") from None
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: {first}")
+        os.replace(tmp, path)
+    fn = ctypes.CDLL(path).normgnorm_cpu_backward
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8 + [ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def kernel():
+    """The C function, built on the first call; None (after one warning) if it cannot be built."""
+    global _kernel
+    if _kernel is None:
+        try:
+            _kernel = build()
+        except (RuntimeError, OSError) as e:
+            _kernel = str(e)
+            warnings.warn(f"normgnorm: the CPU kernel could not be built ({e}); the PyTorch path runs instead "
+                          "(slower; NORMGNORM_BACKEND=torch chooses it without trying)", stacklevel=2)
+    return None if isinstance(_kernel, str) else _kernel
+
+
+def _takes(dy, x, weight, num_examples, need_dw, buffers):
+    return (need_dw and x.dtype == dy.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()
+            and num_examples >= torch.get_num_threads()
+            and all(b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.dim() == 0) for b in buffers))
+
+
+def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count):
+    """torch_path.backward's call and results (dx, dw, db; the buffers added to), by the kernel
+    where it takes the inputs (see above), else by the PyTorch path."""
+    fn = kernel() if _takes(dy, x, weight, num_examples, need_dw, (weight_sq, bias_sq, count)) else None
+    if fn is None:
+        return torch_path.backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
+                                   weight_sq, bias_sq, count)
+    D = x.shape[-1]
+    B, T = num_examples, x.numel() // D // num_examples
+    x, dy, weight = x.contiguous(), dy.contiguous(), weight.contiguous()
+    mean = None if mean is None else mean.contiguous()
+    rstd = rstd.contiguous()
+    dx = torch.empty_like(x)
+    dw_b, dw = x.new_empty(B, D), x.new_empty(D)
+    db_b, db = (x.new_empty(B, D), x.new_empty(D)) if need_db else (None, None)
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+    fn(ptr(x), ptr(dy), ptr(mean), ptr(rstd), ptr(weight), B, T, D, ptr(dx), ptr(dw_b), ptr(db_b), ptr(dw),
+       ptr(db), ptr(weight_sq), ptr(bias_sq if need_db else None), ptr(count), torch.get_num_threads())
+    return dx, dw, db
