@@ -4,9 +4,9 @@ normgnorm: LayerNorm (and RMSNorm) whose backward also accumulates per-example �
 
 Every implementation is checked against two oracles, both in float64 from the same inputs:
 torch's LayerNorm (or RMSNorm) autograd (output, dx, dγ, dβ) and the shared per-example oracle of
-tests/gns_fixtures.py (the squared norms). The pure-PyTorch path runs here; the Triton kernels run on
-CPU under the Triton interpreter (small shapes); the CUDA sources are compiled (no GPU here) and
-both GPU backends run against the oracles where a GPU exists.
+tests/gns_fixtures.py (the squared norms). The pure-PyTorch path and the CPU kernel run here; the
+Triton kernels run on CPU under the Triton interpreter (small shapes); the CUDA sources are compiled
+(no GPU here) and both GPU backends run against the oracles where a GPU exists.
 """
 import os
 import shutil
@@ -150,8 +150,10 @@ def test_torch_path_matches_oracles(dtype, bias, shape, entry):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts the C kernel's calls, so that a test knows it ran (and not the PyTorch path)."""
+    if shutil.which(cpu_ext.compiler()) is None:
+        pytest.skip(f"no C compiler ({cpu_ext.compiler()})")
     fn, calls = cpu_ext.kernel(), []
-    assert fn is not None, cpu_ext._kernel  # this machine has a C compiler: the kernel must build
+    assert fn is not None, cpu_ext._kernel  # a compiler is here: the kernel must build
 
     def counted(*args):
         calls.append(args)
@@ -203,6 +205,7 @@ def test_cpu_kernel_without_a_compiler_warns_once_and_the_pytorch_path_runs(monk
     assert len(seen) == 1 and isinstance(cpu_ext._kernel, str)
 
 
+@pytest.mark.skipif(shutil.which(cpu_ext.compiler()) is None, reason="no C compiler")
 def test_cpu_kernel_is_built_once_into_a_file_named_by_its_source_and_cpu(tmp_path):
     path = cpu_ext.library_path(str(tmp_path))
     assert os.path.dirname(path) == str(tmp_path) and not os.path.exists(path)
