@@ -98,21 +98,34 @@ NORM_VS_TOTAL = ["--seeds=1", "--max_tokens=3072", "--alpha=0.5", "--n_layer=1",
                  "--batch_size=4", "--block_size=16", "--eval_iters=2", "--eval_interval=1000"]
 
 
+class OnFirstUse(dict):
+    """{key: made_once's folder `name`-key, filled by make(key, folder)}, each made when a test first asks
+    for it: a test waits only for what it reads, and a second worker makes another key meanwhile
+    instead of waiting for every key in turn. result(key, folder) is what a test gets (the folder)."""
+
+    def __init__(self, tmp_path_factory, name, make, result=lambda key, folder: folder):
+        super().__init__()
+        self.tmp_path_factory, self.name, self.make, self.result = tmp_path_factory, name, make, result
+
+    def __missing__(self, key):
+        folder = made_once(self.tmp_path_factory, f"{self.name}-{key}", lambda folder: self.make(key, folder))
+        self[key] = self.result(key, folder)
+        return self[key]
+
+
 @pytest.fixture(scope="session")
 def bench_runs(tiny_dataset, tmp_path_factory):
     """{script: (out_dir, its stdout)} of bench/batch_control.py, bench/norm_vs_total.py and
-    bench/critical_batch.py on the tiny dataset, made once for their end-to-end tests and the
-    notebook's; treat the folders as read-only."""
-    runs = {}
-    for script, flags in (("batch_control.py", BATCH_CONTROL), ("norm_vs_total.py", NORM_VS_TOTAL),
-                          ("critical_batch.py", CRITICAL_BATCH)):
-        def make(folder):
-            p = run_bench(script, f"--out_dir={folder / 'runs'}", f"--dataset={tiny_dataset}", *flags)
-            assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-            (folder / "stdout.txt").write_text(p.stdout)
-        folder = made_once(tmp_path_factory, script.split(".")[0], make)
-        runs[script] = folder / "runs", (folder / "stdout.txt").read_text()
-    return runs
+    bench/critical_batch.py on the tiny dataset, made once (each on first use) for their end-to-end
+    tests and the notebook's; treat the folders as read-only."""
+    flags = {"batch_control.py": BATCH_CONTROL, "norm_vs_total.py": NORM_VS_TOTAL, "critical_batch.py": CRITICAL_BATCH}
+
+    def make(script, folder):
+        p = run_bench(script, f"--out_dir={folder / 'runs'}", f"--dataset={tiny_dataset}", *flags[script])
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        (folder / "stdout.txt").write_text(p.stdout)
+    return OnFirstUse(tmp_path_factory, "bench", make,
+                      result=lambda script, folder: (folder / "runs", (folder / "stdout.txt").read_text()))
 
 
 def write_long_log(path, rows, params):

@@ -3,8 +3,6 @@ its CSVs' columns, summary's B_crit the fit of branches.csv's best rows, and a r
 started again keeping every finished branch."""
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
@@ -16,14 +14,19 @@ from gnsmath import fit_critical_batch
 SCRIPT = os.path.join(REPO, "bench", "critical_batch.py")
 
 
-def critical_batch(*args, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+def critical_batch(capsys, *args):
+    """(exit code, stdout, stderr) of the script run in this process until it exits: for the runs that
+    train nothing, without paying a fresh interpreter's import of torch each time."""
+    try:
+        code = load_script().main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.slow
-def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs, tiny_dataset, tmp_path):
+def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs, tiny_dataset, tmp_path, capsys):
     out = tmp_path / "cb"  # a copy: the session's run is the notebook's too
     shutil.copytree(bench_runs["critical_batch.py"][0], out)
     branches, summary = pd.read_csv(out / "branches.csv"), pd.read_csv(out / "summary.csv")
@@ -58,17 +61,17 @@ def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs,
     gns = pd.read_csv(out / "gns_gpt2-s1.csv")
     assert list(gns.columns) == ["tokens", "b_simple_total", "b_simple_norm", "b_simple_norm_adam"]
     # started again: every branch is kept, nothing is run twice, the results are the same
-    again = critical_batch("--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}")
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "45 branches were kept from an earlier run, 0 run now" in again.stdout
+    code, stdout, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}")
+    assert code == 0, stderr[-2000:]
+    assert "45 branches were kept from an earlier run, 0 run now" in stdout
     pd.testing.assert_frame_equal(pd.read_csv(out / "branches.csv"), branches)
 
 
-def test_bad_input_is_one_line_exit_2():
-    p = critical_batch("--seeds=0", timeout=60)
-    assert p.returncode == 2 and "--seeds must be >= 1" in p.stderr.strip().splitlines()[-1]
-    p = critical_batch("--families=gpt3", timeout=60)
-    assert p.returncode == 2 and "--families must name some of gpt2, llama" in p.stderr.strip().splitlines()[-1]
+def test_bad_input_is_one_line_exit_2(capsys):
+    code, _, stderr = critical_batch(capsys, "--seeds=0")
+    assert code == 2 and "--seeds must be >= 1" in stderr.strip().splitlines()[-1]
+    code, _, stderr = critical_batch(capsys, "--families=gpt3")
+    assert code == 2 and "--families must name some of gpt2, llama" in stderr.strip().splitlines()[-1]
 
 
 def load_script():
@@ -103,7 +106,7 @@ def test_a_best_rate_is_at_the_edge_only_when_no_rate_beyond_it_was_tried():
     assert {r.batch_size: cb.at_edge(r, branches) for r in best.itertuples()} == {4: True, 32: False, 64: True}
 
 
-def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread(tmp_path):
+def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread(tmp_path, capsys):
     cb = load_script()
     out = tmp_path / "cb"
     out.mkdir()
@@ -119,12 +122,12 @@ def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread
                      ).to_csv(out / f"gns_gpt2-s{seed}.csv", index=False)
     frames[1] = frames[1][frames[1]["batch_size"] != sizes[0]]  # seed 2 has not finished its grid
     pd.concat(frames).to_csv(out / "branches.csv", index=False)
-    p = critical_batch("--report", "--quick", f"--out_dir={out}", timeout=60)
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
+    code, stdout, stderr = critical_batch(capsys, "--report", "--quick", f"--out_dir={out}")
+    assert code == 0, stderr
+    lines = stdout.splitlines()
     assert "| gpt2 | 1 | 100 | 15 of 15 | 10 | 300 | 30 | 15 | 10 | 30 |" in lines
     assert "| gpt2 | 2 | 100 | 12 of 15 | – | – | – | 30 | 10 | < 0 |" in lines  # an EMA of |G|^2 still negative
-    assert "seed 2 at 100 tokens: 12 of 15 branches run, no fit yet" in p.stderr
+    assert "seed 2 at 100 tokens: 12 of 15 branches run, no fit yet" in stderr
     summary = pd.read_csv(out / "summary.csv")  # rewritten for the notebook
     assert summary.b_crit.tolist()[0] == pytest.approx(30) and np.isnan(summary.b_crit.tolist()[1])
     # the ratios over the fitted seeds (one here), then each estimate over every fitted point
@@ -132,13 +135,13 @@ def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread
     assert "| B_simple total | 1 | 2 | – |" in lines and "| B_simple norm, Adam | 1 | 1 | – |" in lines
     # both seeds fitted: the mean ratio with its range over seeds, and the spread of the log ratio
     pd.concat([frames[0], frames[0].assign(seed=2)]).to_csv(out / "branches.csv", index=False)
-    lines = critical_batch("--report", "--quick", f"--out_dir={out}", timeout=60).stdout.splitlines()
+    lines = critical_batch(capsys, "--report", "--quick", f"--out_dir={out}")[1].splitlines()
     # (seed 2's negative Adam B_simple gives no ratio)
     assert "| gpt2 | 100 | 2 | 30.00 (30.00–30.00) | 1.50 (1.00–2.00) | 3.00 (3.00–3.00) | 1.00 |" in lines
     assert f"| B_simple total | 2 | 1.41 | {np.std(np.log([2, 1]), ddof=1):.3g} |" in lines
 
 
-def test_a_b_crit_beyond_the_largest_batch_tried_is_marked_and_in_no_ratio(tmp_path):
+def test_a_b_crit_beyond_the_largest_batch_tried_is_marked_and_in_no_ratio(tmp_path, capsys):
     """Steps that halve with every doubling of the batch up to the largest tried give a fit whose
     B_crit lies far beyond it: an extrapolation, shown as such, in no ratio."""
     cb = load_script()
@@ -151,17 +154,17 @@ def test_a_b_crit_beyond_the_largest_batch_tried_is_marked_and_in_no_ratio(tmp_p
     pd.concat(frames).to_csv(out / "branches.csv", index=False)
     pd.DataFrame(dict(tokens=[100, 150], b_simple_total=[15.0, 100.0], b_simple_norm=[10.0, 50.0],
                       b_simple_norm_adam=[30.0, 80.0])).to_csv(out / "gns_gpt2-s1.csv", index=False)
-    p = critical_batch("--report", "--quick", f"--out_dir={out}", timeout=60)
-    assert p.returncode == 0, p.stderr
-    lines = p.stdout.splitlines()
+    code, stdout, stderr = critical_batch(capsys, "--report", "--quick", f"--out_dir={out}")
+    assert code == 0, stderr
+    lines = stdout.splitlines()
     largest = max(sizes)
     assert f"| gpt2 | 1 | 150 | 15 of 15 | 1 | 3e+03 | 3e+03 (> {largest}: extrapolated) | 100 | 50 | 80 |" in lines
-    assert f"B_crit 3e+03 lies beyond the largest batch tried ({largest})" in p.stderr
+    assert f"B_crit 3e+03 lies beyond the largest batch tried ({largest})" in stderr
     assert pd.read_csv(out / "summary.csv").b_crit.tolist() == pytest.approx([30, 3000])  # the fit, as it is
     assert not any(line.startswith("| gpt2 | 150 |") for line in lines)  # no ratio at that point
     assert "| B_simple total | 1 | 2 | – |" in lines  # only the point within the batches tried
 
 
-def test_report_needs_the_experiments_csvs(tmp_path):
-    p = critical_batch("--report", f"--out_dir={tmp_path}", timeout=60)
-    assert p.returncode == 2 and "has no branches.csv" in p.stderr.strip().splitlines()[-1]
+def test_report_needs_the_experiments_csvs(tmp_path, capsys):
+    code, _, stderr = critical_batch(capsys, "--report", f"--out_dir={tmp_path}")
+    assert code == 2 and "has no branches.csv" in stderr.strip().splitlines()[-1]

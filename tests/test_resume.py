@@ -2,6 +2,7 @@
 step and resumed writes the log.csv of a run never interrupted, value for value (the wall-clock
 columns aside), in one process, with the batch-size controller or schedule, and under DDP and FSDP."""
 import csv
+import hashlib
 import json
 import os
 import random
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, TINY, run_train
+from conftest import REPO, TINY, made_once, run_train
 
 WALL_CLOCK = {"dt", "mfu", "tokens_per_sec"}  # the columns that measure time, not training
 STEPS = 12
@@ -104,9 +105,15 @@ def interrupt(flags, out, signum, at_row, torchrun_procs=0, site=None):
     return proc.returncode, stdout, stderr
 
 
-def assert_resume_continues_exactly(tiny_dataset, tmp_path, flags, signum, torchrun_procs=0):
+def uninterrupted(tmp_path_factory, flags, torchrun_procs=0):
+    """The out_dir of a run with `flags` never interrupted: made once for the tests whose runs it stands for."""
+    name = "whole-" + hashlib.sha256(repr((flags, torchrun_procs)).encode()).hexdigest()[:16]
+    make = lambda folder: run_train(*flags, f"--out_dir={folder / 'out'}", torchrun_procs=torchrun_procs)
+    return made_once(tmp_path_factory, name, make) / "out"
+
+
+def assert_resume_continues_exactly(tiny_dataset, tmp_path_factory, tmp_path, flags, signum, torchrun_procs=0):
     flags = [*flags, f"--dataset={tiny_dataset}"]
-    run_train(*flags, f"--out_dir={tmp_path / 'whole'}", torchrun_procs=torchrun_procs)
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_ROWS.format(root=REPO))
@@ -118,7 +125,8 @@ def assert_resume_continues_exactly(tiny_dataset, tmp_path, flags, signum, torch
     p = run_train(*flags, f"--out_dir={out}", "--init_from=resume", torchrun_procs=torchrun_procs)
     # a stop is an exit of the run's own, which empties train.lock; a kill is not, and is named
     assert ("taking over" in p.stdout) == (signum == signal.SIGKILL), p.stdout[-2000:]
-    whole, resumed = log_rows(tmp_path / "whole"), log_rows(out)
+    # the same flags uninterrupted (a kill and a stop compare with one such run)
+    whole, resumed = log_rows(uninterrupted(tmp_path_factory, flags, torchrun_procs)), log_rows(out)
     assert resumed[0] == whole[0]
     assert len(resumed) == len(whole) > 9
     for step, (a, b) in enumerate(zip(whole[1:], resumed[1:])):
@@ -128,8 +136,9 @@ def assert_resume_continues_exactly(tiny_dataset, tmp_path, flags, signum, torch
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
-def test_a_run_killed_or_stopped_and_resumed_writes_the_log_of_an_uninterrupted_one(tiny_dataset, tmp_path, signum):
-    assert_resume_continues_exactly(tiny_dataset, tmp_path, FLAGS, signum)
+def test_a_run_killed_or_stopped_and_resumed_writes_the_log_of_an_uninterrupted_one(tiny_dataset, tmp_path_factory,
+                                                                                   tmp_path, signum):
+    assert_resume_continues_exactly(tiny_dataset, tmp_path_factory, tmp_path, FLAGS, signum)
 
 
 @pytest.mark.slow
@@ -137,15 +146,16 @@ def test_a_run_killed_or_stopped_and_resumed_writes_the_log_of_an_uninterrupted_
     ["--bs_controller=gns", "--gradient_accumulation_steps=8", "--bs_warmup_steps=2", "--bs_update_tokens=0",
      "--bs_allow_decrease=True"],
     ["--bs_schedule=True", "--bs_schedule_points=[(0, 1), (2000, 4)]"]], ids=["controller", "schedule"])
-def test_the_batch_size_controller_and_schedule_resume_exactly(tiny_dataset, tmp_path, sizing):
-    assert_resume_continues_exactly(tiny_dataset, tmp_path, [*FLAGS, *sizing], signal.SIGKILL)
+def test_the_batch_size_controller_and_schedule_resume_exactly(tiny_dataset, tmp_path_factory, tmp_path, sizing):
+    assert_resume_continues_exactly(tiny_dataset, tmp_path_factory, tmp_path, [*FLAGS, *sizing], signal.SIGKILL)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", [[], ["--fsdp=True"]], ids=["ddp", "fsdp"])
-def test_two_ranks_killed_and_resumed_write_the_log_of_an_uninterrupted_run(tiny_dataset, tmp_path, sharding):
-    assert_resume_continues_exactly(tiny_dataset, tmp_path, [*FLAGS, "--backend=gloo", *sharding], signal.SIGKILL,
-                                    torchrun_procs=2)
+def test_two_ranks_killed_and_resumed_write_the_log_of_an_uninterrupted_run(tiny_dataset, tmp_path_factory, tmp_path,
+                                                                          sharding):
+    assert_resume_continues_exactly(tiny_dataset, tmp_path_factory, tmp_path, [*FLAGS, "--backend=gloo", *sharding],
+                                    signal.SIGKILL, torchrun_procs=2)
 
 
 @pytest.mark.slow
@@ -188,14 +198,15 @@ def test_a_compiled_run_chooses_each_linears_method_before_compiling_and_keeps_i
 
 @pytest.fixture(scope="module")
 def short_runs(tiny_dataset, tmp_path_factory):
-    """out_dirs after 6 steps (checkpoint at 6, GNS columns): 'ours', and two other models."""
-    from conftest import made_once
+    """{name: out_dir} after 6 steps (checkpoint at 6, GNS columns): 'ours', and two other models,
+    'block_size' and 'n_layer', each run on first use."""
+    from conftest import OnFirstUse
+    others = {"ours": [], "block_size": ["--block_size=8"], "n_layer": ["--n_layer=1"]}
 
-    def make(folder):
-        common = [*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--max_iters=6", "--lnclass=shim"]
-        for name, flags in (("ours", []), ("block_size", ["--block_size=8"]), ("n_layer", ["--n_layer=1"])):
-            run_train(*common, *flags, f"--out_dir={folder / name}")
-    return made_once(tmp_path_factory, "short_runs", make)
+    def make(name, folder):
+        run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--max_iters=6", "--lnclass=shim",
+                  *others[name], f"--out_dir={folder / 'out'}")
+    return OnFirstUse(tmp_path_factory, "short_runs", make, result=lambda name, folder: folder / "out")
 
 
 def resume(tiny_dataset, out, *flags):
@@ -210,9 +221,10 @@ def resume(tiny_dataset, out, *flags):
 def test_another_models_checkpoint_stops_the_resume_and_leaves_everything_as_it_was(tiny_dataset, short_runs,
                                                                                     tmp_path, other):
     import shutil
+    theirs = short_runs[other] / "ckpt.pt"  # first: another worker may be running 'ours' meanwhile
     out = tmp_path / "out"
-    shutil.copytree(short_runs / "ours", out)
-    shutil.copy(short_runs / other / "ckpt.pt", out / "ckpt.pt")
+    shutil.copytree(short_runs["ours"], out)
+    shutil.copy(theirs, out / "ckpt.pt")
     before = {f.name: f.read_bytes() for f in out.iterdir() if f.name != "train.lock"}
     code, stderr = resume(tiny_dataset, out, f"--{other}={8 if other == 'block_size' else 1}")
     assert code == 2
@@ -225,7 +237,7 @@ def test_another_models_checkpoint_stops_the_resume_and_leaves_everything_as_it_
 def test_a_malformed_row_before_the_checkpoint_is_moved_aside_and_reported(tiny_dataset, short_runs, tmp_path):
     import shutil
     out = tmp_path / "out"
-    shutil.copytree(short_runs / "ours", out)
+    shutil.copytree(short_runs["ours"], out)
     lines = (out / "log.csv").read_bytes().splitlines(keepends=True)
     (out / "log.csv").write_bytes(b"".join([*lines[:3], b"2,this is, not a row\r\n", *lines[3:]]))
     code, stderr = resume(tiny_dataset, out)
@@ -241,7 +253,7 @@ def test_a_malformed_row_before_the_checkpoint_is_moved_aside_and_reported(tiny_
 def test_a_resume_onto_an_empty_or_missing_log_says_the_steps_are_gone(tiny_dataset, short_runs, tmp_path, log):
     import shutil
     out = tmp_path / "out"
-    shutil.copytree(short_runs / "ours", out)
+    shutil.copytree(short_runs["ours"], out)
     if log == "empty":
         (out / "log.csv").write_bytes(b"")
     else:
@@ -257,7 +269,7 @@ def test_a_checkpoint_from_before_saved_data_orders_resumes_saying_the_order_res
                                                                                        tmp_path):
     import shutil
     out = tmp_path / "out"
-    shutil.copytree(short_runs / "ours", out)
+    shutil.copytree(short_runs["ours"], out)
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     del ckpt["data_order"], ckpt["nonfinite_steps"]
     torch.save(ckpt, out / "ckpt.pt")
