@@ -60,7 +60,7 @@ from torch.nn.utils.parametrize import is_parametrized
 # the kinds' names (the analysis's groups, layer_config's classes); norm= chooses for both NORM_KINDS
 from gnsmath import KIND_NAMES, NORM_KINDS
 import normgnorm
-from normgnorm.torch_path import add_squared_norms, per_example_affine_grads, rms_norm_eps
+from normgnorm.torch_path import rms_norm_eps
 from reference_names import ReferenceNameError, refuse_module_names, refused
 
 
@@ -1039,14 +1039,11 @@ class _LayerNormFn(torch.autograd.Function):
         dw = dw.to(weight.dtype) if need_dw else None
         db = db.to(bias.dtype) if need_db else None
         B, N = _examples(x, len(shape)), weight.numel()
-        dw_b, db_b = per_example_affine_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N), mean.reshape(B, -1, 1),
-                                              rstd.reshape(B, -1, 1), need_dw, need_db, reuse_scratch=True)
-        measured = [(sq, grads_b, coords) for needed, grads_b, sq, coords in
-                    ((need_dw, dw_b, w_sq, ctx.coords[0]), (need_db, db_b, b_sq, ctx.coords[1])) if needed]
-        if measured:
-            add_squared_norms([sq for sq, _, _ in measured], [grads_b for _, grads_b, _ in measured])
-        for _, grads_b, coords in measured:
-            if coords is not None:
+        # the per-example dγ_b, dβ_b and their squared norms (on CPU in one native pass over x and dy)
+        dw_b, db_b = normgnorm.cpu_ext.per_example_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N), mean.reshape(B, -1, 1),
+                                                         rstd.reshape(B, -1, 1), need_dw, need_db, w_sq, b_sq)
+        for grads_b, coords in ((dw_b, ctx.coords[0]), (db_b, ctx.coords[1])):
+            if grads_b is not None and coords is not None:
                 coords.add_(grads_b.square().sum(0))
         count.add_(B)
         return dx, dw, db, None, None, None, None, None, None
@@ -1163,8 +1160,7 @@ class _RMSNormTap(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         mean_square = torch.linalg.vector_norm(x3, dim=-1, keepdim=True, dtype=acc).square_().div_(N)
         rstd = mean_square.add_(rms_norm_eps(ctx.eps, x.dtype)).rsqrt_()
-        dw_b, _ = per_example_affine_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False, reuse_scratch=True)
-        add_squared_norms([w_sq], [dw_b])
+        dw_b, _ = normgnorm.cpu_ext.per_example_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False, w_sq, None)
         if ctx.coords is not None:
             ctx.coords.add_(dw_b.square().sum(0))
         count.add_(B)

@@ -5,6 +5,8 @@ second, into torch's extension cache, once per version of the source, compiler a
 called through ctypes. It computes dx, each example's dγ_b, dβ_b, their sums and the squared
 norms reading x and dy once; the PyTorch path (torch_path.py) reads them three times and pays a
 dozen op dispatches, which cost as much as a small LayerNorm. The output (forward) is torch's own.
+The separated layers (buffered.py), whose dx, dγ, dβ are torch's, take the per-example part alone
+(per_example_grads).
 
 What it does not take goes to the PyTorch path, with the same results: other dtypes than
 float32, a frozen gain, a backward that records a graph (create_graph=True), fewer examples
@@ -88,16 +90,17 @@ def kernel():
     return None if isinstance(_kernel, str) else _kernel
 
 
-def _takes(dy, x, weight, num_examples, need_dw, buffers):
-    return (need_dw and x.dtype == dy.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled()
-            and num_examples >= torch.get_num_threads()
+def _takes(tensors, num_examples, buffers):
+    """Whether the kernel takes these float32 inputs and 0-dim float32 buffers (None: not given)."""
+    return (not torch.is_grad_enabled() and num_examples >= torch.get_num_threads()
+            and all(t is None or t.dtype == torch.float32 for t in tensors)
             and all(b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.dim() == 0) for b in buffers))
 
 
 def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count):
     """torch_path.backward's call and results (dx, dw, db; the buffers added to), by the kernel
     where it takes the inputs (see above), else by the PyTorch path."""
-    fn = kernel() if _takes(dy, x, weight, num_examples, need_dw, (weight_sq, bias_sq, count)) else None
+    fn = kernel() if need_dw and _takes((dy, x, weight, mean, rstd), num_examples, (weight_sq, bias_sq, count)) else None
     if fn is None:
         return torch_path.backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
                                    weight_sq, bias_sq, count)
@@ -109,9 +112,37 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
     dx = torch.empty_like(x)
     dw_b, dw = x.new_empty(B, D), x.new_empty(D)
     db_b, db = (x.new_empty(B, D), x.new_empty(D)) if need_db else (None, None)
-
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-    fn(ptr(x), ptr(dy), ptr(mean), ptr(rstd), ptr(weight), B, T, D, ptr(dx), ptr(dw_b), ptr(db_b), ptr(dw),
-       ptr(db), ptr(weight_sq), ptr(bias_sq if need_db else None), ptr(count), torch.get_num_threads())
+    fn(_ptr(x), _ptr(dy), _ptr(mean), _ptr(rstd), _ptr(weight), B, T, D, _ptr(dx), _ptr(dw_b), _ptr(db_b), _ptr(dw),
+       _ptr(db), _ptr(weight_sq), _ptr(bias_sq if need_db else None), _ptr(count), torch.get_num_threads())
     return dx, dw, db
+
+
+def per_example_grads(dy3, x3, mean3, rstd3, need_dw, need_db, weight_sq, bias_sq):
+    """
+    For the separated layers, whose dx, dγ, dβ are torch's own: the per-example dγ_b, dβ_b
+    (None where not needed) as [B, D] from dy3, x3 [B, T, D] and the row statistics mean3
+    (None: RMSNorm), rstd3 [B, T, 1], with weight_sq += Σ_b ||dγ_b||² and bias_sq += Σ_b ||dβ_b||²
+    for those needed. By the kernel on CPU where it takes them, else by the PyTorch path.
+    """
+    B, T, D = x3.shape
+    buffers = (weight_sq, bias_sq if need_db else None)
+    fn = None
+    if need_dw and x3.device.type == "cpu" and not torch.compiler.is_compiling() and _takes((dy3, x3, mean3, rstd3), B, buffers):
+        fn = kernel()  # (traced, the PyTorch path fuses with the model's ops; a ctypes call cannot be traced)
+    if fn is None:
+        dw_b, db_b = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db, reuse_scratch=True)
+        measured = [(sq, g) for sq, g in ((weight_sq, dw_b), (bias_sq, db_b)) if g is not None]
+        if measured:
+            torch_path.add_squared_norms(*map(list, zip(*measured)))
+        return dw_b, db_b
+    x3, dy3, rstd3 = x3.contiguous(), dy3.contiguous(), rstd3.contiguous()
+    mean3 = None if mean3 is None else mean3.contiguous()
+    dw_b = x3.new_empty(B, D)
+    db_b = x3.new_empty(B, D) if need_db else None
+    fn(_ptr(x3), _ptr(dy3), _ptr(mean3), _ptr(rstd3), None, B, T, D, None, _ptr(dw_b), _ptr(db_b), None, None,
+       _ptr(weight_sq), _ptr(buffers[1]), None, torch.get_num_threads())
+    return dw_b, db_b
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()

@@ -224,6 +224,35 @@ def test_cpu_kernel_under_create_graph_runs_the_differentiable_path(kernel_calls
     assert dx.requires_grad and kernel_calls == []
 
 
+@pytest.mark.parametrize("need", ["dw", "db", "both"])
+@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
+def test_cpu_kernel_per_example_grads_alone_match_the_torch_path(kernel_calls, rms, need):
+    # what the separated layers ask for: dγ_b, dβ_b and their squared norms, no dx
+    need_dw, need_db = need in ("dw", "both"), need in ("db", "both") and not rms
+    x, dy, _, _ = make_inputs((4, 9, 40), torch.float32, False, seed=21)
+    mean = None if rms else x.mean(-1, keepdim=True)
+    rstd = (x.square().mean(-1, keepdim=True) if rms else x.var(-1, unbiased=False, keepdim=True)).add(EPS).rsqrt()
+    results = []
+    for kernel in (True, False):
+        bufs = [torch.zeros(()), torch.zeros(())]
+        if kernel:
+            with torch.no_grad():  # as in a backward
+                grads = cpu_ext.per_example_grads(dy, x, mean, rstd, need_dw, need_db, *bufs)
+        else:
+            grads = normgnorm.torch_path.per_example_affine_grads(dy, x, mean, rstd, need_dw, need_db)
+            for buf, g in zip(bufs, grads):
+                if g is not None:
+                    buf.add_(g.double().square().sum().float())
+        results.append((grads, bufs))
+    (ours, our_bufs), (torchs, torch_bufs) = results
+    for a, b in zip(ours, torchs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(our_bufs, torch_bufs, rtol=1e-5, atol=0)
+    assert len(kernel_calls) == (1 if need_dw else 0)  # a frozen gain: the PyTorch path
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_path_one_example_at_a_time(monkeypatch, dtype):
     monkeypatch.setattr(normgnorm.torch_path, "CPU_CHUNK_NUMEL", 1)

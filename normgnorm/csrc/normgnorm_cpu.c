@@ -16,6 +16,8 @@
  * x, dy, dx: [B * T, D]; mean (NULL: RMSNorm), rstd: [B * T]; weight: [D].
  * Written: dx, dw_b [B, D], dw [D], and with db_b (NULL: no bias) db_b [B, D] and db [D].
  * Added to: *weight_sq += Σ_b ||dγ_b||², *bias_sq += Σ_b ||dβ_b||² (with db_b), *count += B.
+ * The per-example gradients and their norms alone (the separated layers, whose dx, dγ, dβ are
+ * torch's): dx, dw, db, weight and count NULL.
  */
 void normgnorm_cpu_backward(const float *x, const float *dy, const float *mean, const float *rstd,
                             const float *weight, int64_t B, int64_t T, int64_t D, float *dx,
@@ -31,6 +33,17 @@ void normgnorm_cpu_backward(const float *x, const float *dy, const float *mean, 
         for (int64_t row = b * T; row < (b + 1) * T; row++) {
             const float *xr = x + row * D, *dyr = dy + row * D;
             const float m = mean ? mean[row] : 0.0f, r = rstd[row];
+            if (dbr) {
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++)
+                    dbr[d] += dyr[d];
+            }
+            if (!dx) {
+                #pragma omp simd
+                for (int64_t d = 0; d < D; d++)
+                    dwr[d] += dyr[d] * ((xr[d] - m) * r);
+                continue;
+            }
             float sum_g = 0.0f, sum_gx = 0.0f;
             #pragma omp simd reduction(+:sum_g, sum_gx)
             for (int64_t d = 0; d < D; d++) {
@@ -38,11 +51,6 @@ void normgnorm_cpu_backward(const float *x, const float *dy, const float *mean, 
                 sum_g += g;
                 sum_gx += g * xhat;
                 dwr[d] += dyr[d] * xhat;
-            }
-            if (dbr) {
-                #pragma omp simd
-                for (int64_t d = 0; d < D; d++)
-                    dbr[d] += dyr[d];
             }
             const float mean_g = mean ? sum_g / (float)D : 0.0f, mean_gx = sum_gx / (float)D;
             float *dxr = dx + row * D;
@@ -68,12 +76,14 @@ void normgnorm_cpu_backward(const float *x, const float *dy, const float *mean, 
                 sq_b += (double)gb * gb;
             }
         }
-        dw[d] = sum_w;
-        if (db_b)
+        if (dw)
+            dw[d] = sum_w;
+        if (db)
             db[d] = sum_b;
     }
     *weight_sq += (float)sq_w;
     if (db_b)
         *bias_sq += (float)sq_b;
-    *count += (float)B;
+    if (count)
+        *count += (float)B;
 }
