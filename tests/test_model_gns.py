@@ -16,7 +16,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from buffered import (PEGradNormEmbedding, PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding,  # noqa: E402
-                      PEGradNormShimLinear, find_sqgradnorm_buffers, zero_sqgradnorm_buffers)
+                      PEGradNormShimLinear, find_sqgradnorm_buffers, set_per_example_mode,
+                      zero_sqgradnorm_buffers)
 from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
 from gns_fixtures import ARCHITECTURES, LLAMA, TINY_GPT, arch_id, gpt_loss, sqgradnorm_sums  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
@@ -253,6 +254,17 @@ def test_compile_with_changing_batch_shapes():
             sums.append([buf.item() for _, _, buf, _ in find_sqgradnorm_buffers(model)])
             assert all(c.item() == b for *_, c in find_sqgradnorm_buffers(model))
         torch.testing.assert_close(sums[0], sums[1], rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("options", [(), (("tie_embeddings", False), ("bias", False))], ids=["tied", "untied"])
+def test_compile_with_materialised_per_example_gradients(options):
+    """Traced, materialised W_b give their squares and their sum in one pass (the tied head gathers
+    from its W_b the old way): as eager, and exact."""
+    state, batches, expected, _ = reference(True, options=options)
+    model = build("gns", "gns", "shim", True, options)
+    set_per_example_mode(model, "materialise")
+    compiled_matches_eager(model, state, batches, "aot_eager")
+    check_against_brute_force(model, expected, list(state_names(model)))
 
 
 @pytest.mark.slow
