@@ -24,6 +24,12 @@ programs fit on a multiprocessor, and how many waves the grid takes.
 
     python bench/layernorm.py --compile_only --arch 90 --sms 132    # H100 SXM
     python bench/layernorm.py --compile_only --arch 80 --sms 108    # A100
+
+With --device cpu it times the same on the CPU (float32 unless --dtype says otherwise), where the
+fused op's backends are the native CPU kernel (normgnorm/cpu_ext.py) and the PyTorch path: the
+median wall time of a forward+backward in a loop, and each one's extra over nn.LayerNorm.
+
+    OMP_NUM_THREADS=1 python bench/layernorm.py --device cpu
 """
 import argparse
 import contextlib
@@ -32,6 +38,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -278,6 +285,47 @@ def sweep(shapes, dtype, warmup, iters, device="cuda", timer=gpu_time):
     return dict(zip(SWEEP, best))
 
 
+CPU_SHAPES = ["32x64x128", "16x256x384", "8x1024x768"]
+
+
+def cpu_times(layers, x, dy, warmup, iters, turn=10):
+    """Median milliseconds of one forward+backward on the CPU for each layer, the layers taking
+    turns `turn` iterations at a time (so that the machine's drift and the first one's cold
+    allocations fall on all alike)."""
+    steps = [fwd_bwd(layer, x, dy) for layer in layers]
+    for step in steps:
+        for _ in range(warmup):
+            step()
+    times = [[] for _ in steps]
+    for _ in range(max(1, iters // turn)):
+        for step, kept in zip(steps, times):
+            for _ in range(turn):
+                start = time.perf_counter()
+                step()
+                kept.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(kept) for kept in times]
+
+
+def cpu_table(shapes, dtype, warmup, iters):
+    """nn.LayerNorm, the fused op's CPU kernel and PyTorch path, and the separated layer, timed on
+    the CPU for each shape."""
+    print(f"cpu, {torch.get_num_threads()} threads, {dtype}, median of {iters} forward+backward after {warmup} warmup.")
+    header = f"{'shape':>16}  {'implementation':<26}{'ms':>9}{'extra µs':>10}{'vs torch':>9}"
+    print(header)
+    print("-" * len(header))
+    for B, T, D in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(B, T, D, dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        shim, shim_name = separated_layernorm(D)
+        layers = {"torch nn.LayerNorm": nn.LayerNorm(D), "fused[cpu]": PEGradNormFusedLayerNorm(D, backend="cpu"),
+                  "fused[torch]": PEGradNormFusedLayerNorm(D, backend="torch"), shim_name: shim}
+        times = cpu_times([layer.to(dtype=dtype) for layer in layers.values()], x, dy, warmup, iters)
+        for name, ms in zip(layers, times):
+            print(f"{f'{B}x{T}x{D}':>16}  {name:<26}{ms:9.3f}{(ms - times[0]) * 1e3:10.0f}{ms / times[0]:8.2f}x")
+        print()
+
+
 def parse_shape(text):
     try:
         B, T, D = (int(v) for v in text.lower().split("x"))
@@ -288,9 +336,11 @@ def parse_shape(text):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in DEFAULT_SHAPES],
-                        help="input shapes BxTxD (default: %(default)s)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape,
+                        help=f"input shapes BxTxD (default: {' '.join(DEFAULT_SHAPES)}; on CPU {' '.join(CPU_SHAPES)})")
+    parser.add_argument("--dtype", choices=list(DTYPES), help="default: bfloat16 on the GPU, float32 on the CPU")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda (default) or cpu: the CPU kernel and the PyTorch path against nn.LayerNorm")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--sweep", action="store_true",
@@ -303,6 +353,13 @@ def main():
                         help="with --compile_only: multiprocessors, which set how the backward shares out rows "
                              "(default 108 for --arch 80, 132 for --arch 90)")
     args = parser.parse_args()
+    args.shapes = args.shapes or [parse_shape(s) for s in (CPU_SHAPES if args.device == "cpu" else DEFAULT_SHAPES)]
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if args.device == "cpu":
+        if args.sweep or args.compile_only:
+            parser.error("--sweep and --compile_only are for the GPU's kernels, not --device cpu")
+        cpu_table(args.shapes, DTYPES[args.dtype], args.warmup, args.iters)
+        return 0
     if args.compile_only:
         try:
             import triton  # noqa: F401
@@ -312,7 +369,8 @@ def main():
         return 0 if compile_report(args.shapes, DTYPES[args.dtype], args.arch, sms) else 1
     if not torch.cuda.is_available():
         print("bench/layernorm.py measures GPU kernels and needs a CUDA GPU; none here, nothing to do.\n"
-              "(--compile_only compiles the Triton kernels for a GPU and reports their resources without one.)")
+              "(--compile_only compiles the Triton kernels for a GPU and reports their resources without one;\n"
+              "--device cpu times the CPU's.)")
         return 0
     dtype = DTYPES[args.dtype]
     if args.sweep:

@@ -22,6 +22,24 @@ def test_bad_shape_is_one_clear_line():
     assert done.returncode == 2 and "is not BxTxD" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_cpu_table_times_every_implementation_against_torch():
+    done = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--shapes", "2x3x8", "--iters", "2", "--warmup", "1"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[1]: line.split() for line in done.stdout.splitlines() if line.strip().startswith("2x3x8")}
+    assert list(rows) == ["torch", "fused[cpu]", "fused[torch]", "separated"]
+    assert rows["torch"][-2:] == ["0", "1.00x"]  # the reference row: no extra, ratio 1
+    for name in ("fused[cpu]", "fused[torch]", "separated"):
+        ms, extra_us, ratio = float(rows[name][-3]), float(rows[name][-2]), float(rows[name][-1].rstrip("x"))
+        torch_ms = float(rows["torch"][-3])
+        assert ms > 0 and extra_us == pytest.approx((ms - torch_ms) * 1e3, abs=2) and ratio == pytest.approx(ms / torch_ms, rel=0.02, abs=0.01)
+
+
+def test_cpu_with_a_gpu_only_option_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--sweep"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "not --device cpu" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_local_shim_matches_oracle():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
