@@ -81,8 +81,9 @@ void normgnorm_cpu_backward(const float *x, const float *dy, const float *mean, 
         if (db)
             db[d] = sum_b;
     }
-    *weight_sq += (float)sq_w;
-    if (db_b)
+    if (weight_sq)  /* (a buffer not given is not added to, never a null write) */
+        *weight_sq += (float)sq_w;
+    if (db_b && bias_sq)
         *bias_sq += (float)sq_b;
     if (count)
         *count += (float)B;
