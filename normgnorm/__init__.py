@@ -67,8 +67,8 @@ def resolve_backend(requested, x):
     if not x.is_cuda:
         if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
             return "triton"
-        on_cpu = x.device.type == "cpu"
-        if backend == "cpu" and on_cpu or backend in ("", "triton", "cuda") and on_cpu and not torch.compiler.is_compiling():
+        # the kernel: asked for, or by default in eager mode (traced, the torch path fuses with the model)
+        if x.device.type == "cpu" and (backend == "cpu" or backend != "torch" and not torch.compiler.is_compiling()):
             return "cpu"
         return "torch"
     if backend in ("", "cpu"):  # (NORMGNORM_BACKEND=cpu names the CPU's path, not the GPU's)
