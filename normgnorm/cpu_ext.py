@@ -9,10 +9,12 @@ The separated layers (buffered.py), whose dx, dγ, dβ are torch's, take the per
 (per_example_grads).
 
 What it does not take goes to the PyTorch path, with the same results: other dtypes than
-float32, a frozen gain, a backward that records a graph (create_graph=True), fewer examples
-than threads (torch's kernels split rows, this one examples). Where no compiler works, the
-PyTorch path runs everything, after one warning that says why. The extension shares torch's
-OpenMP runtime (the same libgomp, loaded once), so its threads are torch's.
+float32, a frozen gain, a backward that records a graph (create_graph=True). Where no compiler
+works, the PyTorch path runs everything, after one warning that says why. The extension shares
+torch's OpenMP runtime (the same libgomp, loaded once), so its threads are torch's. It splits
+the work by example, each thread owning whole examples (no atomics, and each dγ_b, dβ_b summed
+in one order whatever the thread count), so it runs on min(torch's threads, examples) threads:
+a batch smaller than the thread pool runs on fewer threads rather than not at all.
 """
 import ctypes
 import hashlib
@@ -90,17 +92,24 @@ def kernel():
     return None if isinstance(_kernel, str) else _kernel
 
 
-def _takes(tensors, num_examples, buffers):
-    """Whether the kernel takes these float32 inputs and 0-dim float32 buffers (None: not given)."""
-    return (not torch.is_grad_enabled() and num_examples >= torch.get_num_threads()
+def _takes(tensors, buffers):
+    """Whether the kernel takes these float32 inputs and 0-dim float32 buffers (None: not given).
+    Any number of examples: fewer than torch's threads run on one thread each (_threads)."""
+    return (not torch.is_grad_enabled()
             and all(t is None or t.dtype == torch.float32 for t in tensors)
             and all(b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.dim() == 0) for b in buffers))
+
+
+def _threads(num_examples):
+    """The kernel's team: one thread per example at most (it splits examples, not rows), at least
+    one (OpenMP's num_threads must be positive)."""
+    return max(1, min(torch.get_num_threads(), num_examples))
 
 
 def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count):
     """torch_path.backward's call and results (dx, dw, db; the buffers added to), by the kernel
     where it takes the inputs (see above), else by the PyTorch path."""
-    fn = kernel() if need_dw and _takes((dy, x, weight, mean, rstd), num_examples, (weight_sq, bias_sq, count)) else None
+    fn = kernel() if need_dw and _takes((dy, x, weight, mean, rstd), (weight_sq, bias_sq, count)) else None
     if fn is None:
         return torch_path.backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
                                    weight_sq, bias_sq, count)
@@ -113,7 +122,7 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
     dw_b, dw = x.new_empty(B, D), x.new_empty(D)
     db_b, db = (x.new_empty(B, D), x.new_empty(D)) if need_db else (None, None)
     fn(_ptr(x), _ptr(dy), _ptr(mean), _ptr(rstd), _ptr(weight), B, T, D, _ptr(dx), _ptr(dw_b), _ptr(db_b), _ptr(dw),
-       _ptr(db), _ptr(weight_sq), _ptr(bias_sq if need_db else None), _ptr(count), torch.get_num_threads())
+       _ptr(db), _ptr(weight_sq), _ptr(bias_sq if need_db else None), _ptr(count), _threads(B))
     return dx, dw, db
 
 
@@ -127,7 +136,7 @@ def per_example_grads(dy3, x3, mean3, rstd3, need_dw, need_db, weight_sq, bias_s
     B, T, D = x3.shape
     buffers = (weight_sq, bias_sq if need_db else None)
     fn = None
-    if need_dw and x3.device.type == "cpu" and not torch.compiler.is_compiling() and _takes((dy3, x3, mean3, rstd3), B, buffers):
+    if need_dw and x3.device.type == "cpu" and not torch.compiler.is_compiling() and _takes((dy3, x3, mean3, rstd3), buffers):
         fn = kernel()  # (traced, the PyTorch path fuses with the model's ops; a ctypes call cannot be traced)
     if fn is None:
         dw_b, db_b = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db, reuse_scratch=True)
@@ -140,7 +149,7 @@ def per_example_grads(dy3, x3, mean3, rstd3, need_dw, need_db, weight_sq, bias_s
     dw_b = x3.new_empty(B, D)
     db_b = x3.new_empty(B, D) if need_db else None
     fn(_ptr(x3), _ptr(dy3), _ptr(mean3), _ptr(rstd3), None, B, T, D, None, _ptr(dw_b), _ptr(db_b), None, None,
-       _ptr(weight_sq), _ptr(buffers[1]), None, torch.get_num_threads())
+       _ptr(weight_sq), _ptr(buffers[1]), None, _threads(B))
     return dw_b, db_b
 
 

@@ -162,20 +162,53 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 8])
 @pytest.mark.parametrize("entry,bias", [(e, b) for e in ENTRIES for b in (True, False)] + [(e, False) for e in RMS_ENTRIES])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cpu_kernel_matches_oracles(kernel_calls, bias, shape, entry, threads):
     layer_norm = {**ENTRIES, **RMS_ENTRIES}[entry]
-    examples = 1 if len(SHAPES[shape][0]) == 1 else min(s[0] for s in SHAPES[shape])
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         check_op(SHAPES[shape], torch.float32, bias, backend="cpu", layer_norm=layer_norm)
     finally:
         torch.set_num_threads(saved)
-    # two micro-steps: the kernel ran both where every call has an example per thread
-    assert len(kernel_calls) == (2 if examples >= threads else 0)
+    # two micro-steps: the kernel ran both, each on no more threads than that call has examples
+    examples = [1 if len(s) == 1 else s[0] for s in SHAPES[shape]]
+    assert [call[-1] for call in kernel_calls] == [min(threads, b) for b in examples]
+
+
+def test_cpu_kernel_runs_fewer_examples_than_threads_one_thread_each(kernel_calls):
+    # 3 examples on 8 threads: the kernel runs (on 3 threads) rather than the PyTorch path. Each
+    # example is one thread's, summed in one order, so dx, dγ, dβ and the per-example gradients are
+    # bitwise those of one thread; the squared norms' double sums split by feature, so to rounding.
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, True, seed=13)
+    mean = x.mean(-1, keepdim=True)
+    rstd = x.var(-1, unbiased=False, keepdim=True).add(EPS).rsqrt()
+    results = {}
+    saved = torch.get_num_threads()
+    try:
+        for threads in (8, 1):
+            torch.set_num_threads(threads)
+            xg, wg, bg = (t.clone().requires_grad_() for t in (x, weight, b))
+            bufs = [torch.zeros(()) for _ in range(3)]
+            normgnorm.layer_norm(xg, wg, bg, *bufs, EPS, "cpu").backward(dy)
+            alone = [torch.zeros(()), torch.zeros(())]
+            with torch.no_grad():  # as in a separated layer's backward
+                per_example = cpu_ext.per_example_grads(dy, x, mean, rstd, True, True, *alone)
+            results[threads] = [xg.grad, wg.grad, bg.grad, bufs[2], *per_example], [*bufs[:2], *alone]
+    finally:
+        torch.set_num_threads(saved)
+    assert [call[-1] for call in kernel_calls] == [3, 3, 1, 1]
+    (exact8, sq8), (exact1, sq1) = results[8], results[1]
+    for ours, one_thread in zip(exact8, exact1):
+        assert torch.equal(ours, one_thread)
+    torch.testing.assert_close(sq8, sq1, rtol=1e-6, atol=0)
+    ref = oracle(x, weight, b, dy)
+    for got, k in zip(exact8, ("dx", "dw", "db", "count")):
+        torch.testing.assert_close(got.double(), torch.as_tensor(ref[k], dtype=torch.float64), **TOL[torch.float32])
+    for got, k in zip(sq8, ("sq_w", "sq_b", "sq_w", "sq_b")):
+        torch.testing.assert_close(got.double(), torch.as_tensor(ref[k], dtype=torch.float64), **BUFFER_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -18,6 +18,9 @@
  * Added to: *weight_sq += Σ_b ||dγ_b||², *bias_sq += Σ_b ||dβ_b||² (with db_b), *count += B.
  * The per-example gradients and their norms alone (the separated layers, whose dx, dγ, dβ are
  * torch's): dx, dw, db, weight and count NULL.
+ * threads: the team size, taken as given (num_threads, not the OpenMP default, which is torch's
+ * whole pool); cpu_ext.py passes min(torch's threads, B): each thread owns whole examples, so
+ * threads past the B-th would idle.
  */
 void normgnorm_cpu_backward(const float *x, const float *dy, const float *mean, const float *rstd,
                             const float *weight, int64_t B, int64_t T, int64_t D, float *dx,
