@@ -108,9 +108,19 @@ def _target_blocks(device):
     return 4 * _sm_counts[device]
 
 
+def _check_cuda(**tensors):
+    """The binding checks its tensors too, but an error raised inside it crashed the process
+    under some torch versions: refuse here, in Python, what it would refuse."""
+    for name, t in tensors.items():
+        if t is not None and not (t.is_cuda and t.is_contiguous()):
+            raise ValueError(f"normgnorm's CUDA backend takes contiguous CUDA tensors; {name} is "
+                             f"{'on ' + t.device.type if not t.is_cuda else 'not contiguous'}")
+
+
 def forward(x2d, weight, bias, eps, rms=False):
     """y (x's dtype), float32 mean (None with rms: RMSNorm) and rstd [N], for contiguous x2d [N, D]
     on a CUDA device."""
+    _check_cuda(x=x2d, weight=weight, bias=bias)
     N, D = x2d.shape
     if D > MAX_D:
         return torch_path.forward(x2d, weight, bias, eps, rms)
@@ -128,6 +138,8 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
              target_blocks=None, min_rows_per_chunk=MIN_ROWS_PER_CHUNK):
     """As triton_kernels.backward: dx, dw, db (None where not needed), buffers updated on the GPU;
     mean None: RMSNorm."""
+    _check_cuda(dy=dy2d, x=x2d, weight=weight, mean=mean, rstd=rstd, weight_sqgradnorm=weight_sq,
+                bias_sqgradnorm=bias_sq, example_count=count)
     N, D = x2d.shape
     if D > MAX_D:
         return torch_path.backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db,

@@ -868,9 +868,16 @@ def test_cuda_binding_builds_and_loads(cuda_build_dir):
     # without a GPU (against the sm_80 object of the test above when that ran first)
     ops = cuda_ext.build("sm_80", build_dir=cuda_build_dir)
     assert ops.max_d() == cuda_ext.MAX_D and ops.column_block() == 32
+
+
+def test_cuda_backend_refuses_cpu_tensors_before_the_binding():
+    # an error raised inside the binding crashed the process under torch 2.11: the wrapper refuses first
     x = torch.zeros(2, 8)
-    with pytest.raises(RuntimeError, match="contiguous 2-D CUDA tensor"):
-        ops.forward(x, x.clone(), torch.ones(8), torch.zeros(0), torch.zeros(2), torch.zeros(2), EPS, 0)
+    with pytest.raises(ValueError, match="contiguous CUDA tensors; x is on cpu"):
+        cuda_ext.forward(x, torch.ones(8), None, EPS)
+    with pytest.raises(ValueError, match="contiguous CUDA tensors; dy is on cpu"):
+        cuda_ext.backward(x, x, torch.ones(8), torch.zeros(2), torch.ones(2), 1, True, False,
+                          torch.zeros(()), None, torch.zeros(()))
 
 
 # ---------------------------------------------------------------- on a GPU: both GPU backends
