@@ -31,6 +31,8 @@ nodes (no graph breaks), and the torch path is traced like any PyTorch code, so 
 per-example sums fuse with the model's own ops; in eager mode both skip the ops' dispatch and call
 the implementation directly.
 """
+import contextlib
+import functools
 import os
 from typing import Optional
 
@@ -45,6 +47,7 @@ from .torch_path import rms_norm_eps
 BACKENDS = ("triton", "cuda", "cpu", "torch")
 
 
+@functools.cache
 def _triton_importable():
     try:
         import triton  # noqa: F401
@@ -209,23 +212,62 @@ def _buffer_layout(name, buffer, pair_allowed=True):
     raise ValueError(f"{name} must be {layouts}, not {buffer.dtype} of shape {tuple(buffer.shape)}")
 
 
+def _rms_norm_upcast_by_cuda_autocast():
+    """Whether CUDA autocast runs torch's rms_norm in float32, as it does layer_norm: newer torch
+    does (it has an autocast kernel for it), older torch leaves it alone. Ours does as this torch does."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
+    except (AttributeError, RuntimeError):
+        return True
+
+
+RMS_NORM_UPCAST = _rms_norm_upcast_by_cuda_autocast()
+
+
+def _float32_under_cuda_autocast(x, weight, bias, cast=True):
+    """
+    Under CUDA autocast torch's layer_norm (and, in newer torch, rms_norm: `cast`) runs in
+    float32 with a float32 output; CPU autocast leaves them alone. Returns x, weight, bias with
+    their half-precision ones cast up as torch does, and whether CUDA autocast is on. The
+    Functions do this themselves rather than through torch.amp.custom_fwd/custom_bwd, whose
+    autocast contexts on every call cost more host time than the kernels take on the GPU.
+    """
+    if not (x.is_cuda and torch.is_autocast_enabled("cuda")):
+        return x, weight, bias, False
+    if not cast:
+        return x, weight, bias, True
+    half = (torch.float16, torch.bfloat16)
+    return (x.float() if x.dtype in half else x, weight.float() if weight.dtype in half else weight,
+            bias.float() if bias is not None and bias.dtype in half else bias, True)
+
+
+def _autocast_off(ctx):
+    """No CUDA autocast inside the PyTorch path, whose ops autocast would otherwise run in half
+    precision; the kernels run no op that autocast touches."""
+    if ctx.autocast and ctx.backend == "torch":
+        return torch.autocast("cuda", enabled=False)
+    return contextlib.nullcontext()
+
+
 def _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
     """The forward of the layer_norm Functions (ours and the reference's PEGLayerNorm): y, with what
     the backward needs kept in ctx. In eager mode the implementation is called directly (the
     registered op's Python dispatch costs about as much as a small LayerNorm itself); under
     torch.compile the registered op, which the compiler keeps whole."""
     backend = resolve_backend(backend, x)  # once: the backward runs what the forward ran
+    x, weight, bias, ctx.autocast = _float32_under_cuda_autocast(x, weight, bias)
+    ctx.backend = backend
     if torch.compiler.is_compiling() and backend != "torch":
         # the op's buffer inputs serve its own autograd (layer_norm below); the Function keeps the
         # buffers itself, so the op gets a placeholder
         unused = x.new_zeros((), dtype=torch.float32)
         y, mean, rstd = _layer_norm_fwd(x, weight, bias, unused, None, unused, eps, backend)
     else:  # eager, or the torch path traced: the compiler fuses its ops with the model's
-        y, mean, rstd = _forward(x, weight, bias, eps, backend)
+        with _autocast_off(ctx):
+            y, mean, rstd = _forward(x, weight, bias, eps, backend)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
     ctx.has_bias = bias is not None
-    ctx.backend = backend
     return y
 
 
@@ -237,7 +279,8 @@ def _layer_norm_backward(ctx, dy):
     if torch.compiler.is_compiling() and ctx.backend != "torch":
         dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
         return dx, (dw if need_dw else None), (db if need_db else None)
-    return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+    with _autocast_off(ctx):
+        return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
 
 
 class _LayerNormFn(torch.autograd.Function):
@@ -245,13 +288,11 @@ class _LayerNormFn(torch.autograd.Function):
     with a float32 output, as torch's layer_norm does."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
     def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
         return _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
                                    backend)
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
         return *_layer_norm_backward(ctx, dy), None, None, None, None, None
 
@@ -329,8 +370,9 @@ def _rms_backward(ctx, dy, _drstd):
 
 
 _rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup_context)
-# CUDA autocast runs torch's rms_norm in float32, as it does layer_norm; CPU autocast leaves it alone
-torch.library.register_autocast("normgnorm::rms_norm_fwd", "cuda", torch.float32)
+# as torch's rms_norm under CUDA autocast: float32 where this torch runs it so; CPU autocast leaves it alone
+if RMS_NORM_UPCAST:
+    torch.library.register_autocast("normgnorm::rms_norm_fwd", "cuda", torch.float32)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -338,21 +380,22 @@ class _RMSNormFn(torch.autograd.Function):
     (which costs about as much as a small normalisation itself), as PEGLayerNorm does."""
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
     def forward(ctx, x, weight, weight_sqgradnorm, example_count, eps, backend):
-        backend = resolve_backend(backend, x)
-        y, _, rstd = _forward(x, weight, None, eps, backend, rms=True)
+        ctx.backend = resolve_backend(backend, x)
+        x, weight, _, ctx.autocast = _float32_under_cuda_autocast(x, weight, None, cast=RMS_NORM_UPCAST)
+        with _autocast_off(ctx):
+            y, _, rstd = _forward(x, weight, None, eps, ctx.backend, rms=True)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.bufs, ctx.backend = (weight_sqgradnorm, example_count), backend
+        ctx.bufs = (weight_sqgradnorm, example_count)
         return y
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         weight_sqgradnorm, example_count = ctx.bufs
-        dx, dw, _ = _backward_impl(dy, x, weight, None, rstd, ctx.needs_input_grad[1], False,
-                                   weight_sqgradnorm, None, example_count, ctx.backend)
+        with _autocast_off(ctx):
+            dx, dw, _ = _backward_impl(dy, x, weight, None, rstd, ctx.needs_input_grad[1], False,
+                                       weight_sqgradnorm, None, example_count, ctx.backend)
         return dx, dw, None, None, None, None
 
 
@@ -362,7 +405,7 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
     F.rms_norm(x, (D,), weight, eps) whose backward also accumulates Σ_b ||dγ_b||² into the float32
     0-dim buffer weight_sqgradnorm and the number of examples into example_count. eps None is
     torch's default, the machine epsilon of the computation type (float32 for half inputs).
-    Under CUDA autocast it runs in float32 with a float32 output, as torch's rms_norm does.
+    Under CUDA autocast it does what torch's rms_norm does there (float32 in newer torch, see RMS_NORM_UPCAST).
     """
     _check_buffers("rms_norm", weight_sqgradnorm=weight_sqgradnorm, example_count=example_count)
     if x.dim() == 0 or weight.shape != x.shape[-1:]:
@@ -394,7 +437,6 @@ class PEGLayerNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
     def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, normalized_shape, eps=1e-5,
                 example_count=None, backend=None):
         D = x.shape[-1] if x.dim() else None
@@ -414,7 +456,6 @@ class PEGLayerNorm(torch.autograd.Function):
                                    eps, backend or "")
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
         dx, dw, db = _layer_norm_backward(ctx, dy)
         num_examples = _examples_and_rows(dy)[0]

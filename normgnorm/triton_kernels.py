@@ -18,6 +18,8 @@ Backward, without any [B, T, D] temporary, rows shared out as normgnorm/plan.py 
    adds the squared norms to the float32 buffers and B to the example count.
 Every sum has a fixed order, so results are deterministic (no atomics).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -93,11 +95,12 @@ def _forward_kernel_looped(X, Y, W, Bias, Mean, Rstd, D, eps,
 
 
 @triton.jit
-def _backward_kernel(X, DY, DX, W, Mean, Rstd, PartW, PartB, SqW, SqB,
+def _backward_kernel(X, DY, DX, W, Mean, Rstd, Work, part_w_at, part_b_at, sq_w_at, sq_b_at,
                      num_examples, T, D, examples_per_program, n_chunks, rows_per_chunk,
                      NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, WHOLE: tl.constexpr,
                      BLOCK_D: tl.constexpr, ROWS: tl.constexpr, RMS: tl.constexpr):
     pid = tl.program_id(0)
+    PartW, PartB, SqW, SqB = Work + part_w_at, Work + part_b_at, Work + sq_w_at, Work + sq_b_at
     chunk = pid % n_chunks
     first_example = (pid // n_chunks) * examples_per_program
     end_example = tl.minimum(first_example + examples_per_program, num_examples)
@@ -170,11 +173,12 @@ def _row_slice(X, DY, W, row, start, D, mean, rstd, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, PartW, PartB, T, D, n_chunks, rows_per_chunk,
+def _backward_kernel_looped(X, DY, DX, W, Mean, Rstd, Work, part_w_at, part_b_at, T, D, n_chunks, rows_per_chunk,
                             NEED_DW: tl.constexpr, NEED_DB: tl.constexpr, BLOCK_D: tl.constexpr,
                             RMS: tl.constexpr):
     # split mode only; the program's partial rows (zeroed by the caller) are its accumulators
     pid = tl.program_id(0)
+    PartW, PartB = Work + part_w_at, Work + part_b_at
     example = pid // n_chunks
     t_begin = (pid % n_chunks) * rows_per_chunk
     t_end = tl.minimum(t_begin + rows_per_chunk, T)
@@ -216,11 +220,14 @@ def _sum_rows(Part, first_row, n_rows, D, cols, col_ok, TILE: tl.constexpr, BLOC
 
 
 @triton.jit
-def _reduce_examples_kernel(PartW, PartB, ExW, ExB, SqW, SqB, n_chunks, D, n_column_blocks,
+def _reduce_examples_kernel(Work, part_w_at, part_b_at, ex_w_at, ex_b_at, sq_w_at, sq_b_at, n_chunks, D,
+                            n_column_blocks,
                             NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
                             BLOCK_C: tl.constexpr, CHUNK_TILE: tl.constexpr):
     # program (example, column block): dγ_b, dβ_b over these columns, and their squares' sum
     # (examples on the first grid axis, which has no 65535 limit)
+    PartW, PartB, ExW, ExB = Work + part_w_at, Work + part_b_at, Work + ex_w_at, Work + ex_b_at
+    SqW, SqB = Work + sq_w_at, Work + sq_b_at
     example = tl.program_id(0)
     block = tl.program_id(1)
     cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -237,12 +244,13 @@ def _reduce_examples_kernel(PartW, PartB, ExW, ExB, SqW, SqB, n_chunks, D, n_col
 
 
 @triton.jit
-def _finish_kernel(PartW, PartB, DW, DB, SqW, SqB, WeightSq, BiasSq, Count,
+def _finish_kernel(Work, part_w_at, part_b_at, sq_w_at, sq_b_at, DW, DB, WeightSq, BiasSq, Count,
                    n_parts, D, n_sq, num_examples,
                    NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
                    BLOCK_C: tl.constexpr, PART_TILE: tl.constexpr, SQ_TILE: tl.constexpr):
     # every program: the parameter gradients over its columns (sum of the partial rows);
     # program 0 also: the buffers += the squared-norm pieces, example_count += B
+    PartW, PartB, SqW, SqB = Work + part_w_at, Work + part_b_at, Work + sq_w_at, Work + sq_b_at
     block = tl.program_id(0)
     cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < D
@@ -276,9 +284,11 @@ def _num_warps(elements, values_per_thread=8):
 # yet tuned on hardware: `python bench/layernorm.py --sweep` times alternatives on a GPU.
 # programs_per_sm: programs aimed for per multiprocessor; min_rows_per_chunk: fewest rows a
 # program takes of one example; max_tile: elements of a program's [rows, BLOCK_D] tile;
-# values_per_thread: elements of the tile each thread holds (sets the warps).
+# values_per_thread: elements of the tile each thread holds (sets the warps). 16, not 8: a full
+# 4096-element tile over 16 warps needs a little over 64 registers a thread, and ptxas may
+# squeeze it into 64 (two programs per SM) by spilling; over 8 warps it fits two without.
 BACKWARD_TUNING = dict(programs_per_sm=4, min_rows_per_chunk=MIN_ROWS_PER_CHUNK, max_tile=MAX_TILE,
-                       values_per_thread=8)
+                       values_per_thread=16)
 
 _sm_counts = {}
 
@@ -292,6 +302,78 @@ def _target_programs(device):
     return BACKWARD_TUNING["programs_per_sm"] * _sm_counts[device]
 
 
+# -- launching ------------------------------------------------------------------------------
+# A normalisation is paid per layer and micro-step, and on a GPU its host time, not the
+# kernels', sets what it costs: kernel[grid](...) binds and specialises every argument and
+# builds a cache key on each call. So everything a shape fixes (grid, constexprs, warps, the
+# workspace's layout) is planned once per shape, and after a kernel's first launch through
+# Triton the compiled kernel that launch returned is launched directly: the same call that
+# Triton's own launcher ends with. Triton specialises a kernel on its arguments' dtypes, on
+# each integer's value being 1 or a multiple of 16, and on each pointer's 16-byte alignment;
+# the plan's key fixes the first two, and a call whose tensors are not all 16-byte aligned
+# goes through Triton's launcher every time. NORMGNORM_TRITON_LAUNCH=jit always does.
+
+_compiled = {}  # (kernel, plan key) -> (compiled kernel, its constexpr values in order)
+MAX_CACHED = 4096  # plans and compiled kernels kept per cache; inputs of ever-new shapes start it afresh
+
+
+def _remember(cache, key, value):
+    if len(cache) >= MAX_CACHED:
+        cache.clear()
+    cache[key] = value
+
+
+def _direct_launch_allowed():
+    return os.environ.get("NORMGNORM_TRITON_LAUNCH", "") != "jit"
+
+
+def _aligned(*tensors):
+    """True where every tensor's address is a multiple of 16 bytes (None counts as aligned)."""
+    address = 0
+    for t in tensors:
+        if t is not None:
+            address |= t.data_ptr()
+    return address % 16 == 0
+
+
+def _launch(kernel, grid, args, meta, key):
+    """kernel[grid](*args, **meta); key: hashable, None where the direct launch must not be used
+    (fixes everything of args but the addresses, which the caller has checked are aligned)."""
+    if key is not None:
+        found = _compiled.get((kernel, key))
+        if found is not None:
+            compiled, constexprs = found
+            compiled[grid + (1,) * (3 - len(grid))](*args, *constexprs)
+            return
+    compiled = kernel[grid](*args, **meta)
+    # a GPU launch returns its compiled kernel (the interpreter, and the launch recorder of
+    # triton_aot.py, return other things, never cached)
+    if key is not None and hasattr(compiled, "packed_metadata") and hasattr(compiled, "run"):
+        names = kernel.arg_names[len(args):]
+        _remember(_compiled, (kernel, key), (compiled, tuple(meta[name] for name in names)))
+
+
+_forward_plans = {}
+
+
+def _forward_plan(N, D, rms, has_bias, max_block_d):
+    """(looped, grid, meta) of the forward for x2d [N, D]."""
+    key = (N, D, rms, has_bias, max_block_d)
+    plan = _forward_plans.get(key)
+    if plan is None:
+        block_d = triton.next_power_of_2(D)
+        if block_d <= max_block_d:
+            rows = max(1, 4096 // block_d)  # several short rows per program
+            plan = (False, (triton.cdiv(N, rows),),
+                    dict(HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, RMS=rms,
+                         num_warps=_num_warps(rows * block_d), **LAUNCH))
+        else:
+            block = min(LOOPED_BLOCK_D, max_block_d)
+            plan = (True, (N,), dict(HAS_BIAS=has_bias, BLOCK_D=block, RMS=rms, num_warps=_num_warps(block), **LAUNCH))
+        _remember(_forward_plans, key, plan)
+    return plan
+
+
 def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D):
     """y (x's dtype), float32 mean (None with rms: RMSNorm) and rstd [N], for contiguous x2d [N, D]."""
     N, D = x2d.shape
@@ -301,18 +383,70 @@ def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D):
     has_bias = bias is not None
     bias_arg = bias if has_bias else weight  # never read without HAS_BIAS
     mean_arg = rstd if rms else mean  # never written with RMS
-    block_d = triton.next_power_of_2(D)
-    if block_d <= max_block_d:
-        rows = max(1, 4096 // block_d)  # several short rows per program
-        _forward_kernel[(triton.cdiv(N, rows),)](
-            x2d, y, weight, bias_arg, mean_arg, rstd, N, D, eps,
-            HAS_BIAS=has_bias, BLOCK_D=block_d, ROWS=rows, RMS=rms, num_warps=_num_warps(rows * block_d), **LAUNCH)
+    looped, grid, meta = _forward_plan(N, D, rms, has_bias, max_block_d)
+    key = None
+    if x2d.is_cuda and _direct_launch_allowed() and _aligned(x2d, weight, bias):
+        key = ("forward", N, D, rms, has_bias, max_block_d, x2d.dtype, weight.dtype,
+               bias_arg.dtype, x2d.device.index)
+    if looped:
+        _launch(_forward_kernel_looped, grid, (x2d, y, weight, bias_arg, mean_arg, rstd, D, eps), meta, key)
     else:
-        block = min(LOOPED_BLOCK_D, max_block_d)
-        _forward_kernel_looped[(N,)](x2d, y, weight, bias_arg, mean_arg, rstd, D, eps,
-                                     HAS_BIAS=has_bias, BLOCK_D=block, RMS=rms, num_warps=_num_warps(block),
-                                     **LAUNCH)
+        _launch(_forward_kernel, grid, (x2d, y, weight, bias_arg, mean_arg, rstd, N, D, eps), meta, key)
     return y, mean, rstd
+
+
+_backward_plans = {}
+
+
+def _backward_plan(B, T, D, need_dw, need_db, rms, target_programs, max_block_d, min_rows_per_chunk):
+    """The backward's launches for B examples of T rows of D features, as a dict: the plan of
+    normgnorm/plan.py, the float32 workspace's size and where each scratch array starts in it,
+    and each kernel's grid and meta-parameters."""
+    tuning = BACKWARD_TUNING
+    key = (B, T, D, need_dw, need_db, rms, target_programs, max_block_d, min_rows_per_chunk, *tuning.values())
+    found = _backward_plans.get(key)
+    if found is not None:
+        return found
+    p = plan_backward(B, T, D, target_programs, max_block_d, min_rows_per_chunk, tuning["max_tile"])
+    n_programs, whole, looped = p["n_programs"], p["whole"], p["looped"]
+    n_column_blocks = triton.cdiv(D, COLUMN_BLOCK)
+    # the workspace: each program's partial rows, then (split mode) each example's dγ_b, dβ_b,
+    # then the squared-norm pieces; an array not needed has size 0 and is never read
+    sizes = dict(part_w=n_programs * D if need_dw else 0, part_b=n_programs * D if need_db else 0,
+                 ex_w=B * D if need_dw and not whole else 0, ex_b=B * D if need_db and not whole else 0)
+    n_sq = n_programs if whole else B * n_column_blocks
+    sizes.update(sq_w=n_sq if need_dw else 0, sq_b=n_sq if need_db else 0)
+    offsets, size = {}, 0
+    for name, n in sizes.items():
+        offsets[name] = size
+        size += -(-n // 4) * 4  # each array 16-byte aligned, as the specialisation assumes
+    at = lambda *names: tuple(offsets[name] for name in names)  # noqa: E731
+    flags = dict(NEED_DW=need_dw, NEED_DB=need_db)
+    if looped:
+        block = min(LOOPED_BLOCK_D, max_block_d)
+        first = (at("part_w", "part_b"),
+                 (T, D, p["n_chunks"], p["rows_per_chunk"]),
+                 dict(flags, BLOCK_D=block, RMS=rms, num_warps=_num_warps(block), **LAUNCH))
+    else:
+        block_d = triton.next_power_of_2(D)
+        first = (at("part_w", "part_b", "sq_w", "sq_b"),
+                 (B, T, D, p["examples_per_program"], p["n_chunks"], p["rows_per_chunk"]),
+                 dict(flags, WHOLE=whole, BLOCK_D=block_d, ROWS=p["rows_per_tile"], RMS=rms,
+                      num_warps=_num_warps(p["rows_per_tile"] * block_d, tuning["values_per_thread"]), **LAUNCH))
+    plan = dict(p, workspace=size, first=first, n_column_blocks=n_column_blocks)
+    if need_dw or need_db:
+        if not whole:  # each example's dγ_b, dβ_b from its chunks, and their squares
+            plan["reduce"] = (at("part_w", "part_b", "ex_w", "ex_b", "sq_w", "sq_b"),
+                              (p["n_chunks"], D, n_column_blocks),
+                              dict(flags, BLOCK_C=COLUMN_BLOCK, num_warps=4, **LAUNCH,
+                                   CHUNK_TILE=min(32, triton.next_power_of_2(p["n_chunks"]))))
+        n_parts = n_programs if whole else B
+        plan["finish"] = (at("ex_w" if not whole else "part_w", "ex_b" if not whole else "part_b", "sq_w", "sq_b"),
+                          (n_parts, D, n_sq, B),
+                          dict(flags, BLOCK_C=COLUMN_BLOCK, PART_TILE=min(32, triton.next_power_of_2(n_parts)),
+                               SQ_TILE=min(1024, triton.next_power_of_2(n_sq)), num_warps=4, **LAUNCH))
+    _remember(_backward_plans, key, plan)
+    return plan
 
 
 def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count,
@@ -331,57 +465,29 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     device = x2d.device
     rms = mean is None
     mean = rstd if rms else mean  # never read with RMS
+    plan = _backward_plan(B, T, D, need_dw, need_db, rms, target_programs or _target_programs(device), max_block_d,
+                          min_rows_per_chunk or BACKWARD_TUNING["min_rows_per_chunk"])
     dx = torch.empty_like(x2d)
-    block_d = triton.next_power_of_2(D)
-    tuning = BACKWARD_TUNING
-    plan = plan_backward(B, T, D, target_programs or _target_programs(device), max_block_d,
-                         min_rows_per_chunk or tuning["min_rows_per_chunk"], tuning["max_tile"])
-    looped, whole, n_chunks, rows_per_chunk, examples_per_program, n_programs, rows = (
-        plan[k] for k in ("looped", "whole", "n_chunks", "rows_per_chunk", "examples_per_program", "n_programs", "rows_per_tile"))
-
-    f32 = dict(dtype=torch.float32, device=device)
-    new_rows = torch.zeros if looped else torch.empty
-    part_w = new_rows((n_programs if need_dw else 0, D), **f32)
-    part_b = new_rows((n_programs if need_db else 0, D), **f32)
-    if looped:
-        _backward_kernel_looped[(n_programs,)](
-            x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, T, D, n_chunks, rows_per_chunk,
-            NEED_DW=need_dw, NEED_DB=need_db, BLOCK_D=min(LOOPED_BLOCK_D, max_block_d), RMS=rms,
-            num_warps=_num_warps(min(LOOPED_BLOCK_D, max_block_d)), **LAUNCH)
-        sq_w = sq_b = None
-    else:
-        sq_w = torch.empty(n_programs if whole else 0, **f32)
-        sq_b = torch.empty(n_programs if whole else 0, **f32)
-        _backward_kernel[(n_programs,)](
-            x2d, dy2d, dx, weight, mean, rstd, part_w, part_b, sq_w, sq_b,
-            B, T, D, examples_per_program, n_chunks, rows_per_chunk,
-            NEED_DW=need_dw, NEED_DB=need_db, WHOLE=whole, BLOCK_D=block_d, ROWS=rows, RMS=rms,
-            num_warps=_num_warps(rows * block_d, tuning["values_per_thread"]), **LAUNCH)
+    # the looped kernel adds into its partial rows: they start at zero
+    work = (torch.zeros if plan["looped"] else torch.empty)(plan["workspace"], dtype=torch.float32, device=device)
+    key = None
+    if x2d.is_cuda and _direct_launch_allowed() and _aligned(dy2d, x2d, weight, mean, rstd, weight_sq, bias_sq, count):
+        key = (B, T, D, need_dw, need_db, rms, target_programs, max_block_d, min_rows_per_chunk,
+               *BACKWARD_TUNING.values(), x2d.dtype, dy2d.dtype, weight.dtype, device.index)
+    offsets, ints, meta = plan["first"]
+    _launch(_backward_kernel_looped if plan["looped"] else _backward_kernel, (plan["n_programs"],),
+            (x2d, dy2d, dx, weight, mean, rstd, work, *offsets, *ints), meta, key)
     if not (need_dw or need_db):
         count.add_(B)
         return dx, None, None
-
-    n_column_blocks = triton.cdiv(D, COLUMN_BLOCK)
-    if not whole:  # finish each example's dγ_b, dβ_b from its chunks, and square them
-        ex_w = torch.empty((B if need_dw else 0, D), **f32)
-        ex_b = torch.empty((B if need_db else 0, D), **f32)
-        sq_w = torch.empty(B * n_column_blocks if need_dw else 0, **f32)
-        sq_b = torch.empty(B * n_column_blocks if need_db else 0, **f32)
-        _reduce_examples_kernel[(B, n_column_blocks)](
-            part_w, part_b, ex_w, ex_b, sq_w, sq_b, n_chunks, D, n_column_blocks,
-            NEED_DW=need_dw, NEED_DB=need_db, BLOCK_C=COLUMN_BLOCK,
-            CHUNK_TILE=min(32, triton.next_power_of_2(n_chunks)), num_warps=4, **LAUNCH)
-        part_w, part_b = ex_w, ex_b
-    n_parts = part_w.shape[0] if need_dw else part_b.shape[0]
-    n_sq = sq_w.numel() if need_dw else sq_b.numel()
+    if "reduce" in plan:
+        offsets, ints, meta = plan["reduce"]
+        _launch(_reduce_examples_kernel, (B, plan["n_column_blocks"]), (work, *offsets, *ints), meta, key)
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty_like(weight) if need_db else None
-    placeholder = part_w if need_dw else part_b  # stands in for what is not needed, never read
-    _finish_kernel[(n_column_blocks,)](
-        part_w, part_b, placeholder if dw is None else dw, placeholder if db is None else db,
-        sq_w, sq_b, weight_sq, placeholder if bias_sq is None else bias_sq, count,
-        n_parts, D, n_sq, B,
-        NEED_DW=need_dw, NEED_DB=need_db, BLOCK_C=COLUMN_BLOCK,
-        PART_TILE=min(32, triton.next_power_of_2(n_parts)),
-        SQ_TILE=min(1024, triton.next_power_of_2(n_sq)), num_warps=4, **LAUNCH)
+    placeholder = work  # stands in for what is not needed, never read
+    offsets, ints, meta = plan["finish"]
+    _launch(_finish_kernel, (plan["n_column_blocks"],),
+            (work, *offsets, placeholder if dw is None else dw, placeholder if db is None else db,
+             weight_sq, placeholder if bias_sq is None else bias_sq, count, *ints), meta, key)
     return dx, dw, db

@@ -163,8 +163,11 @@ def test_finish_kernel_loops_over_many_tiles():
     dw, db = torch.empty(D), torch.empty(D)
     weight_sq, bias_sq, count = torch.full((), 0.5), torch.full((), 0.25), torch.full((), 2.0)
     block = triton_kernels.COLUMN_BLOCK
+    # the kernels take their float32 scratch as one workspace and where each array starts in it
+    work = torch.cat([part_w.flatten(), part_b.flatten(), sq_w, sq_b])
+    starts = [0, part_w.numel(), 2 * part_w.numel(), 2 * part_w.numel() + n_sq]
     triton_kernels._finish_kernel[(plan.cdiv(D, block),)](
-        part_w, part_b, dw, db, sq_w, sq_b, weight_sq, bias_sq, count, n_parts, D, n_sq, B,
+        work, *starts, dw, db, weight_sq, bias_sq, count, n_parts, D, n_sq, B,
         NEED_DW=True, NEED_DB=True, BLOCK_C=block, PART_TILE=32, SQ_TILE=1024)
     torch.testing.assert_close(dw, part_w.sum(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(db, part_b.sum(0), rtol=1e-5, atol=1e-5)
