@@ -2,9 +2,9 @@
 #   make demo   sets up .venv, prepares shakespeare_char offline if needed, trains a small GPT on CPU
 #   make test   sets up .venv with the test dependencies and runs the whole suite
 #   make gpu-check  on a CUDA machine whose python3 already has torch and triton (no venv):
-#               the GPU kernels' tests, their timing against torch's LayerNorm, the tuning
-#               sweep, and training throughput of a GPT-2 small (bfloat16, eager then compiled) against
-#               plain nanoGPT: the paper's comparison in one command
+#               bench/gpu_check.py: the GPU tests, the one-LayerNorm table, training throughput of a
+#               GPT-2 small (bfloat16, eager and compiled) against plain nanoGPT, and a short profile,
+#               every result a file in GPU_OUT (default gpu-check/) with a summary
 PY := .venv/bin/python
 STAMP := .venv/.installed
 
@@ -26,15 +26,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 tests
 
 GPU_PY ?= python3
+GPU_OUT ?= gpu-check
 gpu-check:
 	@$(GPU_PY) -c 'import torch, triton; assert torch.cuda.is_available()' 2>/dev/null || \
 		{ echo 'gpu-check needs a CUDA GPU and a python with torch and triton; $(GPU_PY) lacks one of them (choose another with GPU_PY=...)'; exit 2; }
-	$(GPU_PY) -m pytest -q tests/test_normgnorm.py tests/test_fused_gns.py tests/test_bench_layernorm.py
-	$(GPU_PY) bench/layernorm.py
-	$(GPU_PY) bench/layernorm.py --sweep --iters 20
-	$(GPU_PY) bench/throughput.py --device cuda --dtype bfloat16 --n_layer 12 --n_embd 768 --n_head 12 \
-		--block_size 1024 --batch_size 8 --vocab_size 50304 --settings nn,ln-shim,ln-fused,all-gns --rounds 3 \
-		--modes eager,compiled
+	$(GPU_PY) bench/gpu_check.py --out $(GPU_OUT)
 
 clean:
 	rm -rf out-* .pytest_cache

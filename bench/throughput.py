@@ -166,7 +166,9 @@ if options["profile"]:
     with open(options["profile"], "w") as f:
         json.dump(dict(wall_s=window.get("wall_s", 0.0), self_us={e.key: e.self_cpu_time_total for e in events},
                        node_us={e.key[len(node):]: e.cpu_time_total for e in events if e.key.startswith(node)},
-                       table=events.table(sort_by="self_cpu_time_total", row_limit=options["rows"])), f)
+                       table=events.table(sort_by="self_cpu_time_total", row_limit=options["rows"]),
+                       device_table=events.table(sort_by="self_cuda_time_total", row_limit=options["rows"]) if cuda
+                       else None), f)
 print(json.dumps({"peak_bytes": peak()}))
 '''
 
@@ -249,10 +251,10 @@ def profile(variants, settings, args, work):
     self_ms = {k: {} for k in keys}  # op -> self CPU ms per iteration
     node_ms = {k: {} for k in keys}  # backward node -> total CPU ms per iteration
     wall_ms = {k: 0.0 for k in keys}
-    tables = {}
-    n = PROFILE_PASSES * args.iters
+    tables, device_tables = {}, {}
+    n = args.profile_passes * args.iters
     path = os.path.join(work, 'profile.json')
-    for _ in range(PROFILE_PASSES):
+    for _ in range(args.profile_passes):
         for v, s in keys:
             run_train(v[0], s, args, work, args.warmup + args.iters, profile=path, compiled=v[1])
             with open(path) as f:
@@ -262,14 +264,17 @@ def profile(variants, settings, args, work):
                 for op, us in got.items():
                     into[op] = into.get(op, 0.0) + us / 1e3 / n
             tables[v, s] = result['table']
+            device_tables[v, s] = result['device_table']
     rows = args.profile_rows
     for v, s in keys:
         name = s if len(variants) == 1 else f"{s} in {variant_name(*v)}"
         in_ops = sum(self_ms[v, s].values())
-        print(f"\nprofile of {name} ({flags_text(args.settings[s])}), {PROFILE_PASSES} x {args.iters} iterations: "
+        print(f"\nprofile of {name} ({flags_text(args.settings[s])}), {args.profile_passes} x {args.iters} iterations: "
               f"{wall_ms[v, s]:.1f} ms per iteration under the profiler, {in_ops:.1f} ms of it inside ops; "
               f"ops by self CPU time (last pass):")
         print(tables[v, s])
+        if device_tables[v, s]:
+            print(f"the same by GPU time (the top kernels):\n{device_tables[v, s]}")
         print(f"backward nodes of {name}, total CPU time per iteration (the ops inside them included):")
         for node, ms in sorted(node_ms[v, s].items(), key=lambda kv: -kv[1])[:rows]:
             print(f"  {node:<56} {ms:9.2f} ms")
@@ -359,6 +364,8 @@ def parse_args(argv):
                              f"iterations of {PROFILE_PASSES} interleaved runs): top ops, backward nodes, and the ops "
                              f"whose time differs most from the baseline's")
     parser.add_argument('--profile_rows', type=positive_int, default=15, help="rows of each profile table (default: 15)")
+    parser.add_argument('--profile_passes', type=positive_int, default=PROFILE_PASSES,
+                        help=f"runs of each profiled setting, taking turns (default: {PROFILE_PASSES})")
     parser.add_argument('--threads', type=positive_int,
                         help="CPU threads for torch (default: torch's own choice); on a busy machine 1 is steadier")
     parser.add_argument('--seed', type=int, default=1337)

@@ -181,3 +181,25 @@ def test_modes_time_each_setting_eager_and_compiled_against_the_same_modes_basel
     # train.py gets --compile from the mode
     flags = throughput.train_flags(args, "d", "o", 3, compiled=True)
     assert flags["compile"] is True and throughput.train_flags(args, "d", "o", 3)["compile"] is False
+
+
+def test_profile_passes_sets_how_many_profiled_runs_each_setting_gets(tmp_path, monkeypatch, capsys):
+    throughput = load_bench()
+    profiled = []
+
+    def fake_run(repo, s, args, work, iters, memory=False, profile=None, compiled=None):
+        if profile:
+            profiled.append(s)
+            with open(profile, "w") as f:
+                json.dump(dict(wall_s=0.1, self_us={"aten::mm": 10.0}, node_us={}, table=f"table of {s}",
+                               device_table=f"kernels of {s}" if s == "ln-shim" else None), f)
+        return dict(dts=[0.1] * 2, peak=1, stdout="")
+    monkeypatch.setattr(throughput, "run_train", fake_run)
+    assert throughput.main([*TINY, "--settings", "ln-shim", "--profile", "ln-shim", "--profile_passes", "1",
+                            "--no_memory"]) == 0
+    assert profiled == ["nn", "ln-shim"]
+    out = capsys.readouterr().out
+    assert "1 x " in out and "the same by GPU time (the top kernels):\nkernels of ln-shim" in out
+    profiled.clear()
+    assert throughput.main([*TINY, "--settings", "ln-shim", "--profile", "ln-shim", "--no_memory"]) == 0
+    assert profiled == ["nn", "ln-shim"] * throughput.PROFILE_PASSES
