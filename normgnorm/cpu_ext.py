@@ -20,8 +20,10 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
+import tempfile
 import warnings
 
 import torch
@@ -37,6 +39,11 @@ _kernel = None  # the loaded function, or the reason it could not be had (a str)
 
 def compiler():
     return os.environ.get("CC") or shutil.which("cc") or "gcc"
+
+
+def compiler_command():
+    """The compiler as a command: $CC may carry arguments ("ccache gcc")."""
+    return shlex.split(compiler()) or ["gcc"]
 
 
 def library_path(build_dir=None):
@@ -63,16 +70,23 @@ def build(build_dir=None):
     path = library_path(build_dir)
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"  # each process its own, renamed into place whole
-        cmd = [compiler(), *FLAGS, SOURCE, "-o", tmp]
+        # a name of its own for each build (threads and containers that share the cache can have
+        # equal PIDs), in the same folder, renamed into place whole; removed if the build fails
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
+        os.close(fd)
+        cmd = [*compiler_command(), *FLAGS, SOURCE, "-o", tmp]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise RuntimeError(f"{' '.join(cmd)}: {e}") from None
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: {first}")
-        os.replace(tmp, path)
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise RuntimeError(f"{' '.join(cmd)}: {e}") from None
+            if done.returncode != 0:
+                first = (done.stderr.strip().splitlines() or ["no output"])[0]
+                raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: {first}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     fn = ctypes.CDLL(path).normgnorm_cpu_backward
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8 + [ctypes.c_int]
     fn.restype = None
@@ -100,6 +114,27 @@ def _takes(tensors, buffers):
             and all(b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.dim() == 0) for b in buffers))
 
 
+def _check_sizes(x, dy, mean, rstd, weight, num_examples):
+    """The C code reads x, dy [N, D], mean and rstd [N] and weight [D] on trust: any other size
+    would read past them. Refused here, in one line, before any call reaches it."""
+    D = x.shape[-1] if x.dim() else 0
+    N = x.numel() // D if D else 0
+    problems = []
+    if D == 0 or num_examples < 1 or N % num_examples:
+        problems.append(f"x {tuple(x.shape)} is not {num_examples} examples of rows of features")
+    if dy.shape != x.shape:
+        problems.append(f"dy {tuple(dy.shape)} is not x's shape {tuple(x.shape)}")
+    for name, t, n in (("mean", mean, N), ("rstd", rstd, N), ("weight", weight, D)):
+        if t is not None and t.numel() != n:
+            problems.append(f"{name} has {t.numel()} elements, not {n}")
+    off_cpu = [name for name, t in (("x", x), ("dy", dy), ("mean", mean), ("rstd", rstd), ("weight", weight))
+               if t is not None and t.device.type != "cpu"]
+    if off_cpu:
+        problems.append(f"{', '.join(off_cpu)} not on the CPU")
+    if problems:
+        raise ValueError(f"normgnorm's CPU kernel: {'; '.join(problems)}")
+
+
 def _threads(num_examples):
     """The kernel's team: one thread per example at most (it splits examples, not rows), at least
     one (OpenMP's num_threads must be positive)."""
@@ -113,6 +148,7 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
     if fn is None:
         return torch_path.backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
                                    weight_sq, bias_sq, count)
+    _check_sizes(x, dy, mean, rstd, weight, num_examples)
     D = x.shape[-1]
     B, T = num_examples, x.numel() // D // num_examples
     x, dy, weight = x.contiguous(), dy.contiguous(), weight.contiguous()
@@ -144,6 +180,7 @@ def per_example_grads(dy3, x3, mean3, rstd3, need_dw, need_db, weight_sq, bias_s
         if measured:
             torch_path.add_squared_norms(*map(list, zip(*measured)))
         return dw_b, db_b
+    _check_sizes(x3, dy3, mean3, rstd3, None, B)
     x3, dy3, rstd3 = x3.contiguous(), dy3.contiguous(), rstd3.contiguous()
     mean3 = None if mean3 is None else mean3.contiguous()
     dw_b = x3.new_empty(B, D)

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -161,7 +162,7 @@ def test_torch_path_matches_oracles(dtype, bias, shape, entry):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts the C kernel's calls, so that a test knows it ran (and not the PyTorch path)."""
-    if shutil.which(cpu_ext.compiler()) is None:
+    if shutil.which(cpu_ext.compiler_command()[0]) is None:
         pytest.skip(f"no C compiler ({cpu_ext.compiler()})")
     fn, calls = cpu_ext.kernel(), []
     assert fn is not None, cpu_ext._kernel  # a compiler is here: the kernel must build
@@ -249,7 +250,7 @@ def test_cpu_kernel_without_a_compiler_warns_once_and_the_pytorch_path_runs(monk
     assert len(seen) == 1 and isinstance(cpu_ext._kernel, str)
 
 
-@pytest.mark.skipif(shutil.which(cpu_ext.compiler()) is None, reason="no C compiler")
+@pytest.mark.skipif(shutil.which(cpu_ext.compiler_command()[0]) is None, reason="no C compiler")
 def test_cpu_kernel_is_built_once_into_a_file_named_by_its_source_and_cpu(tmp_path):
     path = cpu_ext.library_path(str(tmp_path))
     assert os.path.dirname(path) == str(tmp_path) and not os.path.exists(path)
@@ -258,6 +259,72 @@ def test_cpu_kernel_is_built_once_into_a_file_named_by_its_source_and_cpu(tmp_pa
     built = os.path.getmtime(path)
     cpu_ext.build(str(tmp_path))
     assert os.path.getmtime(path) == built
+
+
+def test_cpu_kernel_builds_from_two_threads_at_once_each_into_a_file_of_its_own(tmp_path, monkeypatch):
+    import threading
+    targets, both_started = [], threading.Barrier(2)
+
+    def fake_compiler(cmd, **kwargs):  # both builds have chosen their file before either writes
+        target = cmd[cmd.index("-o") + 1]
+        targets.append(target)
+        both_started.wait(timeout=10)
+        with open(target, "w") as f:
+            f.write("not a library")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    monkeypatch.setattr(cpu_ext.subprocess, "run", fake_compiler)
+    monkeypatch.setattr(cpu_ext.ctypes, "CDLL", lambda path: types.SimpleNamespace(
+        normgnorm_cpu_backward=types.SimpleNamespace()))
+    errors = []
+
+    def build():
+        try:
+            cpu_ext.build(str(tmp_path))
+        except Exception as e:  # noqa: BLE001 (reported below, from the test's thread)
+            errors.append(e)
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(targets) == 2 and targets[0] != targets[1]
+    assert os.listdir(tmp_path) == [os.path.basename(cpu_ext.library_path(str(tmp_path)))]
+
+
+def test_cpu_kernel_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
+    # a compiler that writes part of its output, then fails
+    compiler = tmp_path / "half-a-compiler"
+    compiler.write_text('#!/bin/sh\nwhile [ "$1" != "-o" ]; do shift; done\necho partial > "$2"\nexit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    build_dir = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        cpu_ext.build(str(build_dir))
+    assert os.listdir(build_dir) == []
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_cpu_kernel_compiler_may_carry_arguments(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", f"{shutil.which('cc')} -w")  # as CC="ccache gcc" is written
+    assert cpu_ext.build(str(tmp_path)) is not None
+
+
+def test_cpu_kernel_entry_points_refuse_sizes_they_would_read_past():
+    x, dy, weight, _ = make_inputs((2, 8, 40), torch.float32, False, seed=4)
+    short = torch.ones(3)  # 3 statistics for B*T = 16 rows
+    bufs = [torch.zeros(()) for _ in range(3)]
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="rstd has 3 elements, not 16"):
+            cpu_ext.backward(dy, x, weight, torch.zeros(16), short, 2, True, True, *bufs)
+        with pytest.raises(ValueError, match="weight has 39 elements, not 40"):
+            cpu_ext.backward(dy, x, weight[:39], None, torch.ones(16), 2, True, False, bufs[0], None, bufs[2])
+        with pytest.raises(ValueError, match="mean has 3 elements, not 16"):
+            cpu_ext.per_example_grads(dy, x, short, torch.ones(2, 8, 1), True, True, bufs[0], bufs[1])
+        with pytest.raises(ValueError, match=r"dy \(2, 8, 39\) is not x's shape"):
+            cpu_ext.per_example_grads(dy[..., :39], x, None, torch.ones(2, 8, 1), True, False, bufs[0], None)
+        # the registered op, as torch.compile calls it, with the CPU kernel behind it
+        with pytest.raises(ValueError, match="mean has 3 elements, not 16"):
+            torch.ops.normgnorm.layer_norm_bwd(dy, x, weight, short, short, True, True, *bufs, "cpu")
 
 
 def test_cpu_kernel_under_create_graph_runs_the_differentiable_path(kernel_calls):
