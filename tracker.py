@@ -53,6 +53,7 @@ import json
 import os
 import re
 import string
+import time
 import warnings
 
 from gnsmath import LOG_NAME
@@ -592,7 +593,11 @@ class OutDirInUse(Exception):
     names it), or it cannot be created or written."""
 
 
-def lock_out_dir(out_dir):
+# what a run of train.py leaves in its out_dir (grad_accum_schedule.txt stays: the user edits it)
+RUN_FILES = ("log.csv", "log.csv.rejected", "ckpt.pt", "config.json", "layer_kinds.json", "linear_norm_methods.json")
+
+
+def lock_out_dir(out_dir, set_aside=False):
     """
     Hold out_dir/train.lock while the run lives, so that a second run on the same out_dir (a
     relaunch while this one still runs, a typo in a sweep) stops at once instead of writing over
@@ -601,6 +606,8 @@ def lock_out_dir(out_dir):
     process that exits by itself, a torchrun rank through stopping.leave too, empties it at exit).
     Creates out_dir if need be. Returns the open lock file (keep it: closing it releases the lock),
     saying which holder it takes over, or raises OutDirInUse, whose message is one line.
+    set_aside (a fresh run): an earlier run's files are moved into out_dir/previous-run-<time>/
+    first, with a note, rather than written over (set_aside_previous_run).
     """
     import fcntl
     import socket
@@ -625,7 +632,37 @@ def lock_out_dir(out_dir):
     f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     f.flush()
     atexit.register(_release, f)  # an exit the process makes itself (an end, a stop, an error) empties it
+    if set_aside:
+        try:
+            set_aside_previous_run(out_dir)
+        except OSError as e:
+            _release(f)
+            raise OutDirInUse(f"{out_dir} holds an earlier run that could not be moved aside "
+                              f"({e.strerror or e}); resume it with --init_from=resume, or use another out_dir") from None
     return f
+
+
+def set_aside_previous_run(out_dir):
+    """
+    A fresh run into an out_dir that holds an earlier run (its log.csv or ckpt.pt) would write over
+    that run's log and checkpoint, which may be hours of training: its files (RUN_FILES) are moved
+    into out_dir/previous-run-<time>/ instead, and a note says where and how to resume it. Returns
+    that folder, or None when there was nothing to move. Raises OSError where a move fails.
+    """
+    found = [name for name in RUN_FILES if os.path.isfile(os.path.join(out_dir, name))]
+    if not any(name in found for name in ("log.csv", "ckpt.pt")):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(os.path.getmtime(os.path.join(out_dir, found[0]))))
+    folder, n = os.path.join(out_dir, f"previous-run-{stamp}"), 1
+    while os.path.exists(folder):
+        n += 1
+        folder = os.path.join(out_dir, f"previous-run-{stamp}-{n}")
+    os.makedirs(folder)
+    for name in found:  # a rename within the folder: whole or not at all, each file
+        os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
+    print(f"note: {out_dir} held an earlier run ({', '.join(found)}); moved into {folder}/ "
+          f"(to continue that run instead, move its files back and use --init_from=resume)")
+    return folder
 
 
 def _release(lock):

@@ -147,7 +147,7 @@ print(f"tokens per iteration will be: {gradient_accumulation_steps * tokens_per_
 
 if master_process and not eval_only:  # out_dir is this run's alone (eval_only writes nothing there)
     try:
-        out_dir_lock = lock_out_dir(out_dir)
+        out_dir_lock = lock_out_dir(out_dir, set_aside=init_from != 'resume')  # an earlier run is kept
     except OutDirInUse as e:
         die(f"--out_dir={e}")
 torch.manual_seed(seed + seed_offset)

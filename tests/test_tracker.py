@@ -842,3 +842,47 @@ def test_log_for_run_writes_the_config_and_layer_kinds_and_nothing_with_eval_onl
     log = log_for_run(dict(config, out_dir=str(tmp_path / "eval"), eval_only=True), 1, {"lm_head.weight": "linear"})
     log.close()
     assert not os.path.exists(tmp_path / "eval")
+
+
+def test_a_fresh_run_sets_an_earlier_runs_files_aside_and_keeps_what_is_not_a_runs(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in (("log.csv", "step,x\n0,1\n"), ("ckpt.pt", "weights"), ("config.json", "{}"),
+                       ("layer_kinds.json", "{}"), ("grad_accum_schedule.txt", "0 1\n"), ("notes.txt", "mine")):
+        (out / name).write_text(text)
+    lock = tracker_module.lock_out_dir(str(out), set_aside=True)
+    try:
+        folders = [p for p in out.iterdir() if p.name.startswith("previous-run-")]
+        assert len(folders) == 1
+        assert sorted(p.name for p in folders[0].iterdir()) == ["ckpt.pt", "config.json", "layer_kinds.json", "log.csv"]
+        assert (folders[0] / "log.csv").read_text() == "step,x\n0,1\n" and (folders[0] / "ckpt.pt").read_text() == "weights"
+        # the user's schedule and other files stay where they were
+        assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["grad_accum_schedule.txt", "notes.txt", "train.lock"]
+        note = capsys.readouterr().out
+        assert f"moved into {folders[0]}/" in note and "--init_from=resume" in note
+    finally:
+        tracker_module._release(lock)
+
+
+def test_setting_aside_twice_in_one_second_keeps_both_and_an_empty_out_dir_moves_nothing(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert tracker_module.set_aside_previous_run(str(out)) is None
+    (out / "config.json").write_text("{}")  # no log and no checkpoint: not a run
+    assert tracker_module.set_aside_previous_run(str(out)) is None
+    folders = []
+    for rows in ("first", "second"):
+        (out / "log.csv").write_text(rows)
+        os.utime(out / "log.csv", (1e9, 1e9))  # the same time: the same stamp
+        folders.append(tracker_module.set_aside_previous_run(str(out)))
+    assert folders[0] != folders[1] and folders[1].endswith("-2")
+    assert [open(os.path.join(f, "log.csv")).read() for f in folders] == ["first", "second"]
+
+
+def test_a_resumed_run_leaves_its_files_in_place(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.csv").write_text("step,x\n0,1\n")
+    lock = tracker_module.lock_out_dir(str(out))
+    tracker_module._release(lock)
+    assert (out / "log.csv").exists() and not [p for p in out.iterdir() if p.name.startswith("previous-run-")]

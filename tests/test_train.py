@@ -66,6 +66,19 @@ def test_short_run_lowers_val_loss_and_checkpoints(tiny_dataset, tmp_path):
     assert ckpt['model']['tokens_processed'].item() == 60 * 4 * 16
 
 
+def test_the_same_command_run_twice_keeps_the_first_runs_log_and_checkpoint(tiny_dataset, tmp_path):
+    # nanoGPT users rerun the command as it was: the second run trains afresh, the first is kept aside
+    out = tmp_path / "out"
+    args = (*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=100")
+    run_train(*args, "--max_iters=6")
+    first_log, first_ckpt = (out / "log.csv").read_bytes(), (out / "ckpt.pt").read_bytes()
+    p = run_train(*args, "--max_iters=3")
+    (kept,) = [d for d in out.iterdir() if d.name.startswith("previous-run-")]
+    assert (kept / "log.csv").read_bytes() == first_log and (kept / "ckpt.pt").read_bytes() == first_ckpt
+    assert load_log_rows(kept) == 6 and load_log_rows(out) == 3
+    assert f"moved into {kept}/" in p.stdout
+
+
 def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     out = tmp_path / "out"
     common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_interval=5",
