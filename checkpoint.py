@@ -196,6 +196,43 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str))  # as config.json holds it: tuples are lists
 
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _dataset_folder(dataset):
+    """--dataset's folder, as configurator.check_dataset finds it: a path, or a name under data/."""
+    return dataset if os.path.isdir(dataset) or os.sep in dataset else os.path.join(ROOT, 'data', dataset)
+
+
+def dataset_fingerprint(dataset):
+    """What tells one prepared dataset from another, kept in ckpt.pt: the sizes of its train.bin
+    and val.bin (a folder moved or renamed keeps them); None where they cannot be read."""
+    try:
+        return {f'{split}_bytes': os.path.getsize(os.path.join(_dataset_folder(dataset), f'{split}.bin'))
+                for split in ('train', 'val')}
+    except (OSError, TypeError):
+        return None
+
+
+def check_same_dataset(out_dir, checkpoint, dataset):
+    """
+    CheckpointError unless this run's --dataset is the one ckpt.pt was trained on: a checkpoint of
+    the same shapes resumes on another dataset without a word otherwise. By the sizes of its token
+    files where ckpt.pt keeps them (dataset_fingerprint), else (older checkpoints) by the folder's name.
+    """
+    then = (checkpoint.get('config') or {}).get('dataset')
+    saved, now = checkpoint.get('dataset_fingerprint'), dataset_fingerprint(dataset)
+    if saved is not None and now is not None:
+        differs, what = saved != now, f" (train.bin of {saved['train_bytes']:,} bytes, now {now['train_bytes']:,})"
+    else:
+        name = lambda d: os.path.basename(os.path.normpath(str(d)))  # noqa: E731
+        differs, what = then is not None and name(then) != name(dataset), ""
+    if differs:
+        raise CheckpointError(f"{out_dir}/ckpt.pt was trained on --dataset={then!r}, this run reads "
+                              f"--dataset={dataset!r}{what}; nothing was changed: resume with the dataset it was "
+                              f"trained on, or use another out_dir")
+
+
 def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
     """
     CheckpointError unless out_dir/ckpt.pt holds the model that out_dir's config.json and log.csv
@@ -261,6 +298,8 @@ def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_
         print(f"Resuming training from {out_dir}")
         model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device)
         check_out_dir_model(out_dir, checkpoint, data_vocab_size)
+        if 'dataset' in config:
+            check_same_dataset(out_dir, checkpoint, config['dataset'])
     else:
         print(f"Initializing from OpenAI GPT-2 weights: {init_from}")
         model = pretrained_gpt(init_from, model_args['dropout'])
@@ -312,7 +351,7 @@ def training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonf
     import gnstracking  # here: sample.py reads checkpoints without the estimators
     run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
                  'best_val_loss': best_val_loss, 'config': config, 'data_order': data_order_state,
-                 'nonfinite_steps': nonfinite_steps}
+                 'nonfinite_steps': nonfinite_steps, 'dataset_fingerprint': dataset_fingerprint(config.get('dataset'))}
     gnstracking.save_states(estimators, run_state)
     if controller is not None:
         run_state['bs_controller'] = controller.state_dict()

@@ -150,7 +150,9 @@ def test_the_run_state_saved_is_what_a_resume_reads_back():
     order = torch.Generator().manual_seed(1).get_state()
     state = training_run_state(scaler, {'n_layer': 2}, {'seed': 1}, 7, 1.5, 2, order, [], Controller())
     assert list(state) == ['scaler', 'model_args', 'iter_num', 'best_val_loss', 'config', 'data_order',
-                           'nonfinite_steps', 'gns_estimators', 'gns_groups', 'linear_norm_methods', 'bs_controller']
+                           'nonfinite_steps', 'dataset_fingerprint', 'gns_estimators', 'gns_groups',
+                           'linear_norm_methods', 'bs_controller']
+    assert state['dataset_fingerprint'] is None  # no --dataset in this config
     assert state['bs_controller'] == {'accumulation': 3} and torch.equal(state['data_order'], order)
     assert 'bs_controller' not in training_run_state(scaler, {}, {}, 7, 1.5, 2, order, [])
     assert resumed_counts(state) == (7, 1.5, 2)

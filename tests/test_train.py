@@ -469,6 +469,40 @@ def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, 
     assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "ckpt.pt" in err[0], stderr
 
 
+@pytest.mark.parametrize("checkpoint_kind", ["fingerprinted", "older, named only"])
+def test_resume_on_another_dataset_of_the_same_shapes_is_one_line(tiny_dataset, one_step_run, tmp_path,
+                                                                   checkpoint_kind):
+    # the same vocabulary and so the same shapes: only the dataset itself tells the runs apart
+    other = tmp_path / "otherdata"
+    shutil.copytree(tiny_dataset, other)
+    tokens = np.fromfile(other / "train.bin", dtype=np.uint16)
+    tokens[: len(tokens) // 2].tofile(other / "train.bin")
+    out = tmp_path / "out"
+    shutil.copytree(one_step_run, out)
+    if checkpoint_kind != "fingerprinted":
+        ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+        del ckpt["dataset_fingerprint"]
+        torch.save(ckpt, out / "ckpt.pt")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"}
+    code, stderr = train_until_exit(*TINY, f"--dataset={other}", f"--out_dir={out}", "--init_from=resume",
+                                    "--max_iters=2")
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and f"was trained on --dataset={tiny_dataset!r}, this run reads --dataset={str(other)!r}" in err[0]
+    assert "nothing was changed" in err[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"} == before
+
+
+def test_resume_on_the_same_dataset_moved_elsewhere_goes_on(tiny_dataset, one_step_run, tmp_path):
+    moved = tmp_path / "moved" / "renamed"
+    shutil.copytree(tiny_dataset, moved)
+    out = tmp_path / "out"
+    shutil.copytree(one_step_run, out)
+    code, stderr = train_until_exit(*TINY, f"--dataset={moved}", f"--out_dir={out}", "--init_from=resume",
+                                    "--max_iters=2")
+    assert code == 0, stderr
+
+
 def test_eval_only_writes_nothing_into_out_dir(tiny_dataset, tmp_path):
     out = tmp_path / "out"
     common = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}"]
