@@ -2,10 +2,12 @@
 The Adam-preconditioned gradient noise scale of the normalisation layers (--gns_adam=True).
 
 Adam moves each parameter along P g, P = 1 / (sqrt(v_hat) + eps) with v_hat the bias-corrected
-exp_avg_sq, so the noise that sets how far a step goes is that of P g, not of g (AdaptDL/Pollux,
-Qiao et al. 2021, measure the GNS of the preconditioned gradient for this reason). With P taken
-from the optimizer's state of the step before (the state this step's update divides by) and held
-fixed over the step's micro-steps, McCandlish's two squared norms (App. A, B_small = 1) become
+exp_avg_sq (with amsgrad, the running maximum max_exp_avg_sq), so the noise that sets how far a
+step goes is that of P g, not of g (AdaptDL/Pollux, Qiao et al. 2021, measure the GNS of the
+preconditioned gradient for this reason). The update of step t divides by the state after it
+has taken in g_t itself; P is taken from the state before (after step t-1), which does not
+depend on this step's gradient, so that it is one fixed diagonal for every example and
+micro-step of the step. With it, McCandlish's two squared norms (App. A, B_small = 1) become
 
     |P G_B|^2 = sum_d P_d^2 G_d^2                       from p.grad, after the last micro-step,
     |P G_1|^2 = (1/B) sum_b ||P g_b||^2 = B sum_d P_d^2 S_d,  S_d = sum_b (g_bd / B)^2,
@@ -16,7 +18,8 @@ gradients are small materialised vectors (dgamma_b, dbeta_b), so keeping S costs
 sum over [B, D] per layer (buffered.register_coordinate_buffers); a weight matrix would need its
 per-example gradient itself, which is why only the normalisation layers are measured here.
 Under DDP the ranks' S are summed and divided by W^2 as the exact estimator's sums are; under a
-float16 GradScaler both norms carry s^2. The first step has no optimizer state: nothing is logged.
+float16 GradScaler both norms carry s^2. The first step has no optimizer state: nothing is logged. Only torch.optim.Adam and AdamW are
+taken (other optimizers have no such preconditioner, or another one): anything else is refused.
 
 Logged as its own estimator under train/adam_gns/<parameter>/norm, /pegn and /batch_size (the
 columns of every per-parameter estimator: gns-analysis.py analyses it like the others).
@@ -32,11 +35,15 @@ from gnsmath import EMA_BETA, NORM_KINDS, PREFIXES, GradientNoiseScale, paramete
 
 class AdamGNS(Estimator):
     """The Adam-preconditioned GNS of the model's measured normalisation layers (module docstring),
-    from `optimizer` (torch.optim.Adam or AdamW: its exp_avg_sq, step, betas and eps)."""
+    from `optimizer` (torch.optim.Adam or AdamW: its exp_avg_sq or, with amsgrad, max_exp_avg_sq,
+    step, betas and eps)."""
     name = PREFIXES["adam"]
     label = "adam gns"
 
     def __init__(self, model, optimizer, world_size=1, beta=EMA_BETA):
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(f"the Adam-preconditioned GNS needs torch.optim.Adam or AdamW, whose update it "
+                             f"measures; {type(optimizer).__name__} keeps no such preconditioner")
         self.model, self.optimizer, self.world_size = unwrap(model), optimizer, int(world_size)
         kinds = layer_kinds(self.model)
         norm_params = {id(p) for name, p in self.model.named_parameters() if kinds.get(name) in NORM_KINDS}
@@ -55,12 +62,13 @@ class AdamGNS(Estimator):
     def preconditioner(self, p):
         """P = 1 / (sqrt(v_hat) + eps) of parameter p from the optimizer's state, or None before its first step."""
         state = self.optimizer.state.get(p) or {}
-        if "exp_avg_sq" not in state:
-            return None
         group = self.groups[id(p)]
+        second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"  # what the update divides by
+        if second not in state:
+            return None
         step = state["step"]  # a tensor, on the GPU for fused AdamW: float() of it would wait for the GPU
         step = step.float() if isinstance(step, torch.Tensor) else step
-        v_hat = state["exp_avg_sq"].float() / (1 - group["betas"][1] ** step)
+        v_hat = state[second].float() / (1 - group["betas"][1] ** step)
         return 1 / (v_hat.sqrt() + group["eps"])
 
     @torch.no_grad()
@@ -72,8 +80,9 @@ class AdamGNS(Estimator):
         if not live or examples < 2:
             return {}
         scale = current_scale(scaler)
+        # P has the parameter's shape, the per-coordinate sums are flat (any normalized_shape)
         squares = torch.stack([(P.square() * p.grad.float().square()).sum() for _, p, _, P in live] +
-                              [(P.square() * buffer).sum() for _, _, buffer, P in live])
+                              [(P.square().reshape(-1) * buffer).sum() for _, _, buffer, P in live])
         if isinstance(scale, torch.Tensor):
             squares = torch.cat([squares, scale.float().reshape(1).to(squares.device)])
         host = squares.tolist()

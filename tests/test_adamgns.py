@@ -125,3 +125,61 @@ def test_estimators_for_adds_it_and_its_columns_are_its_own_estimator():
     estimators = gnstracking.estimators_for(model, adam_optimizer=optimizer)
     assert [type(e).__name__ for e in estimators] == ["ExactGNS", "AdamGNS"]
     assert estimators[1].name == "train/adam_gns"
+
+
+class Net2D(nn.Module):
+    """A LayerNorm over a 2-D normalized_shape: P has the gain's [2, 3] shape, the sums are flat."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.ln, self.out = nn.Linear(5, D), nn.LayerNorm((2, 3)), nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.out(self.ln(self.inp(x).unflatten(-1, (2, 3))).flatten(-2))
+
+
+def test_a_norm_over_two_dimensions_equals_brute_force():
+    torch.manual_seed(1)
+    model, plain = Net2D(), Net2D()
+    plain.load_state_dict(model.state_dict())
+    measure(model, linear=None, embedding=None, norm="shim")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    adam = AdamGNS(model, optimizer)
+    for step in range(2):
+        x, y = batches(step)[0]
+        example_loss(model, x, y).backward()
+        row = adam.measure(step, B_MICRO, None)
+        if step == 1:
+            plain.load_state_dict(model.state_dict())
+            g_b = per_example_grads(plain, example_loss, x, y)["ln.weight"].double().reshape(B_MICRO, -1)
+            P = preconditioner(optimizer, model.ln.weight).reshape(-1)
+            assert row["train/adam_gns/ln.weight/norm"] == pytest.approx((P * g_b.mean(0)).norm().item(), rel=1e-4)
+            assert row["train/adam_gns/ln.weight/pegn"] == pytest.approx(
+                math.sqrt((P * g_b).square().sum(1).mean().item()), rel=1e-4)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        adam.reset()
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1), lambda ps: torch.optim.RMSprop(ps),
+                                  lambda ps: torch.optim.Adagrad(ps)], ids=["SGD", "RMSprop", "Adagrad"])
+def test_an_optimizer_that_is_not_adam_is_refused_in_one_line(make):
+    model = Net()
+    measure(model, linear=None, embedding=None, norm="shim")
+    with pytest.raises(ValueError, match="needs torch.optim.Adam or AdamW") as e:
+        AdamGNS(model, make(model.parameters()))
+    assert "\n" not in str(e.value)
+
+
+def test_with_amsgrad_the_preconditioner_is_the_running_maximum():
+    p = nn.Parameter(torch.randn(D))
+    optimizer = torch.optim.AdamW([p], lr=0.1, betas=(0.9, 0.9), eps=1e-3, amsgrad=True)
+    for scale in (10.0, 1.0, 0.1):  # shrinking gradients: the maximum stays above exp_avg_sq
+        p.grad = scale * torch.randn(D)
+        optimizer.step()
+    model = nn.Sequential(PEGradNormSeparatedRMSNorm(D))
+    model[0].weight = p
+    adam = AdamGNS(model, optimizer)
+    state, bias = optimizer.state[p], 1 - 0.9 ** 3
+    assert not torch.allclose(state["max_exp_avg_sq"], state["exp_avg_sq"])
+    assert adam.preconditioner(p) == pytest.approx(1 / ((state["max_exp_avg_sq"] / bias).sqrt() + 1e-3), rel=1e-6)
