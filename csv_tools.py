@@ -55,6 +55,29 @@ def complete_size(f):
     return 0
 
 
+def _cut_rows(f, start, end, width):
+    """
+    Data rows (numbered from 0, blank lines not counted) of an open binary file's bytes start..end
+    that have fewer cells than a row before them: a row cut short ('12,,', a disk fault, an
+    edit). A header that grows leaves short rows too, but only before the longer ones (the
+    reference implementation writes its logs so; this fork pads them), never after. A row longer
+    than the header's `width` counts as `width` here (load_log refuses it).
+    """
+    f.seek(start)
+    cut, longest, row = [], 0, 0
+    while f.tell() < end:
+        line = f.readline(end - f.tell()).rstrip(b"\r\n")
+        if not line:
+            continue
+        # numbers only need no parser; a quoted cell may hold commas
+        cells = len(next(csv.reader([line.decode("utf-8", "replace")]))) if b'"' in line else line.count(b",") + 1
+        if cells < longest:
+            cut.append(row)
+        longest = max(longest, min(cells, width))
+        row += 1
+    return cut
+
+
 class _Stream(io.RawIOBase):
     """`head`, then the bytes of an open binary file from its position up to `end`: what pandas parses."""
 
@@ -157,6 +180,8 @@ def load_log(out_dir, columns=None, as_written=()):
             # cells from its first rows, so a later row longer than the header fills _EXTRA
             # (with usecols it would be cut silently); zeros keep integer columns integer
             zeros = ",".join(["0"] * (len(header) + 1)).encode() + b"\n"
+            cut = _cut_rows(f, start, max(end, start), len(header))
+            f.seek(start)
             df = pd.read_csv(io.BufferedReader(_Stream(zeros, f, max(end, start))), header=None,
                              names=header + [_EXTRA], usecols=lambda c: c in wanted or c == _EXTRA,
                              keep_default_na=False, na_values={c: [""] if c in as_written else PANDAS_NA
@@ -169,6 +194,11 @@ def load_log(out_dir, columns=None, as_written=()):
         raise LogError(f"{path}: cannot read ({e.strerror})") from None
     except (pd.errors.ParserError, pd.errors.EmptyDataError, ValueError) as e:
         raise LogError(f"{path}: malformed CSV ({str(e).strip().splitlines()[-1]})") from None
+    if cut:  # left out, never counted: their missing cells would read as values not logged
+        steps = ", ".join(str(df["step"].iloc[i]) for i in cut[:5]) + (", ..." if len(cut) > 5 else "")
+        warnings.warn(f"{path}: {len(cut)} row(s) with fewer cells than a row before them left out (cut short; "
+                      f"step cells {steps})", stacklevel=2)
+        df = df.drop(index=cut).reset_index(drop=True)
     extra = df.pop(_EXTRA).notna().to_numpy()
     if extra.any():
         raise LogError(f"{path}: malformed CSV (data row {int(extra.argmax()) + 1} has more cells than the "

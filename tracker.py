@@ -37,7 +37,8 @@ number) is moved to log.csv.rejected, and missing steps (a gap, a log that start
 before k, an empty or missing log) are reported, each with a warning of one line. A file that
 is not such a log at all (no `step` first column, binary, not UTF-8) raises NotALogError.
 Rows shorter than the header are kept (logs whose header grew, as the reference implementation
-writes them; readers pad them). Without resume_step a new run starts a new log.csv (an old one
+writes them; readers pad them, and leave out with a warning a row shorter than one before it,
+which was cut: csv_tools.load_log). Without resume_step a new run starts a new log.csv (an old one
 is replaced at the first step()).
 
 out_dir/config.json holds the run's configuration (rewritten by a resumed run);

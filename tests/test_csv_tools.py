@@ -1,4 +1,5 @@
 import os
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -44,6 +45,19 @@ def test_short_rows_are_padded_and_the_reference_in_progress_pair_is_read(tmp_pa
     assert df["a"].tolist() == [1, 2, 4] and df["b"].isna().tolist() == [True, False, False]
     write(tmp_path / "log.csv", "step,a\n0,9\n")  # a finished log wins
     assert load_log(tmp_path)[0]["a"].tolist() == [9]
+
+
+def test_a_row_cut_short_after_whole_rows_is_left_out_with_a_warning(tmp_path):
+    write(tmp_path / "log.csv", "step,a,b,c\n0,1,2,3\n1,3,4,5\n12,,\n2,5,6,7\n3,\n")
+    with pytest.warns(UserWarning, match=r"2 row\(s\) with fewer cells than a row before them left out "
+                                         r"\(cut short; step cells 12, 3\)"):
+        df, _ = load_log(tmp_path)
+    assert df["step"].tolist() == [0, 1, 2] and df["b"].tolist() == [2, 4, 6]
+    # a quoted cell's commas are not cells
+    write(tmp_path / "log.csv", 'step,a,b\n0,"x,y",2\n1,3,4\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_log(tmp_path, as_written=("a",))[0]["step"].tolist() == [0, 1]
 
 
 def test_a_path_to_the_file_itself_and_duplicate_steps(tmp_path):
@@ -114,9 +128,9 @@ def test_the_missing_value_words_are_pandas_own():
 
 
 def test_reading_some_columns(tmp_path):
-    write(tmp_path / "log.csv", "step,a,b,c\n0,1,x,0.5\n1,2,y\n")
+    write(tmp_path / "log.csv", "step,a,b,c\n0,1,x\n1,2,y,0.5\n")  # a short row before the header grew
     df, path = load_log(tmp_path, ["c", "a", "not in the log"])
-    assert list(df.columns) == ["step", "a", "c"] and df["c"].isna().tolist() == [False, True]
+    assert list(df.columns) == ["step", "a", "c"] and df["c"].isna().tolist() == [True, False]
     assert df["a"].dtype == np.int64 and df["step"].dtype == np.int64, "integer columns stay integer"
     assert log_columns(tmp_path) == (["step", "a", "b", "c"], path)
     # a row longer than the header is refused whichever columns are read
