@@ -36,13 +36,21 @@ GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n
 # the tests that run on a GPU, and those whose C++ build runs in a process of its own
 TESTS = ['tests/test_normgnorm.py', 'tests/test_fused_gns.py', 'tests/test_bench_layernorm.py']
 BINDING_TESTS = 'cuda_binding or cuda_kernels_compile'
+
+
+def _workers(python):
+    """pytest-xdist's workers where `python` has it: the tests compile many Triton kernels, on the CPU."""
+    has = subprocess.run([python, '-c', 'import xdist'], capture_output=True).returncode == 0
+    return ['-n', str(min(8, os.cpu_count() or 1))] if has else []
+
+
 # step -> (seconds allowed, what it runs: a function of the parsed arguments)
 STEPS = {
     'env': (30, lambda a: [['nvidia-smi'], [a.python, '-c', 'import torch, triton; print("torch", torch.__version__, '
                                             '"cuda", torch.version.cuda, "triton", triton.__version__, '
                                             'torch.cuda.get_device_name())']]),
-    'tests': (150, lambda a: [[a.python, '-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider', *TESTS, '-k',
-                               f'not ({BINDING_TESTS})'],
+    'tests': (150, lambda a: [[a.python, '-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider', *_workers(a.python), *TESTS,
+                               '-k', f'not ({BINDING_TESTS})'],
                               [a.python, '-X', 'faulthandler', '-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider',
                                'tests/test_normgnorm.py', '-k', BINDING_TESTS]]),
     'layernorm': (60, lambda a: [[a.python, 'bench/layernorm.py', '--shapes', '8x1024x768', '8x1024x4096',
