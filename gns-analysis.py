@@ -39,8 +39,8 @@ import pandas as pd
 
 from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
-from gnsmath import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, debiased_ema, layer_groups,  # noqa: F401
-                     layer_type, parse_column, total_columns, unbiased_estimates)
+from gnsmath import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
+                     debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
 from reference_names import refuse_module_names
 from tracker import atomic_write
 
@@ -350,37 +350,40 @@ def compare(numerator, denominator, seen, alpha):
 
 # -- logs of the reference implementation --------------------------------------------------------
 
-def log_origin(path):
+def log_origin(path, declared=None):
     """
-    ('fork', 'reference' or None when it cannot tell, why, config) of the log at path. This
-    fork's config.json has always had a 'seed' key, the reference's never has (and is never
-    empty); only the reference writes the in-progress pair log_header.csv.tmp + log_data.csv.tmp,
-    only this fork a layer_kinds.json.
+    ('fork', 'reference' or None when it cannot tell, why, config) of the log at path, from what
+    was written to say so, never from a guess: `declared` (--origin); this fork's tracker writes
+    WRITER_KEY into config.json; only this fork writes a layer_kinds.json; only the reference
+    writes the in-progress pair log_header.csv.tmp + log_data.csv.tmp. A finished log of the
+    reference, or of this fork before it wrote WRITER_KEY and without layer_kinds.json, cannot
+    be told apart by its settings: None.
     """
     try:
         with open(os.path.join(os.path.dirname(path), "config.json")) as f:
             config = json.load(f)
     except (OSError, ValueError):
         config = None
-    if isinstance(config, dict) and config:
-        if "seed" in config:
-            return "fork", "its config.json has a 'seed'", config
-        return "reference", "its config.json has no 'seed'", config
-    if os.path.basename(path) == REFERENCE_PAIR[1]:
-        return "reference", f"written as {' + '.join(REFERENCE_PAIR)}", {}
+    config = config if isinstance(config, dict) else {}
+    if declared is not None:
+        return declared, f"--origin {declared}", config
+    if config.get(WRITER_KEY) == WRITER:
+        return "fork", f"its config.json says {WRITER_KEY}: {WRITER}", config
     if os.path.isfile(os.path.join(os.path.dirname(path), KINDS_NAME)):
-        return "fork", f"it has a {KINDS_NAME} (LogWrapper.record_kinds)", {}
-    return None, "no config.json with the run's settings beside it", {}
+        return "fork", f"it has a {KINDS_NAME} (LogWrapper.record_kinds)", config
+    if os.path.basename(path) == REFERENCE_PAIR[1]:
+        return "reference", f"written as {' + '.join(REFERENCE_PAIR)}", config
+    return None, f"nothing beside it says: no {WRITER_KEY} in a config.json, no {KINDS_NAME}", config
 
 
-def reference_fixes(columns, path, tied="auto"):
+def reference_fixes(columns, path, tied="auto", declared=None):
     """
     (columns to leave out, note lines) for the log at path with these columns. tied: 'auto'
     (leave out the tied weight of a reference log, keep this fork's), 'keep' or 'drop'. Also
     leaves out a float16 reference log's ddp/ columns. Raises AnalysisError where the tied weight
     is logged and auto cannot tell whose log it is.
     """
-    origin, why, config = log_origin(path)
+    origin, why, config = log_origin(path, declared)
     leave_out, notes = [], []
     tied_cols = tied_columns(columns)
     names = sorted({parse_column(c)[1] for c in tied_cols})
@@ -389,7 +392,7 @@ def reference_fixes(columns, path, tied="auto"):
         if origin is None:
             raise AnalysisError(f"cannot tell whether this log is this fork's, whose tied weight {shown} is "
                                 f"measured exactly, or the reference implementation's, which measures it wrong "
-                                f"({why}): pass --tied keep or --tied drop")
+                                f"({why}): pass --origin fork or --origin reference (or --tied keep or drop)")
         tied = "drop" if origin == "reference" else "keep"
         if tied == "drop":
             notes.append(f"a log of the reference implementation ({why}): its tied weight {shown} is measured "
@@ -403,6 +406,10 @@ def reference_fixes(columns, path, tied="auto"):
     if tied == "drop":
         leave_out += tied_cols
     ddp = [c for c in columns if c.startswith(DDP + "/")]
+    if origin is None and config.get("dtype") == "float16" and ddp:
+        notes.append(f"if this is a log of the reference implementation, its ddp/ columns are wrong under float16 "
+                     f"(loss-scaled small-batch norms over unscaled big-batch ones); they are kept, as nothing says "
+                     f"whose log it is ({why}): --origin reference leaves them out")
     if origin == "reference" and config.get("dtype") == "float16" and ddp:
         leave_out += ddp
         notes.append("the reference implementation's DDP estimator under float16 divides loss-scaled "
@@ -429,14 +436,14 @@ def read_kinds(path):
     return kinds, norm
 
 
-def read_log(out_dir, tied="auto"):
+def read_log(out_dir, tied="auto", declared=None):
     """
     (DataFrame, path, note lines) of the log in out_dir as the analysis reads it: the columns it
     needs, the GNS cells as written (a 'nan' is not an empty cell), a reference log's tied weight
     and float16 DDP columns left out (reference_fixes). Raises LogError, AnalysisError.
     """
     columns, path = log_columns(out_dir)
-    leave_out, notes = reference_fixes(columns, path, tied)
+    leave_out, notes = reference_fixes(columns, path, tied, declared)
     wanted = [c for c in analysis_columns(columns) if c not in set(leave_out)]
     gns = [c for c in wanted if parse_column(c) or c in DDP_COLUMNS.values()]
     df, path = load_log(out_dir, wanted, as_written=gns)
@@ -630,11 +637,15 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
     parser.add_argument("--tied", choices=("auto", "keep", "drop"), default="auto",
                         help="the tied weight wte = lm_head: keep it (this fork measures it exactly), drop it "
                              "(the reference implementation measures it wrong), or auto: drop it from the "
-                             "reference's logs, told apart by their config.json (default: auto)")
+                             "reference's logs, keep it in this fork's (default: auto)")
+    parser.add_argument("--origin", choices=("fork", "reference"), default=None,
+                        help="whose log it is, where nothing beside it says: this fork's tracker writes "
+                             f"{WRITER_KEY} into config.json, the reference implementation nothing that tells "
+                             "(default: read it from the run's files; asked for where it matters and they do not say)")
     args = parser.parse_args(argv)
 
     try:
-        df, path, notes = read_log(args.out_dir, args.tied)
+        df, path, notes = read_log(args.out_dir, args.tied, args.origin)
         kinds, norm = read_kinds(path)
         results, info = analyze(df, args.alpha, args.prefix or "train/gns", fallback=args.prefix is None,
                                 kinds=kinds, norm=norm)

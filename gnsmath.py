@@ -132,6 +132,9 @@ def debiased_ema(x, alpha):
 # Measurement's fields (the reference's columns): ddp/big_batch_norm, ...
 
 LOG_NAME = "log.csv"  # out_dir/LOG_NAME: one row per step, first column `step` (tracker.py writes it)
+# written into out_dir/config.json by this fork's tracker, so that a reader knows whose log it is
+# (the reference implementation measures the tied weight wrong; gns-analysis.py leaves it out there)
+WRITER_KEY, WRITER = "log_written_by", "nanoGPT GNS fork: tracker.LogWrapper"
 # the x axes a log offers, the first one logged being the default (tokens, then nanoGPT's iterations)
 X_COLUMNS = ("tokens_processed", "iter_num", "step")
 PREFIXES = dict(exact="train/gns", hooks_exact="train/hooks_gns", hooks_sogns="train/sogns",

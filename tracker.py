@@ -57,7 +57,7 @@ import string
 import time
 import warnings
 
-from gnsmath import LOG_NAME
+from gnsmath import LOG_NAME, WRITER, WRITER_KEY
 from reference_names import refuse_module_names, refused
 
 REJECTED_SUFFIX = ".rejected"  # malformed rows a resume took out of log.csv, appended to log.csv.rejected
@@ -267,7 +267,7 @@ class LogWrapper:
                 self._report([f"{self.path} is missing: {_steps(0, resume_step - 1)} missing "
                               f"(the run resumes at step {resume_step})"])
             if config is not None:
-                text = json.dumps(dict(config), indent=2, default=str).encode("utf-8")
+                text = json.dumps({**dict(config), WRITER_KEY: WRITER}, indent=2, default=str).encode("utf-8")
                 _replace_file(os.path.join(out_dir, "config.json"), lambda f: f.write(text), "writing the configuration")
         self.wandb_run = None
         if wandb_log:

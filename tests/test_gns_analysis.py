@@ -15,6 +15,7 @@ import torch.nn as nn
 from csv_tools import load_log
 from gns_fixtures import (ToyGPT, example_sqnorms, measure, mse, per_example_grads, regression_loss, train_step,
                          with_rmsnorms)
+from gnsmath import WRITER, WRITER_KEY
 from gnstracking import AccumulateMeasurements, MeasurementTracker
 from tracker import LogWrapper
 
@@ -694,9 +695,13 @@ def analysis(capsys, *args):
 
 def test_a_reference_log_leaves_out_its_tied_weight(tmp_path):
     norms, B = reference_run(tmp_path)
-    r = run_tool(tmp_path, "--no-plots", "--alpha", "0.8")  # once as users run it
+    # a finished reference log says nothing of whose it is: asked for, in one line
+    r = run_tool(tmp_path, "--no-plots", "--alpha", "0.8")  # as users run it
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1
+    assert "pass --origin fork or --origin reference" in r.stderr
+    r = run_tool(tmp_path, "--no-plots", "--alpha", "0.8", "--origin", "reference")
     assert r.returncode == 0, r.stderr
-    assert ("note: a log of the reference implementation (its config.json has no 'seed'): its tied weight "
+    assert ("note: a log of the reference implementation (--origin reference): its tied weight "
             "transformer.wte.weight is measured wrong there") in r.stdout
     assert "12 steps with GNS measurements under 'train/gns', 4 parameters (LayerNorm 2, Linear 1, Embedding 1)" in r.stdout
     out = pd.read_csv(tmp_path / "gns_analysis.csv")
@@ -720,10 +725,17 @@ def test_whose_log_it_is(tmp_path, capsys):
     assert code == 0 and "4 parameters" in out, err
     assert "(written as log_header.csv.tmp + log_data.csv.tmp)" in out
     assert (going / "gns_analysis.csv").is_file()
-    # this fork's config.json has a seed: the tied weight, measured exactly here, is kept
+    # this fork's tracker says so in config.json: the tied weight, measured exactly here, is kept
     ours = tmp_path / "ours"
-    reference_run(ours, config={"seed": 1337, "batch_size": 8})
+    reference_run(ours, config={"seed": 1337, "batch_size": 8, WRITER_KEY: WRITER})
     code, out, err = analysis(capsys, ours, "--no-plots")
+    assert code == 0 and "5 parameters" in out and "note" not in out
+    # a 'seed' alone says nothing: that was a guess, which could keep or drop the tied weight wrongly
+    seeded = tmp_path / "seeded"
+    reference_run(seeded, config={"seed": 1337, "batch_size": 8})
+    code, out, err = analysis(capsys, seeded, "--no-plots")
+    assert code == 2 and "cannot tell whether this log is this fork's" in err
+    code, out, err = analysis(capsys, seeded, "--no-plots", "--origin", "fork")
     assert code == 0 and "5 parameters" in out and "note" not in out
     # no config.json: auto cannot tell, the flag says
     unknown = tmp_path / "unknown"
@@ -731,7 +743,7 @@ def test_whose_log_it_is(tmp_path, capsys):
     os.remove(unknown / "config.json")
     code, out, err = analysis(capsys, unknown, "--no-plots")
     assert code == 2 and out == "" and len(err.splitlines()) == 1
-    assert "cannot tell whether this log is this fork's" in err and "pass --tied keep or --tied drop" in err
+    assert "cannot tell whether this log is this fork's" in err and "(or --tied keep or drop)" in err
     code, out, err = analysis(capsys, unknown, "--no-plots", "--tied", "keep")
     assert code == 0 and "5 parameters" in out and "note" not in out
     code, out, err = analysis(capsys, unknown, "--no-plots", "--tied", "drop")
@@ -751,13 +763,17 @@ def test_a_float16_reference_log_leaves_out_its_ddp_estimator(tmp_path, capsys):
     half, bf16 = tmp_path / "half", tmp_path / "bf16"
     reference_run(half, config={"dtype": "float16"}, ddp=True)
     reference_run(bf16, config={"dtype": "bfloat16"}, ddp=True)
-    code, out, err = analysis(capsys, half, "--no-plots")
+    code, out, err = analysis(capsys, half, "--no-plots", "--origin", "reference")
     assert code == 0, err
     assert "note: the reference implementation's DDP estimator under float16" in out
     assert "estimators in the log: train/gns only" in out
     assert "ddp_gns" not in pd.read_csv(half / "gns_analysis.csv").columns
-    code, out, err = analysis(capsys, bf16, "--no-plots")
+    code, out, err = analysis(capsys, bf16, "--no-plots", "--origin", "reference")
     assert code == 0 and "DDP estimator" not in out and "\n  ddp " in out
+    # nothing says whose it is: the columns stay, and a note says what they would be if it were the reference's
+    code, out, err = analysis(capsys, half, "--no-plots", "--tied", "drop")
+    assert code == 0 and "if this is a log of the reference implementation, its ddp/ columns are wrong" in out
+    assert "ddp_gns" in pd.read_csv(half / "gns_analysis.csv").columns
     assert (pd.read_csv(bf16 / "gns_analysis.csv")["ddp_gns"] == 18.0).all()
 
 

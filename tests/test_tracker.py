@@ -15,6 +15,7 @@ import torch
 
 import tracker as tracker_module
 from csv_tools import load_log
+from gnsmath import WRITER, WRITER_KEY
 from reference_names import ReferenceNameError
 from tracker import LogWrapper, LogWriteError, NotALogError, transform_format_string
 
@@ -71,7 +72,8 @@ def test_config_json_and_logf(tmp_path):
     log.log({"iter_num": 1})
     log.step()
     log.close()
-    assert json.loads((tmp_path / "config.json").read_text()) == {**config, "betas": [0.9, 0.95]}
+    # the run's settings, and whose log it is (gns-analysis.py reads that, never guesses)
+    assert json.loads((tmp_path / "config.json").read_text()) == {**config, "betas": [0.9, 0.95], WRITER_KEY: WRITER}
     # as the reference implementation calls it: the values of the step, without a "step" key
     assert rows == [{"iter_num": 0, "train/loss": 1.0}, {"iter_num": 1}]
 
@@ -323,7 +325,7 @@ def test_config_json_is_rewritten_on_resume_and_takes_any_value(tmp_path):
     out = tmp_path / "out"
     LogWrapper(out_dir=out, config={"lr": 1}).close()
     LogWrapper(out_dir=out, config={"lr": 2, "dtype": torch.float16}, resume_step=0).close()
-    assert json.loads((out / "config.json").read_text()) == {"lr": 2, "dtype": "torch.float16"}
+    assert json.loads((out / "config.json").read_text()) == {"lr": 2, "dtype": "torch.float16", WRITER_KEY: WRITER}
 
 
 def test_wandb_gets_the_csv_step_numbers(monkeypatch):
@@ -607,7 +609,7 @@ def test_a_failed_config_write_keeps_the_old_config_and_no_tmp(tmp_path, monkeyp
     with pytest.raises(LogWriteError) as error:
         LogWrapper(out_dir=tmp_path, config={"lr": 2}, resume_step=0)
     assert_disk_full_error(error.value, tmp_path / "config.json")
-    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1}
+    assert json.loads((tmp_path / "config.json").read_text()) == {"lr": 1, WRITER_KEY: WRITER}
     assert sorted(os.listdir(tmp_path)) == ["config.json"]
 
 
@@ -835,7 +837,7 @@ def test_log_for_run_writes_the_config_and_layer_kinds_and_nothing_with_eval_onl
         log.step()
         log.close()
     with open(tmp_path / "out" / "config.json") as f:
-        assert json.load(f) == config
+        assert json.load(f) == {**config, WRITER_KEY: WRITER}
     with open(tmp_path / "out" / "layer_kinds.json") as f:
         assert json.load(f) == {"lm_head.weight": "linear"}
     assert read_csv(tmp_path / "out" / "log.csv") == [["step", "lr"], ["0", "0.1"], ["1", "0.2"]]
