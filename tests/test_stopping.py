@@ -116,9 +116,11 @@ sys.path.insert(0, {repo!r})
 import stopping
 stopping.FORWARDED_REPEAT_S = {window}
 s = stopping.StopSignals(announce={announce}, checkpoint_held=lambda: 'iter 7', distributed={distributed})
-a = torch.randn(1000, 1000) / 40
+a = torch.randn(2000, 2000) / 60
 print('ready', flush=True)
-torch.linalg.matrix_power(a, 2 ** 62 - 1)  # about 120 products of 1000 x 1000 matrices in one call: many seconds
+# about 120 products of 2000 x 2000 matrices in one call, tens of seconds on one thread (1000 x 1000
+# took 2.5 s on a fast core: the call could end, and the process with it, before the last signal)
+torch.linalg.matrix_power(a, 2 ** 62 - 1)
 print('not reached', flush=True)
 """
 
