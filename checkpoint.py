@@ -14,6 +14,7 @@ from dataclasses import fields
 
 import torch
 
+from configurator import dataset_folder
 from model import ARCHITECTURE_CHOICES, GPT, GPTConfig
 from tracker import atomic_write
 
@@ -196,19 +197,14 @@ def _plain(value):
     return json.loads(json.dumps(value, default=str))  # as config.json holds it: tuples are lists
 
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
-def _dataset_folder(dataset):
-    """--dataset's folder, as configurator.check_dataset finds it: a path, or a name under data/."""
-    return dataset if os.path.isdir(dataset) or os.sep in dataset else os.path.join(ROOT, 'data', dataset)
+ROOT = os.path.dirname(os.path.abspath(__file__))  # where train.py resolves a --dataset name (data/<name>)
 
 
 def dataset_fingerprint(dataset):
     """What tells one prepared dataset from another, kept in ckpt.pt: the sizes of its train.bin
     and val.bin (a folder moved or renamed keeps them); None where they cannot be read."""
     try:
-        return {f'{split}_bytes': os.path.getsize(os.path.join(_dataset_folder(dataset), f'{split}.bin'))
+        return {f'{split}_bytes': os.path.getsize(os.path.join(dataset_folder(dataset, ROOT), f'{split}.bin'))
                 for split in ('train', 'val')}
     except (OSError, TypeError):
         return None

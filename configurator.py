@@ -61,13 +61,18 @@ def check_device(device):
     return kind
 
 
+def dataset_folder(dataset, root):
+    """The folder --dataset names: a path to one, or a name under root/data/."""
+    return dataset if os.path.isdir(dataset) or os.sep in dataset else os.path.join(root, 'data', dataset)
+
+
 def check_dataset(dataset, root):
-    """The folder of --dataset (a path to one, or a name under root/data/) if it holds train.bin and
-    val.bin, else die() saying how to prepare it."""
+    """The folder of --dataset (dataset_folder) if it holds train.bin and val.bin, else die() saying
+    how to prepare it."""
     if not isinstance(dataset, str) or not dataset.strip():
         die(f"--dataset={dataset!r} must name a folder under data/ or a path to one")
-    is_path = os.path.isdir(dataset) or os.sep in dataset
-    data_dir = dataset if is_path else os.path.join(root, 'data', dataset)
+    data_dir = dataset_folder(dataset, root)
+    is_path = data_dir == dataset
     for split in ('train', 'val'):
         if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
             how = (f"a dataset folder holds train.bin and val.bin, as data/<name>/prepare.py writes them" if is_path

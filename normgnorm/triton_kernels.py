@@ -358,7 +358,7 @@ _forward_plans = {}
 
 def _forward_plan(N, D, rms, has_bias, max_block_d):
     """(looped, grid, meta) of the forward for x2d [N, D]."""
-    key = (N, D, rms, has_bias, max_block_d)
+    key = (N, D, rms, has_bias, max_block_d)  # also in the key of the direct launch (forward)
     plan = _forward_plans.get(key)
     if plan is None:
         block_d = triton.next_power_of_2(D)
@@ -386,8 +386,7 @@ def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D):
     looped, grid, meta = _forward_plan(N, D, rms, has_bias, max_block_d)
     key = None
     if x2d.is_cuda and _direct_launch_allowed() and _aligned(x2d, weight, bias):
-        key = ("forward", N, D, rms, has_bias, max_block_d, x2d.dtype, weight.dtype,
-               bias_arg.dtype, x2d.device.index)
+        key = (N, D, rms, has_bias, max_block_d, x2d.dtype, weight.dtype, bias_arg.dtype, x2d.device.index)
     if looped:
         _launch(_forward_kernel_looped, grid, (x2d, y, weight, bias_arg, mean_arg, rstd, D, eps), meta, key)
     else:
@@ -433,7 +432,7 @@ def _backward_plan(B, T, D, need_dw, need_db, rms, target_programs, max_block_d,
                  (B, T, D, p["examples_per_program"], p["n_chunks"], p["rows_per_chunk"]),
                  dict(flags, WHOLE=whole, BLOCK_D=block_d, ROWS=p["rows_per_tile"], RMS=rms,
                       num_warps=_num_warps(p["rows_per_tile"] * block_d, tuning["values_per_thread"]), **LAUNCH))
-    plan = dict(p, workspace=size, first=first, n_column_blocks=n_column_blocks)
+    plan = dict(p, key=key, workspace=size, first=first, n_column_blocks=n_column_blocks)
     if need_dw or need_db:
         if not whole:  # each example's dγ_b, dβ_b from its chunks, and their squares
             plan["reduce"] = (at("part_w", "part_b", "ex_w", "ex_b", "sq_w", "sq_b"),
@@ -472,8 +471,7 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     work = (torch.zeros if plan["looped"] else torch.empty)(plan["workspace"], dtype=torch.float32, device=device)
     key = None
     if x2d.is_cuda and _direct_launch_allowed() and _aligned(dy2d, x2d, weight, mean, rstd, weight_sq, bias_sq, count):
-        key = (B, T, D, need_dw, need_db, rms, target_programs, max_block_d, min_rows_per_chunk,
-               *BACKWARD_TUNING.values(), x2d.dtype, dy2d.dtype, weight.dtype, device.index)
+        key = (*plan["key"], x2d.dtype, dy2d.dtype, weight.dtype, device.index)
     offsets, ints, meta = plan["first"]
     _launch(_backward_kernel_looped if plan["looped"] else _backward_kernel, (plan["n_programs"],),
             (x2d, dy2d, dx, weight, mean, rstd, work, *offsets, *ints), meta, key)
