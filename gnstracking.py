@@ -314,6 +314,16 @@ class ExactGNS(Estimator):
                 self.agreed_methods = sum(layer.norm_method is not None for layer in self.linears)
         self.tracker.scaler = scaler
         measurements = self.tracker.step(batch_size=examples, step=step)
+        if examples is None and measurements:  # B from the layers' own example counts, which must agree
+            by_count = {}
+            for m in measurements:
+                by_count.setdefault(m.big_batch_size, []).append(m.metadata["name"])
+            if len(by_count) > 1:
+                seen = "; ".join(f"{count} by {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                                 for count, names in by_count.items())
+                raise ValueError(f"the measured layers counted different numbers of examples this step ({seen}): "
+                                 f"pass the step's batch size, or see which layer ran on other inputs")
+            examples = measurements[0].big_batch_size
         if measurements and examples > 1:  # one example: no small batch below it
             for group, gns in self.groups.items():
                 members = [m for m in measurements if group == "total" or m.metadata["name"] in self.norm_names]

@@ -1,0 +1,18 @@
+"""
+Worker for tests/test_hf_gns.py: the Hugging Face Trainer with GNSCallback on two CPU ranks (gloo),
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/hf_ddp_worker.py ROWS.pt OUT_DIR
+each rank taking half of every micro-batch of test_hf_gns's single-process run; rank 0 writes OUT_DIR/log.csv.
+"""
+import sys
+
+import torch
+
+from test_hf_gns import ACCUMULATION, BATCH, STEPS, trainer
+from hf_gns import GNSCallback
+
+torch.set_num_threads(1)
+rows_path, out_dir = sys.argv[1:3]
+world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 2
+hf = trainer(out_dir, torch.load(rows_path), [GNSCallback()], batch=BATCH // 2, ddp_backend="gloo")
+assert hf.args.world_size == 2, hf.args.world_size
+hf.train()
