@@ -17,7 +17,8 @@ step() returns the step's columns (log.csv's names) and the live GNS of each mea
 accumulation needs nothing: the layers add every micro-step's per-example norms, and the step's
 batch size is their example count. A float16 GradScaler is passed to step(), which divides its
 scale out; bfloat16 autocast needs nothing. Under DDP or FSDP2 every rank calls step() at the
-same point (it sums the buffers over the ranks), and rank 0 writes the log.
+same point (it sums the buffers over the ranks), and rank 0 writes the log; build the meter
+before fully_shard (measure() swaps the layers of the plain model).
 
 A resume: state_dict() goes into the checkpoint, and load_state_dict() before the first step()
 of the continued run carries on the live GNS and the log from that step. A meter that is not
@@ -60,7 +61,11 @@ class GNSMeter:
                              f"above); name your own layer classes with kinds={{Class: 'linear' | 'embedding' | "
                              f"'layernorm' | 'rmsnorm'}}")
         self.world_size = distributed_world_size() if world_size is None else int(world_size)
-        self.estimator = gnstracking.ExactGNS(self.model, self.world_size, beta=beta)
+        self.beta = beta
+        # the estimator holds the model's Parameters: it is built at the first step(), after any
+        # fully_shard (FSDP2 puts sharded Parameters in place of the ones there now)
+        self.estimator = None
+        self.loaded_state = None  # load_state_dict()'s, for the estimator when it is built
         rank = 0
         if self.world_size > 1 and distributed_world_size() > 1:
             import torch.distributed as dist
@@ -87,6 +92,10 @@ class GNSMeter:
         step = self.step_count if step is None else int(step)
         if self.out_dir is not None and self.logger is None:
             self.open_log()
+        if self.estimator is None:
+            self.estimator = gnstracking.ExactGNS(self.model, self.world_size, beta=self.beta)
+            if self.loaded_state is not None:
+                gnstracking.load_states([self.estimator], self.loaded_state)
         row = self.estimator.measure(step, examples, scaler)
         self.estimator.reset()  # the buffers start the next step at zero, whatever this one measured
         self.step_count = step + 1
@@ -100,17 +109,19 @@ class GNSMeter:
         return {**row, **self.live()}
 
     def live(self):
-        """{'gns/total': ..., 'gns/LayerNorm': ...}: each group's live GNS (an EMA; NaN before a step)."""
+        """{'gns/total': ..., 'gns/LayerNorm': ...}: each group's live GNS (an EMA); {} before the first step."""
+        if self.estimator is None:
+            return {}
         return {f"gns/{group}": gns.get_gns() for group, gns in self.estimator.groups.items()}
 
     def status(self):
         """The status line's part, e.g. 'gns 12.3'."""
-        return self.estimator.status()
+        return self.estimator.status() if self.estimator is not None else ""
 
     @property
     def skipped_steps(self):
         """Steps with a non-finite gradient (float16 overflow, divergence), logged as inf, not averaged."""
-        return self.estimator.skipped_steps
+        return self.estimator.skipped_steps if self.estimator is not None else 0
 
     # -- the log ---------------------------------------------------------------------------------
 
@@ -158,6 +169,8 @@ class GNSMeter:
     def state_dict(self):
         """What a resume needs, plain numbers and strings (JSON or torch.save): the next step's
         number, the live GNS averages, and the measured Linears' ghost/materialise methods."""
+        if self.estimator is None:  # nothing measured yet: what was loaded, or a fresh start
+            return dict(self.loaded_state or {"step": self.step_count, gnstracking.CHECKPOINT_KEY: {}})
         state = {"step": self.step_count}
         gnstracking.save_states([self.estimator], state)
         return state
@@ -167,8 +180,8 @@ class GNSMeter:
         if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
             raise ValueError(f"GNSMeter.load_state_dict: expected GNSMeter.state_dict()'s dict, with the keys "
                              f"{', '.join(STATE_KEYS)}")
-        if self.logger is not None or self.step_count:
+        if self.estimator is not None or self.logger is not None:
             raise ValueError("GNSMeter.load_state_dict: load the state before the first step()")
-        gnstracking.load_states([self.estimator], state)
+        self.loaded_state = dict(state)
         self.step_count = int(state["step"])
         self.resumed = True

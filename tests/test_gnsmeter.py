@@ -174,3 +174,46 @@ def test_the_training_code_never_imports_the_frameworks():
 def test_the_readme_example_runs_as_written(tmp_path):
     output = run_readme_example(0, tmp_path, "out-my-loop")
     assert output.count("step ") == 20 and "gns " in output
+
+
+def one_step(model, chunks, scaler=None, autocast=False):
+    meter = GNSMeter(model)
+    for x in chunks:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=x, labels=x).loss / len(chunks)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    values = meter.step(scaler=scaler)
+    model.zero_grad(set_to_none=True)
+    return {k: v for k, v in values.items() if k.startswith("train/gns/")}
+
+
+def test_a_grad_scaler_is_divided_out_and_bfloat16_autocast_measures_alike():
+    chunks = [token_rows(3, seed=7), token_rows(3, seed=8)]
+    model = tiny_hf("gpt2").train()
+    plain = one_step(model, chunks)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaled = one_step(model, chunks, scaler=scaler)
+    assert scaled.keys() == plain.keys()
+    for column, value in plain.items():
+        assert scaled[column] == pytest.approx(value, rel=1e-4, abs=1e-12), column
+    # bfloat16 autocast: the same quantities, within bfloat16's rounding of the activations
+    half = one_step(model, chunks, autocast=True)
+    total = {kind: sum(v ** 2 for k, v in half.items() if k.endswith(kind)) /
+             sum(v ** 2 for k, v in plain.items() if k.endswith(kind)) for kind in ("/norm", "/pegn")}
+    assert all(abs(ratio - 1) < 0.05 for ratio in total.values()), total
+
+
+def test_two_fsdp2_ranks_give_one_process_with_the_doubled_batch(tmp_path):
+    from meter_fsdp_worker import train
+    rows = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(3))  # 3 steps of 2 x 4 rows
+    torch.save(rows, tmp_path / "rows.pt")
+    train(rows, str(tmp_path / "one"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         os.path.join(REPO, "tests", "meter_fsdp_worker.py"), str(tmp_path / "rows.pt"), str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one, two = gns_columns(str(tmp_path / "one")), gns_columns(str(tmp_path / "two"))
+    assert sorted(two) == [0, 1, 2]
+    assert largest_difference(one, two) < 1e-5
