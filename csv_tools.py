@@ -248,10 +248,20 @@ def run_main(main):
     sys.exit(code)
 
 
-def figure(series, x_label, y_label, scatter=False, width=72, height=16):
-    """A plotille figure of [(xs, ys, label)], non-finite points dropped, at most ~2000 points each."""
+# the curves' marks where there is no colour to tell them apart (a file, a pipe)
+MARKERS = "ox+*#%@&"
+
+
+def figure(series, x_label, y_label, scatter=False, width=72, height=16, colour=None):
+    """
+    A plotille figure of [(xs, ys, label)], non-finite points dropped, at most ~2000 points each.
+    colour: None decides by whether stdout is a terminal. Without colour (written to a file or a
+    pipe) each curve is drawn with its own character, which the legend shows.
+    """
     import plotille  # here, not at the top: the tools' --help and errors need not load it
+    colour = sys.stdout.isatty() if colour is None else colour
     fig = plotille.Figure()
+    fig.with_colors = colour
     fig.width, fig.height, fig.x_label, fig.y_label = width, height, x_label, y_label
     fig.origin = False  # no axis lines through 0: they read as data
     fig.x_ticks_fkt = fig.y_ticks_fkt = lambda value, _: f"{value:.4g}"
@@ -268,8 +278,9 @@ def figure(series, x_label, y_label, scatter=False, width=72, height=16):
     lo_y, hi_y = min(k[1].min() for k in kept), max(k[1].max() for k in kept)
     fig.set_x_limits(min_=lo_x, max_=hi_x if hi_x > lo_x else lo_x + 1)
     fig.set_y_limits(min_=lo_y, max_=hi_y if hi_y > lo_y else lo_y + 1)
-    for xs, ys, label in kept:
-        (fig.scatter if scatter else fig.plot)(list(xs), list(ys), label=label)
+    for i, (xs, ys, label) in enumerate(kept):
+        marker = None if colour else MARKERS[i % len(MARKERS)]
+        (fig.scatter if scatter else fig.plot)(list(xs), list(ys), label=label, marker=marker)
     return fig.show(legend=True)
 
 

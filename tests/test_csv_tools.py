@@ -198,3 +198,18 @@ def test_header_and_rows_come_from_one_file(tmp_path, monkeypatch):
     monkeypatch.setattr(csv_tools, "_read_header", then_replaced)
     df, _ = load_log(tmp_path)
     assert list(df.columns) == ["step", "a"] and df["a"].tolist() == [1, 2]
+
+
+def test_a_figure_without_colour_tells_its_curves_apart():
+    """Written to a file or a pipe (stdout is not a terminal under pytest), every curve has its own character,
+    shown in the legend: without colour they would all be the same braille dots."""
+    import numpy as np
+    from csv_tools import MARKERS, figure
+    x = np.arange(40.0)
+    text = figure([(x, np.sin(x / 5), "first"), (x, np.cos(x / 5), "second")], "x", "y", width=40, height=8)
+    legend = text[text.index("Legend"):]
+    assert f"{MARKERS[0]}⠤ first" in legend and f"{MARKERS[1]}⠤ second" in legend
+    body = text[:text.index("Legend")]
+    assert body.count(MARKERS[0]) > 5 and body.count(MARKERS[1]) > 5
+    assert "\x1b[" not in text  # no colour codes in the file
+    assert MARKERS[0] not in figure([(x, np.sin(x / 5), "first")], "x", "y", colour=True).split("Legend")[0]

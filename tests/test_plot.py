@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -44,7 +45,8 @@ def test_default_columns_over_tokens(run_dir, capsys):
     code, out, err = plot(capsys, run_dir)
     assert code == 0 and err == ""
     assert "20 rows, steps 0..19" in out and "(tokens_processed)" in out
-    assert "⠤⠤ train/loss" in out and "⠤⠤ val/loss" in out and "last: train/loss=1.5" in out
+    # not a terminal: each curve is drawn with its own character, which its legend line shows
+    assert "⠤o⠤ train/loss" in out and "⠤o⠤ val/loss" in out and "last: train/loss=1.5" in out
     drawn = [ch for ch in out.split("Legend")[0] if 0x2800 < ord(ch) <= 0x28FF]  # braille dots, not blanks
     assert len(drawn) > 10
 
@@ -52,7 +54,8 @@ def test_default_columns_over_tokens(run_dir, capsys):
 def test_globs_share_a_plot_and_options_mix_with_columns(run_dir, capsys):
     code, out, err = plot(capsys, run_dir, "train/gns/*ln*/pegn", "--x", "iter_num", "lr", "--logy")
     assert code == 0, err
-    assert "⠤⠤ train/gns/transformer.ln_f.weight/pegn" in out and "⠤⠤ train/gns/transformer.h.0.ln_1.weight/pegn" in out
+    legend = re.findall(r"⠤(.)⠤ (train/gns/transformer\.(?:ln_f|h\.0\.ln_1)\.weight/pegn)\n", out)
+    assert len(legend) == 2 and legend[0][0] != legend[1][0]  # two curves, two characters
     assert "lm_head" not in out and "(iter_num)" in out and "(log10 lr)" in out
     code, out, _ = plot(capsys, run_dir, "train/gns/*", "--height", "5")
     assert code == 0 and "first 8 of 9 columns" in out
