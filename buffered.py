@@ -25,7 +25,9 @@ layers of any model (nanoGPT's, Hugging Face's, yours) for those classes in plac
 Parameters, linking a tied embedding and head and leaving out any other shared weight.
 
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
-over within an example), a 2-D [N, K] input is N examples of one row each.
+over within an example), a 2-D [N, K] input is N examples of one row each. In a model measure()
+converted, a layer whose input's first dimension is not the model's batch (tokens flattened to
+[B*T, K]) is an error, and the layers of mixture-of-experts blocks are left out (see measure).
 
 Buffer convention (read by gnstracking.py):
 - a measured module has a non-persistent float32 0-dim buffer `example_count` (examples seen
@@ -48,9 +50,12 @@ the tied token embedding / output head, linked by tie_weights() (or measure()). 
 torch.compile: every class compiles (the buffers are handed to the autograd Functions as
 inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts).
 """
+import functools
 import math
 import time
+import types
 import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -453,12 +458,25 @@ class MeasuredLayer:
     _measured_name = None
     _last_forward = None
 
-    def _check_applied_once(self):
-        """A layer measured twice in one forward of a measured model is an error: each example's
-        gradient would need the cross terms between the two uses, which nothing computes (the
-        count would also come out 2B). Eager only: under torch.compile the check is skipped."""
+    def _check_call(self, n):
+        """
+        Refuse, by raising, a call of a layer of a measured model (in a forward with grad) whose
+        per-example norm would be wrong:
+        - its input has n rows (its first dimension) where the model's input has B examples: the
+          rows are tokens (a [B*T, K] flattened batch, a per-token index), so its norms would be
+          per-token ones counted as examples (a frozen layer measures nothing and passes);
+        - it is applied a second time in one forward: each example's gradient would need the cross
+          terms between the two uses, which nothing computes (the count would also come out 2B).
+          Eager only: under torch.compile this one is skipped.
+        """
         state = self._forward_state
-        if state is None or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        if state is None or not torch.is_grad_enabled():
+            return
+        B = state["B"]
+        if B is not None and n != B and any(p is not None and p.requires_grad for p in self._parameters.values()):
+            raise RuntimeError(f"{self._measured_name}: sees {n} rows, the batch has {B} examples: per-token input, "
+                               "not measured; leave its block out with measure(model, kinds={Block: None})")
+        if torch.compiler.is_compiling():
             return
         forward = state["forward"]
         if forward is not None and forward == self._last_forward:
@@ -653,7 +671,7 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         self.norm_method = None
 
     def forward(self, x):
-        self._check_applied_once()
+        self._check_call(_examples(x, 1))
         args = self._measurement_args(x)
         if args is None:
             return self._linear(x, self.weight, self.bias)
@@ -957,7 +975,7 @@ class _MeasuredEmbedding(MeasuredLayer, nn.Embedding):
 
     def _prepare(self, ids):
         """Renormalise rows for max_norm (as F.embedding does) and say whether to measure and link."""
-        self._check_applied_once()
+        self._check_call(_examples(ids, 0))
         if self._tie is not None:
             self._tie.pop("link", None)  # never leave a previous forward's link behind
         if self.max_norm is not None:
@@ -1118,7 +1136,7 @@ class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
         register_sqgradnorm_buffers(self)
 
     def forward(self, x):
-        self._check_applied_once()
+        self._check_call(_examples(x, len(self.normalized_shape)))
         w_trains = self.weight is not None and self.weight.requires_grad
         b_trains = self.bias is not None and self.bias.requires_grad
         if not torch.is_grad_enabled() or not (w_trains or b_trains):
@@ -1186,7 +1204,7 @@ class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
         register_sqgradnorm_buffers(self)
 
     def forward(self, x):
-        self._check_applied_once()
+        self._check_call(_examples(x, len(self.normalized_shape)))
         y = F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         weight = self._parameters.get("weight")  # None without affine, or parametrized: not measured
         if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
@@ -1222,7 +1240,7 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
     separated = "PEGradNormSeparatedLayerNorm"
 
     def forward(self, x):
-        self._check_applied_once()
+        self._check_call(_examples(x, len(self.normalized_shape)))
         params, bufs = self._parameters, self._buffers  # dict reads: a module attribute is two __getattr__
         weight = params.get("weight")
         if weight is not None and "bias" in params and x.shape[-1:] == weight.shape \
@@ -1245,7 +1263,7 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
     separated = "PEGradNormSeparatedRMSNorm"
 
     def forward(self, x):
-        self._check_applied_once()
+        self._check_call(_examples(x, len(self.normalized_shape)))
         weight = self._parameters.get("weight")
         if weight is not None and x.dim() and x.shape[-1:] == weight.shape and not torch.compiler.is_compiling():
             # eager, own gain: the Function itself, without rms_norm()'s checks of this layer's own buffers
@@ -1288,6 +1306,18 @@ SOURCE_KINDS = {
         ("granite", "Granite"), ("smollm3", "SmolLM3"), ("deepseek_v3", "DeepseekV3")]},
 }
 TRANSPOSED_WEIGHT = {"transformers.pytorch_utils.Conv1D"}  # weight [in, out]
+# The mixture-of-experts blocks of SOURCE_KINDS' families. Their router and experts work on tokens,
+# not examples: the routed experts on the rows the router gathered from the whole batch (an expert
+# may get exactly B of them by chance), the shared expert and its gate (Qwen2/3-MoE) on the
+# flattened [B*T, D] batch. So every layer inside one is left out. By the same rule, a module
+# whose name in its parent holds "expert" (an `experts` ModuleList, a `shared_expert`) is left out
+# in any model, and kinds={Block: None} leaves out a block measure() does not know.
+TOKEN_BLOCKS = {
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE",
+}
 
 
 def _class_path(cls):
@@ -1299,6 +1329,19 @@ def source_kind(cls, kinds=None):
     if kinds and cls in kinds:
         return kinds[cls]
     return SOURCE_KINDS.get(cls) or SOURCE_KINDS.get(_class_path(cls))
+
+
+def _token_rows(name, module, kinds):
+    """Why the layers in `module` (called `name` in the model) see tokens rather than examples, by
+    what it is (kinds={Class: None}, TOKEN_BLOCKS, an expert's name), or None."""
+    cls = type(module)
+    if kinds and kinds.get(cls, "") is None:
+        return f"in {name} ({cls.__name__}), left out by kinds={{{cls.__name__}: None}}"
+    if cls in TOKEN_BLOCKS or _class_path(cls) in TOKEN_BLOCKS:
+        return f"in the mixture-of-experts block {name} ({cls.__name__}): its rows are tokens, not examples"
+    if "expert" in name.rsplit(".", 1)[-1].lower():
+        return f"in the expert {name}: its rows are tokens, not examples"
+    return None
 
 
 def kind_of_measured(cls):
@@ -1367,10 +1410,71 @@ def _convert(module, kind, cls):
     for name, buf in new._buffers.items():  # made on the default device: to the weight's
         new._buffers[name] = buf.to(weight.device)
     new.train(module.training)
-    for key, hooks in vars(module).items():  # the module's own hooks go with it
-        if key.startswith(("_forward", "_backward")) and isinstance(hooks, dict):
-            getattr(new, key).update(hooks)
-    return new, None
+    why = _carry_over(module, new)
+    return (None, why) if why else (new, None)
+
+
+# nn.Module's hook dicts (forward, backward, state_dict, load_state_dict) and _is_full_backward_hook
+_HOOK_ATTRS = tuple(key for key in vars(nn.Module()) if "hook" in key)
+
+
+def _carry_over(module, new):
+    """
+    Give `new` what other code attached to `module`: its hooks (the very dicts, so that their
+    handles still remove them), its other parameters, buffers and submodules, and its instance
+    attributes (Hugging Face's variance_epsilon, accelerate's _hf_hook), those bound to `module`
+    rebound to `new`. An instance `forward` is kept where it is accelerate's wrapper (a partial
+    taking the module first, that calls the class's own forward kept in `_old_forward`): it then
+    calls the measured forward. Any other would bypass the measured class: refused, the reason
+    returned, and `module` left untouched.
+    """
+    own = vars(module)
+    forward, inner = own.get("forward"), own.get("_old_forward")
+    wrapper = (isinstance(forward, functools.partial) and forward.args[:1] and forward.args[0] is module
+               and getattr(inner, "__self__", None) is module
+               and getattr(inner, "__func__", None) is type(module).forward)
+    if forward is not None and not wrapper:
+        name = getattr(forward, "__qualname__", type(forward).__name__)
+        return f"its forward is replaced on the instance ({name}), which would bypass the measured class"
+    if own.get("_compiled_call_impl") is not None:  # module.compile() compiled the old module's call
+        return "compiled on its own (module.compile()), which would call the old class: measure before compiling"
+    for key, value in own.items():
+        if key in _HOOK_ATTRS:
+            if isinstance(value, dict):
+                for k, hook in value.items():
+                    value[k] = _rebound(hook, module, new)
+            new.__dict__[key] = value
+        elif key not in vars(new) and key not in ("forward", "_old_forward"):
+            new.__dict__[key] = _rebound(value, module, new)
+    for name, p in module._parameters.items():
+        if name not in ("weight", "bias"):
+            new._parameters[name] = p
+    for name, buf in module._buffers.items():
+        if name not in new._buffers:
+            new._buffers[name] = buf
+            if name in module._non_persistent_buffers_set:
+                new._non_persistent_buffers_set.add(name)
+    new._modules.update(module._modules)
+    if wrapper:  # accelerate's: new_forward(new, ...) calls new._old_forward, the measured forward
+        new._old_forward = types.MethodType(type(new).forward, new)
+        new.forward = functools.update_wrapper(_rebound(forward, module, new), new._old_forward)
+    return None
+
+
+def _rebound(value, old, new):
+    """`value` with `old` replaced by `new` where it is bound to it: a method of `old`, a
+    functools.partial taking `old` first, or torch's wrapper of a load_state_dict pre-hook that
+    takes the module (a weak reference to `old`: dead once `old` is gone); else `value`."""
+    if isinstance(value, types.MethodType) and value.__self__ is old:
+        return types.MethodType(value.__func__, new)
+    ref = getattr(value, "module", None)
+    if isinstance(ref, weakref.ref) and ref() is old and hasattr(value, "hook"):
+        return type(value)(value.hook, new)
+    if isinstance(value, functools.partial) and value.args[:1] and value.args[0] is old:
+        bound = functools.partial(value.func, new, *value.args[1:], **value.keywords)
+        bound.__dict__.update(value.__dict__)
+        return bound
+    return value
 
 
 def _batch_of(args, kwargs):
@@ -1407,19 +1511,30 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     'shim', norm 'shim' or 'fused' (LayerNorms and RMSNorms), None leaves the kind unmeasured.
     kinds={SomeClass: 'linear' | 'embedding' | 'layernorm' | 'rmsnorm'} names a model's own
     classes (they must hold `weight` and `bias` as torch's do; nanoGPT's LayerNorm(ndim, bias) is
-    a 'layernorm' with eps 1e-5).
+    a 'layernorm' with eps 1e-5); kinds={SomeClass: None} leaves that class, and every layer
+    inside it, unmeasured.
 
     Each new module holds the old one's Parameter objects (so optimizer state, ties, state_dict
     keys and checkpoints are unchanged) and gives the same outputs; 'shim' gives bit-identical
     .grad. Shared parameters are found by identity: an Embedding and a Linear sharing their
     weight (a tied token embedding and output head) are linked, so the shared weight is measured
-    exactly; any other shared parameter is left out with a warning (never a partial number). A
-    measured layer applied twice in one forward is an error naming its parameters. A pre-hook on
-    `model` learns B and T from its input, so that an Embedding called with positions shared by
-    the batch ([T] or [1, T]) is measured per example.
+    exactly; any other shared parameter is left out with a warning (never a partial number).
+    Hooks, instance attributes and accelerate's forward wrapper go with the module to its new
+    class; a module whose forward is otherwise replaced on the instance is left out.
 
-    Trainable parameters left unmeasured are listed with their module classes in one warning;
-    strict=True raises a ValueError with that list instead.
+    A layer must see examples, not tokens. Left out by what it is: every layer inside a
+    mixture-of-experts block (TOKEN_BLOCKS: Mixtral's, Qwen2/3-MoE's, DeepSeek-V3's), inside a
+    module whose name holds "expert" (an `experts` ModuleList, a `shared_expert`), or inside a
+    class named with kinds={Block: None}: their rows are routed or flattened tokens, and a routed
+    expert may get exactly B rows. A pre-hook on `model` learns B and T from its input (its first
+    tensor argument, or input_ids, is [B, T, ...]), so that an Embedding called with positions
+    shared by the batch ([T] or [1, T]) is measured per example; in a forward with grad, a
+    measured layer whose input's first dimension is not B (a Linear on x.view(-1, D)) raises a
+    RuntimeError naming it (leave its block out with kinds={Block: None}), and so does a measured
+    layer applied twice in one forward.
+
+    Trainable parameters left unmeasured are listed with their module classes and the reasons in
+    one warning; strict=True raises a ValueError with that list instead.
     """
     flags = dict(linear=linear, embedding=embedding, norm=norm)
     for flag, value in flags.items():
@@ -1429,8 +1544,8 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
             raise ValueError(f"measure: {flag}={value!r} is not one of {', '.join(map(repr, allowed))} or None")
     kinds = dict(kinds or {})
     for cls, kind in kinds.items():
-        if not isinstance(cls, type) or kind not in KIND_NAMES:
-            raise ValueError(f"measure: kinds maps classes to one of {', '.join(map(repr, KIND_NAMES))}, "
+        if not isinstance(cls, type) or (kind is not None and kind not in KIND_NAMES):
+            raise ValueError(f"measure: kinds maps classes to one of {', '.join(map(repr, KIND_NAMES))} or None, "
                              f"not {cls!r}: {kind!r}")
     if isinstance(model, MeasuredLayer) or source_kind(type(model), kinds):
         raise ValueError("measure converts the layers inside a model, not a single layer: "
@@ -1442,11 +1557,17 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     held = {}
     for module in model.modules(remove_duplicate=False):
         held[id(module)] = held.get(id(module), 0) + 1
+    # what sees tokens by what it is (an MoE block's router and experts): left out, whatever its rows
     refused = {}
+    for name, module in model.named_modules():
+        why = None if id(module) in refused else _token_rows(name, module, kinds)
+        if why:
+            for inner in module.modules():
+                refused.setdefault(id(inner), why)
     for parent in list(model.modules()):
         for child_name, child in list(parent._modules.items()):
             kind = None if child is None or isinstance(child, MeasuredLayer) else source_kind(type(child), kinds)
-            if kind is None or value_of[kind] is None:
+            if kind is None or value_of[kind] is None or id(child) in refused:
                 continue
             if held[id(child)] > 1:
                 refused[id(child)] = "held under more than one name"
@@ -1462,7 +1583,11 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
         model.register_forward_pre_hook(_learn_batch, with_kwargs=True)
         model.register_forward_hook(_forget_batch, with_kwargs=True, always_call=True)
     for name, module in model.named_modules():
-        if isinstance(module, MeasuredLayer):
+        if isinstance(module, MeasuredLayer) and id(module) in refused:  # already measured, now left out
+            for key in [k for k in module._buffers if k.endswith("_sqgradnorm")]:
+                del module._buffers[key]
+            module._forward_state = None
+        elif isinstance(module, MeasuredLayer):
             module._forward_state, module._measured_name = state, name
 
     # shared parameters, by identity: an embedding and a head sharing their weight are linked;

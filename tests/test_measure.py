@@ -7,6 +7,7 @@ where transformers is installed, Hugging Face's GPT2LMHeadModel and LlamaForCaus
 """
 import copy
 import functools
+import gc
 import itertools
 import math
 import importlib.util
@@ -341,6 +342,223 @@ def test_positions_shared_by_the_batch_are_measured_per_example(flat, embedding)
         assert model.pos(torch.arange(T)).shape == (T, 4)
 
 
+# ---------------------------------------------------------------- tokens, not examples
+
+class TokenMix(nn.Module):
+    """A layer called on the batch flattened to tokens, as Hugging Face's MoE blocks call theirs."""
+
+    def __init__(self, what):
+        super().__init__()
+        self.what = what
+        self.layer = nn.Linear(4, 4) if what == "linear" else nn.LayerNorm(4)
+
+    def forward(self, x):
+        return x + self.layer(x.view(-1, 4)).view(x.shape)
+
+
+class Flattened(nn.Module):
+    def __init__(self, what):
+        super().__init__()
+        self.tok, self.mix, self.head, self.what = nn.Embedding(V, 4), TokenMix(what), nn.Linear(4, V), what
+
+    def forward(self, idx, targets):
+        x = self.tok(idx.view(-1)).view(*idx.shape, 4) if self.what == "embedding" else self.tok(idx)
+        return F.cross_entropy(self.head(self.mix(x)).view(-1, V), targets.view(-1))
+
+
+@pytest.mark.parametrize("what,name", [("linear", "mix.layer"), ("layernorm", "mix.layer"), ("embedding", "tok")])
+def test_layer_on_flattened_tokens_is_an_error_naming_it(what, name):
+    torch.manual_seed(4)
+    plain = Flattened(what)
+    batches = random_batches()
+    model = measure(copy.deepcopy(plain))
+    with pytest.raises(RuntimeError, match=rf"^{name}: sees {B * T} rows, the batch has {B} examples: per-token "
+                                           r"input, not measured; leave its block out with measure\(model, kinds="):
+        nano_loss(model, *batches[0])
+    with torch.no_grad():
+        nano_loss(model, *batches[0])  # nothing measured, nothing refused
+    if what == "embedding":
+        return
+    # its block named with kinds={Block: None}: left out with the reason, the rest measured exactly
+    expected, _ = brute_force(plain, batches, nano_loss)
+    model = copy.deepcopy(plain)
+    with pytest.warns(UserWarning, match=r"mix.layer.weight \(\w+: in mix \(TokenMix\), left out by "
+                                         r"kinds=\{TokenMix: None\}\)"):
+        measure(model, kinds={TokenMix: None})
+    train(model, batches, nano_loss)
+    got, counts = measured_sums(model)
+    assert counts == {float(2 * B)} and set(got) == {"tok.weight", "head.weight", "head.bias"}
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=0, msg=n)
+
+
+class TinyMoE(nn.Module):
+    """
+    A mixture-of-experts block as Hugging Face writes them, on the flattened tokens: token id 0 goes
+    to expert 0, every other to expert 1 (id-routed, so one example alone is routed as in the batch),
+    and a shared expert sees every token; with a router, a Linear on the flattened tokens scales
+    each expert's output.
+    """
+
+    def __init__(self, router):
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.shared_expert = nn.Linear(4, 4)
+        self.router = nn.Linear(4, 2) if router else None
+
+    def forward(self, x, idx):
+        flat, rows = x.reshape(-1, 4), idx.reshape(-1) == 0
+        gate = torch.ones(flat.shape[0], 2) if self.router is None else torch.sigmoid(self.router(flat))
+        out = self.shared_expert(flat)
+        out = out.index_add(0, rows.nonzero()[:, 0], self.experts[0](flat[rows]) * gate[rows, :1])
+        out = out.index_add(0, (~rows).nonzero()[:, 0], self.experts[1](flat[~rows]) * gate[~rows, 1:])
+        return x + out.view(x.shape)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, router=False):
+        super().__init__()
+        self.tok, self.ln, self.block, self.head = nn.Embedding(V, 4), nn.LayerNorm(4), TinyMoE(router), nn.Linear(4, V)
+
+    def forward(self, idx, targets):
+        x = self.block(self.ln(self.tok(idx)), idx)
+        return F.cross_entropy(self.head(x).view(-1, V), targets.view(-1))
+
+
+def moe_batches():
+    """Micro-batches in which exactly B tokens have id 0 (two in one example, none in another), so that
+    expert 0 gets as many rows as the batch has examples, though they are not one per example."""
+    batches = [(torch.randint(1, V, (B, T)), torch.randint(0, V, (B, T))) for _ in range(STEPS)]
+    for x, _ in batches:
+        x[0, 0] = x[0, 3] = x[1, 2] = 0
+    return batches
+
+
+def test_routed_and_shared_experts_are_left_out_by_what_they_are():
+    torch.manual_seed(5)
+    plain, batches = MoEModel(), moe_batches()
+    expected, _ = brute_force(plain, batches, nano_loss)
+    # measured as a layer (built measured, no forward state), expert 0 counts B examples a micro-step
+    # and passes every count check, but its rows are tokens: its number is not the per-example one
+    built = copy.deepcopy(plain)
+    built.block.experts[0] = buffered.PEGradNormLinear(4, 4)
+    built.block.experts[0].load_state_dict(plain.block.experts[0].state_dict())
+    train(built, batches, nano_loss)
+    assert built.block.experts[0].example_count.item() == 2 * B
+    wrong = built.block.experts[0].weight_sqgradnorm.item()
+    assert wrong != pytest.approx(expected["block.experts.0.weight"], rel=1e-2)
+    with pytest.raises(ValueError, match=r"block.experts.0.weight \(PEGradNormLinear: in the expert block.experts: "
+                                         r"its rows are tokens, not examples\); .*block.shared_expert.weight "
+                                         r"\(Linear: in the expert block.shared_expert"):
+        measure(copy.deepcopy(built), strict=True)
+    model = copy.deepcopy(built)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match=r"measure: 6 trainable parameters are not measured: block.experts.0.weight"):
+        measure(model)
+    assert type(model.block.experts[1]) is nn.Linear and type(model.block.shared_expert) is nn.Linear
+    assert "weight_sqgradnorm" not in model.block.experts[0]._buffers  # built measured: its buffers removed
+    train(model, batches, nano_loss)
+    got, counts = measured_sums(model)
+    assert counts == {float(2 * B)} and set(got) == {"tok.weight", "ln.weight", "ln.bias", "head.weight", "head.bias"}
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=0, msg=n)
+
+
+def test_router_on_flattened_tokens_is_an_error_until_its_block_is_left_out():
+    torch.manual_seed(6)
+    plain, batches = MoEModel(router=True), moe_batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the experts left out
+        model = measure(copy.deepcopy(plain))
+    with pytest.raises(RuntimeError, match=rf"^block.router: sees {B * T} rows, the batch has {B} examples"):
+        nano_loss(model, *batches[0])
+    with pytest.warns(UserWarning, match=r"block.router.weight \(Linear: in block \(TinyMoE\), left out by kinds="):
+        model = measure(copy.deepcopy(plain), kinds={TinyMoE: None})
+    expected, _ = brute_force(plain, batches, nano_loss)
+    train(model, batches, nano_loss)
+    got, _ = measured_sums(model)
+    assert set(got) == {"tok.weight", "ln.weight", "ln.bias", "head.weight", "head.bias"}
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=0, msg=n)
+
+
+# ---------------------------------------------------------------- what other code attached to a layer
+
+def test_hooks_attributes_and_buffers_go_with_the_module():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    lin = model[0]
+    calls = []
+    lin.register_forward_pre_hook(lambda m, args: calls.append(("pre", m)))
+    lin.register_forward_hook(lambda m, args, kwargs, out: calls.append(("post", m)), with_kwargs=True)
+    lin.register_full_backward_hook(lambda m, grad_in, grad_out: calls.append(("backward", m)))
+    lin.register_state_dict_post_hook(lambda m, sd, prefix, local: calls.append(("state_dict", m)))
+    loading = lin.register_load_state_dict_pre_hook(lambda m, *args: calls.append(("load", m)))
+    lin.register_buffer("scale", torch.ones(1))
+    lin.tag = "kept"
+    keys = list(model.state_dict())
+    calls.clear()
+    measure(model, strict=True)
+    new = model[0]
+    assert isinstance(new, buffered.PEGradNormLinear) and new.tag == "kept" and list(model.state_dict()) == keys
+    calls.clear()
+    model(torch.randn(B, 4, requires_grad=True)).sum().backward()
+    model.load_state_dict(model.state_dict())
+    assert calls == [("pre", new), ("post", new), ("backward", new), ("state_dict", new), ("load", new)]
+    assert new.example_count.item() == B
+    del lin
+    gc.collect()  # the module replaced is gone: the hooks that held it weakly are the new one's
+    calls.clear()
+    model.load_state_dict(model.state_dict())
+    assert calls == [("state_dict", new), ("load", new)]
+    calls.clear()
+    loading.remove()  # the handles taken before measure() still remove their hooks
+    model.load_state_dict(model.state_dict())
+    assert calls == [("state_dict", new)]
+
+
+def test_module_whose_forward_is_replaced_on_the_instance_is_left_out_naming_it():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[0].forward = lambda x: x
+    with pytest.warns(UserWarning, match=r"0.weight \(Linear: its forward is replaced on the instance "
+                                         r"\(.*<lambda>\), which would bypass the measured class\)"):
+        measure(model)
+    assert type(model[0]) is nn.Linear and isinstance(model[2], buffered.PEGradNormLinear)
+    with pytest.raises(ValueError, match=r"0.weight \(Linear: its forward is replaced"):
+        measure(model, strict=True)
+
+
+def test_accelerate_forward_wrapper_calls_the_measured_forward():
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Counting(hooks.ModelHook):
+        def __init__(self):
+            self.calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    torch.manual_seed(8)
+    plain = Positions(flat=False)
+    batches = random_batches()
+    expected, _ = brute_force(plain, batches, nano_loss)
+    model = copy.deepcopy(plain)
+    counting = Counting()
+    hooks.add_hook_to_module(model.head, counting)
+    measure(model, strict=True)
+    assert isinstance(model.head, buffered.PEGradNormLinear) and model.head._hf_hook is counting
+    train(model, batches, nano_loss)
+    got, counts = measured_sums(model)
+    assert counting.calls == len(batches) and counts == {float(2 * B)} and "head.weight" in got
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=0, msg=n)
+    hooks.remove_hook_from_module(model.head)  # back to the measured class's own forward
+    assert "_old_forward" not in vars(model.head)
+    nano_loss(model, *batches[0]).backward()
+    assert counting.calls == len(batches) and model.head.example_count.item() == 3 * B
+
+
 # ---------------------------------------------------------------- Hugging Face models
 
 transformers = pytest.importorskip("transformers")
@@ -395,6 +613,43 @@ def test_hugging_face_fully_measured(name):
     assert len(kinds) == len(list(model.parameters()))
     norm = "layernorm" if name == "gpt2" else "rmsnorm"
     assert {k for n, k in kinds.items() if "ln" in n or "norm" in n} == {norm}
+
+
+def tiny_qwen2_moe():
+    """Hugging Face's Qwen2MoeForCausalLM, random weights: a dense block, then a sparse one (4 routed
+    experts, 2 a token, a shared expert and its gate on the flattened tokens)."""
+    torch.manual_seed(2)
+    config = transformers.Qwen2MoeConfig(hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         shared_expert_intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=97, max_position_embeddings=16,
+                                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)
+    return transformers.Qwen2MoeForCausalLM(config).eval()
+
+
+def test_hugging_face_moe_block_is_left_out_and_the_rest_measured_exactly():
+    plain = tiny_qwen2_moe()
+    torch.manual_seed(1)
+    batches = random_batches(vocab=97, shape=(B, 8))
+    expected, _ = brute_force(plain, batches, hf_loss)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.shared_expert.gate_proj.weight \(Linear: in the "
+                                         r"mixture-of-experts block model.layers.1.mlp \(Qwen2MoeSparseMoeBlock\): its "
+                                         r"rows are tokens, not examples\)"):
+        measure(copy.deepcopy(plain), strict=True)
+    model = copy.deepcopy(plain)
+    block = [n for n, p in model.named_parameters() if n.startswith("model.layers.1.mlp.")]
+    with pytest.warns(UserWarning, match=rf"measure: {len(block)} trainable parameters are not measured") as record:
+        measure(model)
+    message = str(record[0].message)
+    assert all(n in message for n in block)
+    assert "shared_expert_gate.weight (Linear: in the mixture-of-experts" in message
+    assert type(model.model.layers[1].mlp.shared_expert_gate) is nn.Linear
+    assert isinstance(model.model.layers[0].mlp.up_proj, buffered.PEGradNormLinear)  # the dense block's MLP
+    assert model.model.norm.variance_epsilon == plain.model.norm.variance_epsilon  # Hugging Face's attribute kept
+    train(model, batches, hf_loss)
+    got, counts = measured_sums(model)
+    assert counts == {float(2 * B)} and set(got) == {n for n, _ in model.named_parameters()} - set(block)
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=2e-5, atol=1e-12, msg=n)
 
 
 # bfloat16 autocast on CPU: the layers' norms (computed from bfloat16 activations and output
