@@ -128,6 +128,12 @@ def load_weights(model, state_dict, tokens_processed=None):
     if missing:
         raise CheckpointError(f"the checkpoint lacks {', '.join(missing[:3])}"
                               f"{' and %d more' % (len(missing) - 3) if len(missing) > 3 else ''}")
+    # NaN or inf weights make every step non-finite (a resumed run would blame the learning rate) and every sample fail
+    spoilt = [k for k, v in loaded.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if spoilt:
+        raise CheckpointError(f"the checkpoint holds non-finite weights (NaN or inf in {spoilt[0]}"
+                              f"{' and %d more' % (len(spoilt) - 1) if len(spoilt) > 1 else ''}): it is damaged, "
+                              f"or was saved by a run that diverged")
     model.load_state_dict(loaded)
     if mapped or dropped:
         notes.append(f"checkpoint keys: {mapped} renamed from another layout (nanoGPT's or the reference's), "

@@ -16,6 +16,7 @@ Scripts written for nanoGPT (or the reference implementation) apply it their way
 import math
 import os
 import pickle
+import stat
 import sys
 import warnings
 import tokenize
@@ -68,20 +69,40 @@ def dataset_folder(dataset, root):
 
 def check_dataset(dataset, root):
     """The folder of --dataset (dataset_folder) if it holds train.bin and val.bin, else die() saying
-    how to prepare it."""
+    how to prepare it: its prepare.py where there is one, else which datasets data/ has."""
     if not isinstance(dataset, str) or not dataset.strip():
         die(f"--dataset={dataset!r} must name a folder under data/ or a path to one")
     data_dir = dataset_folder(dataset, root)
     is_path = data_dir == dataset
     for split in ('train', 'val'):
         if not os.path.exists(os.path.join(data_dir, f'{split}.bin')):
-            how = (f"a dataset folder holds train.bin and val.bin, as data/<name>/prepare.py writes them" if is_path
-                   else f"run: python data/{dataset}/prepare.py")
-            die(f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing); {how}")
+            missing = f"dataset {dataset!r} is not prepared ({os.path.join(data_dir, split + '.bin')} is missing)"
+            if is_path:
+                die(f"{missing}; a dataset folder holds train.bin and val.bin, as data/<name>/prepare.py writes them")
+            if os.path.isfile(os.path.join(data_dir, 'prepare.py')):
+                die(f"{missing}; run: python data/{dataset}/prepare.py")
+            die(f"{missing} and there is no data/{dataset}/prepare.py; {datasets_under(root)}")
     return data_dir
 
 
-def dataset_vocab_size(data_dir):
+def datasets_under(root):
+    """Which datasets root/data/ has, in one clause: those prepared, and those its prepare.py scripts make."""
+    prepared, preparable = [], []
+    try:
+        names = sorted(os.listdir(os.path.join(root, 'data')))
+    except OSError:
+        names = []
+    for name in names:
+        folder = os.path.join(root, 'data', name)
+        if all(os.path.isfile(os.path.join(folder, f'{split}.bin')) for split in ('train', 'val')):
+            prepared.append(name)
+        elif os.path.isfile(os.path.join(folder, 'prepare.py')):
+            preparable.append(name)
+    return (f"prepared datasets: {', '.join(prepared) or 'none'}" +
+            (f"; not yet prepared: {', '.join(preparable)} (run python data/<name>/prepare.py)" if preparable else ""))
+
+
+def dataset_vocab_size(data_dir, quiet=False):
     """The vocabulary size a dataset folder's meta.pkl names (character-level datasets write one),
     else None: the dataset is GPT-2's BPE."""
     meta_path = os.path.join(data_dir, 'meta.pkl')
@@ -89,8 +110,185 @@ def dataset_vocab_size(data_dir):
         return None
     with open(meta_path, 'rb') as f:
         vocab_size = pickle.load(f)['vocab_size']
-    print(f"found vocab_size = {vocab_size} (inside {meta_path})")
+    if not quiet:
+        print(f"found vocab_size = {vocab_size} (inside {meta_path})")
     return vocab_size
+
+
+def read_text_file(path, max_bytes):
+    """The UTF-8 text of the regular file at path, of at most max_bytes. A FIFO (whose open waits for
+    a writer), a device (/dev/zero never ends) or a directory is refused from its stat, before any
+    open; the open does not block and the opened file is checked again, in case the path was replaced
+    in between; at most max_bytes + 1 bytes are read. Raises OSError or ValueError, one line."""
+    def check(st):
+        if not stat.S_ISREG(st.st_mode):
+            kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a device",
+                    stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(st.st_mode), "a special file")
+            raise ValueError(f"not a regular file but {kind}")
+        if st.st_size > max_bytes:
+            raise ValueError(f"larger than {max_bytes:,} bytes")
+    check(os.stat(path))
+    fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_NOCTTY', 0))
+    try:
+        check(os.fstat(fd))
+        data = b''
+        while len(data) <= max_bytes:  # the size stat gave may be stale: a file that grows is cut here
+            chunk = os.read(fd, max_bytes + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes:,} bytes")
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+
+
+def host_memory():
+    """Bytes this process may still allocate on the host, or None if nothing says: the available
+    memory (Linux's MemAvailable and free swap, else os.sysconf's pages), lowered by an address-space
+    limit (ulimit -v, less what is mapped already) and by a cgroup's memory limit."""
+    def read_ints(path):
+        with open(path) as f:
+            return f.read(1 << 16).split()
+    page = os.sysconf('SC_PAGE_SIZE') if hasattr(os, 'sysconf') else 4096
+    bounds = []
+    try:
+        with open('/proc/meminfo') as f:
+            info = dict(line.split(':', 1) for line in f.read(1 << 16).splitlines() if ':' in line)
+        bounds.append((int(info['MemAvailable'].split()[0]) + int(info.get('SwapFree', '0 kB').split()[0])) * 1024)
+    except (OSError, KeyError, ValueError, IndexError):
+        for name in ('SC_AVPHYS_PAGES', 'SC_PHYS_PAGES'):  # macOS has only the second
+            try:
+                bounds.append(os.sysconf(name) * page)
+                break
+            except (AttributeError, ValueError, OSError):
+                pass
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            try:  # every mapping counts against this limit, the libraries' included
+                mapped = int(read_ints('/proc/self/statm')[0]) * page
+            except (OSError, ValueError, IndexError):
+                mapped = 0
+            bounds.append(soft - mapped)
+    except (ImportError, OSError, ValueError):
+        pass
+    for path in ('/sys/fs/cgroup/memory.max', '/sys/fs/cgroup/memory/memory.limit_in_bytes'):  # cgroup v2, v1
+        try:
+            bounds.append(int(read_ints(path)[0]))
+            break
+        except (OSError, ValueError, IndexError):  # none, or 'max'
+            pass
+    return max(0, min(bounds)) if bounds else None
+
+
+def available_memory(device_type, index=None):
+    """Bytes free where the model lives: a CUDA device's (torch.cuda.mem_get_info), else the host's
+    (host_memory). None where it cannot be told."""
+    if device_type != 'cuda':
+        return host_memory()
+    import torch
+    try:
+        return torch.cuda.mem_get_info(index)[0]
+    except RuntimeError:
+        return None
+
+
+GPT2_SIZES = {'gpt2': (12, 768), 'gpt2-medium': (24, 1024), 'gpt2-large': (36, 1280), 'gpt2-xl': (48, 1600)}
+
+
+def model_size(config, vocab_size):
+    """
+    (flags, parameters, activations, vocabulary) of the GPT train.py builds, at least: its matrices'
+    parameters (the biases and gains are few), and the activations a token keeps for the backward
+    pass (each block's Q, K, V and its MLP's hidden layer; torch.compile may recompute the rest), with
+    the flags that make it. A resumed run's model is the checkpoint's: its file holds the weights and
+    AdamW's two moments, 12 bytes a parameter (its activations are not counted). None where nothing says.
+    """
+    init_from = config['init_from']
+    if init_from == 'resume':
+        ckpt = os.path.join(config['out_dir'], 'ckpt.pt')
+        return (f"--init_from=resume ({ckpt})", os.path.getsize(ckpt) // 12, 0, vocab_size) if os.path.isfile(ckpt) \
+            else None
+    from model import swiglu_hidden
+    if init_from in GPT2_SIZES:
+        (n_layer, n_embd), vocab_size, flags = GPT2_SIZES[init_from], 50257, f"--init_from={init_from}"
+        mlp, pos_emb, tie = 'gelu', 'learned', True
+    else:
+        n_layer, n_embd = config['n_layer'], config['n_embd']
+        flags, mlp, pos_emb, tie = (f"--n_layer={n_layer} --n_embd={n_embd}", config['mlp'], config['pos_emb'],
+                                    config['tie_embeddings'])
+    hidden, matrices = (swiglu_hidden(n_embd), 3) if mlp == 'swiglu' else (4 * n_embd, 2)
+    block = 4 * n_embd * n_embd + matrices * n_embd * hidden
+    embeddings = vocab_size * n_embd * (1 if tie else 2) + (config['block_size'] * n_embd if pos_emb == 'learned' else 0)
+    return flags, n_layer * block + embeddings, n_layer * (3 * n_embd + (matrices - 1) * hidden), vocab_size
+
+
+def check_memory(config, device_type, vocab_size):
+    """
+    die() where the model, or the model and one micro-batch, clearly cannot fit: the parameters with
+    their gradients and AdamW's two moments (16 bytes each, float32; 4 with --eval_only; a CUDA run
+    builds the model on the host first, 4 bytes each there), and a micro-batch's inputs and targets
+    (int64), activations (model_size's; none with --eval_only) and logits (4 bytes each, 2 under
+    autocast). A lower bound, so that what it refuses could never run, instead of failing in an
+    allocation (a traceback, or the kernel's OOM killer), swapping for hours, or building its batch
+    for ever.
+    """
+    flags, params, activations, vocab_size = model_size(config, vocab_size or 50304) or ('', 0, 0, vocab_size or 50304)
+    training = not config.get('eval_only')
+    tokens = config['batch_size'] * config['block_size']
+    token_bytes = 16 + (activations * training + vocab_size) * (4 if config['dtype'] == 'float32' else 2)
+    gib = lambda n: f"{n / 2**30:,.1f} GiB"  # noqa: E731
+    state = ("weights, gradients and AdamW state", 16) if training else ("weights", 4)
+    batch = ("tokens, activations and logits" if training else "tokens and logits", token_bytes)
+    # (bytes free, where, what the model needs there and bytes a parameter, what a batch does and bytes a token)
+    if device_type != 'cuda':
+        memories = [(host_memory(), "of memory this machine has available", state, batch)]
+    else:  # the model is built on the host first
+        import torch
+        index = torch.device(config['device']).index
+        if 'RANK' in os.environ:  # torchrun: each process its own device, its shard under FSDP
+            index = int(os.environ.get('LOCAL_RANK', 0))
+        shards = int(os.environ.get('WORLD_SIZE', 1)) if config.get('fsdp') else 1
+        memories = [(host_memory(), "of memory this machine has available", ("weights", 4), ("tokens", 16)),
+                    (available_memory('cuda', index), f"free on cuda:{index or 0}",
+                     (state[0] + (" (its shard)" if shards > 1 else ""), state[1] / shards), batch)]
+    for free, where, (model_needs, per_param), (batch_needs, per_token) in memories:
+        if free is None:
+            continue
+        if params * per_param > free:
+            die(f"{flags}: a model of {params:,} parameters needs {gib(params * per_param)} for its {model_needs}, "
+                f"more than the {gib(free)} {where}")
+        if params * per_param + tokens * per_token > free:
+            die(f"--batch_size={config['batch_size']} --block_size={config['block_size']}: one micro-batch's "
+                f"{batch_needs} need {gib(tokens * per_token)}, more than the "
+                f"{gib(max(0, free - params * per_param))} {where} beside the model")
+
+
+def check_resources(config, root):
+    """
+    train.py's device, data and memory, checked before anything is built: (device type, data folder),
+    or die() in one line. The data must give a block (block_size + 1 tokens) from each split, and
+    the model and a micro-batch must fit in memory (check_memory).
+    """
+    device_type = check_device(config['device'])
+    data_dir = check_dataset(config['dataset'], root)
+    for split in ('train', 'val'):
+        tokens = os.path.getsize(os.path.join(data_dir, f'{split}.bin')) // 2  # uint16 tokens
+        if tokens <= config['block_size']:
+            die(f"--block_size={config['block_size']} is more than the data can give: {split}.bin holds "
+                f"{tokens:,} tokens, and a block takes block_size + 1 of them")
+    try:
+        vocab_size = dataset_vocab_size(data_dir, quiet=True)
+    except Exception as e:  # damaged: pickle raises many kinds
+        die(f"{os.path.join(data_dir, 'meta.pkl')} cannot be read ({type(e).__name__}: {e})")
+    check_memory(config, device_type, vocab_size)
+    return device_type, data_dir
 
 
 def check_train_config(config, places=None):
@@ -177,6 +375,10 @@ def check_train_config(config, places=None):
     out_dir = config['out_dir']
     if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
         die(f"--out_dir={out_dir!r} must name a directory")
+    from tracker import directory_problem
+    problem = directory_problem(out_dir)  # a dangling symbolic link on the way, say
+    if problem:
+        die(f"--out_dir={out_dir!r} cannot be made: {problem}")
     tokens_per_iter = config['gradient_accumulation_steps'] * config['batch_size'] * config['block_size']
     for key, default_iters in (('max', 600000), ('warmup', 2000), ('lr_decay', 600000)):
         tokens, iters = config[f'{key}_tokens'], config[f'{key}_iters']
@@ -195,6 +397,20 @@ def check_train_config(config, places=None):
             tokens, iters = config[f'{key}_tokens'], config[f'{key}_iters']
         if tokens is None:
             config[f'{key}_tokens'] = (iters if iters is not None else default_iters) * tokens_per_iter
+    points = config['bs_schedule_points']
+    if points:  # what out_dir/grad_accum_schedule.txt would be written from, checked as it would be read
+        from schedules import max_accumulation_steps
+        bound = max_accumulation_steps(config['max_tokens'], config['batch_size'], config['block_size'], world_size)
+        shown = repr(points) if len(repr(points)) <= 80 else repr(points)[:77] + '...'
+        for point in points:
+            numbers = isinstance(point, (list, tuple)) and len(point) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300 for v in point)  # nan too
+            if not numbers or point[0] < 0 or point[1] <= 0:
+                die(f"--bs_schedule_points={shown}: each point is (tokens >= 0, global accumulation steps > 0), "
+                    f"not {point!r}")
+            if point[1] > bound and config['bs_schedule']:  # (unused, it is merely warned about above)
+                die(f"--bs_schedule_points={shown}: {point[1]!r} accumulation steps is over the bound of {bound:_} "
+                    f"for --max_tokens={config['max_tokens']:_} (see schedules.max_accumulation_steps)")
 
 
 def configure_train(argv, config, doc=""):
@@ -290,6 +506,8 @@ def configure(argv, config, doc="", places=None):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise SystemExit(0)
         if not arg.startswith("--"):
+            if "=" in arg and not os.path.isfile(arg) and arg.lstrip("-").split("=", 1)[0] in config:
+                raise ConfigError(f"{arg!r} is not a config file; did you mean --{arg.lstrip('-')}?")
             if not os.path.isfile(arg):
                 raise ConfigError(f"config file {arg!r} not found")
             print(f"Overriding config with {arg}:")

@@ -3,7 +3,7 @@ Sample from a trained model, as nanoGPT's sample.py does, with its flags.
 
 $ python sample.py --out_dir=out-shakespeare-char-cpu --device=cpu
 $ python sample.py --out_dir=out-shakespeare-char-cpu --device=cpu --start="ROMEO:" --num_samples=3 --max_new_tokens=200
-$ python sample.py --out_dir=out --start=FILE:prompt.txt --top_k=None --temperature=1.0
+$ python sample.py --out_dir=out --start=FILE:prompt.txt --top_k=None --temperature=1.0    # a text file of at most 1 MiB
 $ python sample.py --init_from=gpt2-xl --start="What is the answer to life, the universe, and everything?"
 $ python sample.py --help    # every key with its default
 
@@ -23,7 +23,7 @@ from contextlib import nullcontext
 
 import torch
 
-from configurator import ConfigError, check_device, configure, die
+from configurator import ConfigError, check_device, configure, die, read_text_file
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (from out_dir) or a GPT-2 variant: gpt2, gpt2-medium, gpt2-large, gpt2-xl
@@ -41,6 +41,7 @@ compile = False  # torch.compile the model
 # -----------------------------------------------------------------------------
 config = {k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
 GPT2_VARIANTS = ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl')
+MAX_PROMPT_BYTES = 1 << 20  # a prompt is cut to the model's last block_size tokens anyway
 REPO = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -70,10 +71,9 @@ if dtype not in ('float32', 'bfloat16', 'float16'):
 device_type = check_device(device)
 prompt_from = f"the prompt file {start[5:]}" if start.startswith('FILE:') else "--start"
 if start.startswith('FILE:'):
-    try:
-        with open(start[5:], 'r', encoding='utf-8') as f:
-            start = f.read()
-    except (OSError, UnicodeDecodeError) as e:
+    try:  # a regular file, and a bounded one: a FIFO would wait for a writer, /dev/zero never end
+        start = read_text_file(start[5:], MAX_PROMPT_BYTES)
+    except (OSError, ValueError) as e:
         die(f"cannot read {prompt_from} ({e})")
 
 # seeded before the model is built, as nanoGPT does: building draws the same random numbers here

@@ -612,6 +612,9 @@ def lock_out_dir(out_dir, set_aside=False):
     """
     import fcntl
     import socket
+    problem = directory_problem(out_dir)
+    if problem:  # makedirs would say only "File exists"
+        raise OutDirInUse(f"{out_dir} cannot be made: {problem}")
     try:
         os.makedirs(out_dir, exist_ok=True)
         f = open(os.path.join(out_dir, "train.lock"), "a+")
@@ -629,9 +632,17 @@ def lock_out_dir(out_dir, set_aside=False):
     previous = f.read().strip()
     if previous:  # a clean end empties the file: this holder was killed
         print(f"note: taking over {out_dir}/train.lock from {previous}, which is no longer running")
-    f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
+    try:
+        f.truncate(0)
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+    except OSError as e:  # a full disk: the name of its holder cannot be written
+        try:
+            f.close()  # (its flush fails again, and it closes all the same, releasing the lock)
+        except OSError:
+            pass
+        reason = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
+        raise OutDirInUse(f"{out_dir}: cannot write {os.path.join(out_dir, 'train.lock')} ({reason})") from None
     atexit.register(_release, f)  # an exit the process makes itself (an end, a stop, an error) empties it
     if set_aside:
         try:
@@ -641,6 +652,19 @@ def lock_out_dir(out_dir, set_aside=False):
             raise OutDirInUse(f"{out_dir} holds an earlier run that could not be moved aside "
                               f"({e.strerror or e}); resume it with --init_from=resume, or use another out_dir") from None
     return f
+
+
+def directory_problem(path):
+    """Why os.makedirs(path) cannot make the directory path, in words, where a part of it is in the
+    way: a symbolic link to nothing, or something that is not a directory. None otherwise."""
+    parts = os.path.normpath(path).split(os.sep)
+    for i in range(1, len(parts) + 1):
+        here = os.sep.join(parts[:i]) or os.sep  # each part in turn, from the first
+        if os.path.islink(here) and not os.path.exists(here):
+            return f"{here} is a symbolic link to {os.readlink(here)!r}, which does not exist"
+        if os.path.lexists(here) and not os.path.isdir(here):
+            return f"{here} is not a directory"
+    return None
 
 
 def set_aside_previous_run(out_dir):

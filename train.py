@@ -23,7 +23,7 @@ import torch
 import gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
                         resumed_counts, save_training_state, step_seed, training_run_state)
-from configurator import check_dataset, check_device, configure_train, dataset_vocab_size, die
+from configurator import check_resources, configure_train, dataset_vocab_size, die
 from buffered import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
 from layer_config import classes_for_flags, set_contextual_config
 from model import fully_shard_gpt, grad_scaler
@@ -119,8 +119,8 @@ config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
 configure_train(sys.argv[1:], config, __doc__)  # every value checked before anything runs: bad input is one line and exit 2
 globals().update(config)
-device_type = check_device(device)
-data_dir = check_dataset(dataset, root=os.path.dirname(os.path.abspath(__file__)))  # prepared, or exit 2
+# the device, the prepared data (a block from each split), and room for the model and a micro-batch: or exit 2
+device_type, data_dir = check_resources(config, root=os.path.dirname(os.path.abspath(__file__)))
 
 # DDP: a torchrun launch sets RANK
 ddp = int(os.environ.get('RANK', -1)) != -1
@@ -202,7 +202,7 @@ if checkpoint is not None:
         die(f"--init_from=resume: {out_dir}/ckpt.pt: {e}")
 raw_model = model  # the module whose state is checkpointed, whatever wraps it below
 if compile:
-    print("compiling the model... (takes a ~minute)")
+    print(f"compiling the model (in the first step: {'minutes on a CPU' if device_type == 'cpu' else 'about a minute'})")
     model = torch.compile(model)
 eval_model = model  # evaluation runs on the master alone, so it must not go through DDP (FSDP: on every rank)
 if ddp and not fsdp:

@@ -43,6 +43,21 @@ def test_load_weights_maps_the_references_and_nanogpts_keys_and_refuses_what_doe
             load_weights(GPT(GPTConfig(**CFG, bias=False, spectral_c_attn=[1])), bad)
 
 
+def test_weights_that_are_not_finite_are_refused_as_the_checkpoints_fault():
+    # resumed, they would make every step non-finite, and the run would stop blaming the learning rate
+    torch.manual_seed(0)
+    sd = GPT(GPTConfig(**CFG)).state_dict()
+    target = GPT(GPTConfig(**CFG))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    for value in (float("nan"), float("inf")):
+        bad = {**sd, "transformer.h.1.mlp.c_fc.weight": sd["transformer.h.1.mlp.c_fc.weight"].clone()}
+        bad["transformer.h.1.mlp.c_fc.weight"][3, 5] = value
+        with pytest.raises(CheckpointError, match=re.escape("the checkpoint holds non-finite weights (NaN or inf in "
+                                                            "transformer.h.1.mlp.c_fc.weight): it is damaged")):
+            load_weights(target, bad)
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())  # left as it was
+
+
 # --------------------------------------------------------------------------------------------
 # Llama-style options: norm, mlp, pos_emb, tie_embeddings
 

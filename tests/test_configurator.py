@@ -1,4 +1,7 @@
 """configurator.py: config files and --key=value overrides, with clear errors."""
+import os
+import re
+
 import pytest
 
 from configurator import ConfigError, configure
@@ -139,11 +142,143 @@ def test_check_dataset_finds_a_prepared_one_by_name_or_path_and_says_how_to_prep
     assert check_dataset("tiny", root=str(tmp_path)) == str(named)
     assert check_dataset(str(named), root="/nowhere") == str(named)
     (named / "val.bin").unlink()
+    (named / "prepare.py").write_text("")
     with pytest.raises(SystemExit) as e:
         check_dataset("tiny", root=str(tmp_path))
     assert e.value.code == 2
     assert capsys.readouterr().err == (f"error: dataset 'tiny' is not prepared ({named / 'val.bin'} is missing); "
                                        f"run: python data/tiny/prepare.py\n")
+
+
+def test_a_dataset_without_a_prepare_script_is_not_told_to_run_one_and_the_datasets_there_are_listed(tmp_path,
+                                                                                                       capsys):
+    from configurator import check_dataset
+    for name, files in (("made", ("train.bin", "val.bin")), ("raw", ("prepare.py",)), ("empty", ())):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        for file in files:
+            (tmp_path / "data" / name / file).write_bytes(b"")
+    for dataset in ("nosuchdata", "empty"):
+        with pytest.raises(SystemExit) as e:
+            check_dataset(dataset, root=str(tmp_path))
+        assert e.value.code == 2
+        assert capsys.readouterr().err == (
+            f"error: dataset {dataset!r} is not prepared ({tmp_path / 'data' / dataset / 'train.bin'} is missing) and "
+            f"there is no data/{dataset}/prepare.py; prepared datasets: made; not yet prepared: raw "
+            f"(run python data/<name>/prepare.py)\n")
+
+
+def test_a_setting_without_its_dashes_is_not_called_a_missing_config_file():
+    for arg in ("max_iters=5", "-max_iters=5"):
+        with pytest.raises(ConfigError, match=re.escape(f"{arg!r} is not a config file; did you mean --max_iters=5?")):
+            configure([arg], dict(DEFAULTS, max_iters=None))
+    with pytest.raises(ConfigError, match=re.escape("config file 'nokey=5' not found")):
+        configure(["nokey=5"], dict(DEFAULTS))
+
+
+def test_read_text_file_reads_only_a_regular_file_and_only_so_much(tmp_path):
+    from configurator import read_text_file
+    (tmp_path / "prompt.txt").write_text("héllo", encoding="utf-8")
+    assert read_text_file(str(tmp_path / "prompt.txt"), 6) == "héllo"
+    with pytest.raises(ValueError, match="larger than 5 bytes"):
+        read_text_file(str(tmp_path / "prompt.txt"), 5)
+    os.mkfifo(tmp_path / "fifo")  # opened for reading, it would wait for a writer
+    for path, kind in ((tmp_path / "fifo", "a FIFO"), ("/dev/zero", "a device"), (tmp_path, "a directory")):
+        with pytest.raises(ValueError, match=f"^not a regular file but {kind}$"):
+            read_text_file(str(path), 1 << 20)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 3\)"):
+        read_text_file(str(tmp_path / "latin1.txt"), 100)
+    with pytest.raises(FileNotFoundError):
+        read_text_file(str(tmp_path / "missing.txt"), 100)
+
+
+def test_host_memory_is_lowered_by_an_address_space_limit(monkeypatch):
+    import resource
+    import configurator
+    free = configurator.host_memory()
+    assert free is None or free > 0
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        (5 << 40, resource.RLIM_INFINITY) if which == resource.RLIMIT_AS else (resource.RLIM_INFINITY,) * 2))
+    assert configurator.host_memory() < 5 << 40  # what this process has mapped is already spent
+
+
+def memory_config(**changes):
+    """The keys check_memory reads, of a GPT-2 (124M) run on a character dataset."""
+    return dict(dict(init_from='scratch', n_layer=12, n_embd=768, block_size=1024, batch_size=12, mlp='gelu',
+                     pos_emb='learned', tie_embeddings=True, dtype='float32', device='cpu', out_dir='out'), **changes)
+
+
+@pytest.mark.parametrize("changes, device_type, words", [
+    (dict(n_layer=100000), "cpu", "--n_layer=100000 --n_embd=768: a model of 707,789,636,352 parameters needs "
+                                     "10,546.9 GiB for its weights, gradients and AdamW state, more than the 8.0 GiB"),
+    (dict(n_layer=2, n_embd=65536), "cpu", "--n_layer=2 --n_embd=65536: a model of 103,150,583,808 parameters"),
+    (dict(init_from='gpt2-xl'), "cpu", "--init_from=gpt2-xl: a model of 1,556,609,600 parameters"),
+    (dict(batch_size=100000000), "cpu", "--batch_size=100000000 --block_size=1024: one micro-batch's tokens, "
+                                        "activations and logits need "),
+    (dict(n_layer=100), "cuda", "--n_layer=100 --n_embd=768: a model of 708,625,152 parameters needs 10.6 GiB"),
+    (dict(batch_size=64), "cuda", "--batch_size=64 --block_size=1024: one micro-batch's tokens, activations and"),
+])
+def test_a_model_or_a_batch_that_cannot_fit_in_memory_is_refused_in_one_line(monkeypatch, capsys, changes,
+                                                                            device_type, words):
+    import configurator
+    from configurator import check_memory
+    monkeypatch.setattr(configurator, "host_memory", lambda: 8 << 30)  # not this machine's, whatever it has
+    monkeypatch.setattr(configurator, "available_memory", lambda kind, index=None: 8 << 30)  # a GPU's
+    check_memory(memory_config(), device_type, 65)  # GPT-2 (124M) of a character vocabulary fits
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as e:
+        check_memory(memory_config(**changes), device_type, 65)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {words}"), err
+    assert ("free on cuda:0" if device_type == "cuda" else "of memory this machine has available") in err
+
+
+def test_an_evaluation_alone_needs_room_for_the_weights_and_logits_only(monkeypatch, capsys):
+    import configurator
+    from configurator import check_memory
+    monkeypatch.setattr(configurator, "host_memory", lambda: 8 << 30)
+    check_memory(memory_config(n_layer=100, batch_size=64, eval_only=True), "cpu", 65)  # 2.6 GiB of weights
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):  # training: 10.6 GiB with the gradients and AdamW's moments
+        check_memory(memory_config(n_layer=100, batch_size=64), "cpu", 65)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--block_size=100000000"], "--block_size=100000000 is more than the data can give: train.bin holds 16,200 tokens"),
+    (["--n_layer=100000", "--n_embd=768", "--n_head=12"], "--n_layer=100000 --n_embd=768: a model of"),
+    (["--n_embd=65536", "--n_head=1"], "--n_layer=2 --n_embd=65536: a model of"),
+    (["--batch_size=100000000"], "--batch_size=100000000 --block_size=16: one micro-batch's tokens"),
+    (["--bs_schedule=True", "--bs_schedule_points=[(0,-3)]"], "--bs_schedule_points=[(0, -3)]: each point is (tokens "
+                                                              ">= 0, global accumulation steps > 0), not (0, -3)"),
+    (["--bs_schedule=True", "--bs_schedule_points=[(0, 1), 5]"], "--bs_schedule_points=[(0, 1), 5]: each point"),
+    (["--bs_schedule=True", "--bs_schedule_points=[(0, 1), (10, 1e9)]", "--max_iters=10"],
+     "1000000000.0 accumulation steps is over the bound of 10 for --max_tokens=640"),
+    (["--bs_schedule_points=[(0, float('nan'))]"], "--bs_schedule_points expects list"),  # not a literal: a string
+    (["--bs_schedule=True", "--bs_schedule_points=[(1e400, 1)]"], "--bs_schedule_points=[(inf, 1)]: each point is"),
+    (["max_iters=5"], "'max_iters=5' is not a config file; did you mean --max_iters=5?"),
+])
+def test_what_cannot_run_is_refused_before_anything_is_built_or_written(tiny_dataset, tmp_path, monkeypatch, args,
+                                                                       words):
+    import configurator
+    from conftest import TINY
+    from test_train import train_until_exit
+    monkeypatch.setattr(configurator, "host_memory", lambda: 8 << 30)  # not this machine's, whatever it has
+    code, stderr = train_until_exit(f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}", *TINY, *args)
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and words in err[0], stderr
+    assert not (tmp_path / 'o').exists()  # no lock taken, nothing written
+
+
+def test_an_out_dir_that_is_a_link_to_nothing_is_said_to_be_one(tiny_dataset, tmp_path):
+    from conftest import TINY
+    from test_train import train_until_exit
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    code, stderr = train_until_exit(f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'link' / 'run'}", *TINY)
+    assert code == 2
+    assert stderr == (f"error: --out_dir='{tmp_path / 'link' / 'run'}' cannot be made: {tmp_path / 'link'} is a "
+                      f"symbolic link to '{tmp_path / 'gone'}', which does not exist\n")
 
 
 def test_dataset_vocab_size_is_meta_pkls_or_none_for_gpt2s_bpe(tmp_path, capsys):

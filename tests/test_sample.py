@@ -12,6 +12,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -326,6 +327,7 @@ def test_no_gpt2_bpe_to_be_had_is_one_line(tmp_path, monkeypatch, capsys):
     (["--no_such_key=1"], "unknown config key 'no_such_key'"),
     (["--start="], "--start is empty"),
     (["--start=FILE:/no/such/prompt.txt"], "cannot read the prompt file /no/such/prompt.txt"),
+    (["--start=FILE:/dev/null"], "cannot read the prompt file /dev/null (not a regular file but a device)"),
     (["--start=Quiz"], "--start has characters that"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(args, words, char_checkpoint, monkeypatch, capsys):
@@ -333,6 +335,40 @@ def test_bad_flags_are_one_line_and_exit_2(args, words, char_checkpoint, monkeyp
     assert code == 2
     err = err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+def test_a_prompt_file_that_is_a_fifo_is_refused_before_it_is_opened(char_checkpoint, tmp_path, monkeypatch, capsys):
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)  # opened for reading, it waits for a writer: for ever, where none comes
+    done = threading.Event()
+
+    def writer():  # frees a reader that opened it: sample.py then goes on, and the test fails instead of hanging
+        while not done.is_set():
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader has it open
+                done.wait(0.05)
+                continue
+            os.write(fd, b"the ")
+            os.close(fd)
+            return
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        code, out, err = sample_here(monkeypatch, capsys, f"--out_dir={char_checkpoint[0]}", *FLAGS,
+                                     f"--start=FILE:{fifo}")
+    finally:
+        done.set()
+        thread.join()
+    assert code == 2 and err == f"error: cannot read the prompt file {fifo} (not a regular file but a FIFO)\n"
+
+
+def test_a_prompt_file_is_read_up_to_a_bound(char_checkpoint, tmp_path, monkeypatch, capsys):
+    (tmp_path / "prompt.txt").write_text("the " * (1 << 18) + "t")  # 1 MiB and a byte, of the model's characters
+    code, out, err = sample_here(monkeypatch, capsys, f"--out_dir={char_checkpoint[0]}", *FLAGS,
+                                 f"--start=FILE:{tmp_path / 'prompt.txt'}")
+    assert code == 2
+    assert err == f"error: cannot read the prompt file {tmp_path / 'prompt.txt'} (larger than 1,048,576 bytes)\n"
 
 
 def test_init_from_gpt2_without_transformers_is_one_line(monkeypatch, capsys):
@@ -367,6 +403,10 @@ def damage(case, out_dir, tiny_dataset):
         checkpoint = torch.load(path, weights_only=False)
         checkpoint["model"]["transformer.h.0.mlp.c_fc.weight"] = torch.zeros(3, 3)
         torch.save(checkpoint, path)
+    elif case == "non-finite weights":
+        checkpoint = torch.load(path, weights_only=False)
+        checkpoint["model"]["transformer.h.0.attn.c_proj.weight"][0, 0] = float("nan")
+        torch.save(checkpoint, path)
     elif case in ("damaged meta.pkl", "meta.pkl of another vocabulary"):
         checkpoint = torch.load(path, weights_only=False)
         checkpoint["config"]["dataset"] = os.path.join(out_dir, "dataset")
@@ -386,6 +426,7 @@ def damage(case, out_dir, tiny_dataset):
     ("no model", "is not a training checkpoint"),
     ("unbuildable model_args", "has model_args this GPT cannot be built with"),
     ("another model's weights", "has shape (3, 3) in the checkpoint"),
+    ("non-finite weights", "holds non-finite weights (NaN or inf in transformer.h.0.attn.c_proj.weight)"),
     ("damaged meta.pkl", "cannot be read as a character vocabulary"),
     ("meta.pkl of another vocabulary", "has 3 characters but the model's vocab_size is"),
 ])

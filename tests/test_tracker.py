@@ -888,3 +888,45 @@ def test_a_resumed_run_leaves_its_files_in_place(tmp_path):
     lock = tracker_module.lock_out_dir(str(out))
     tracker_module._release(lock)
     assert (out / "log.csv").exists() and not [p for p in out.iterdir() if p.name.startswith("previous-run-")]
+
+
+def test_an_out_dir_that_is_a_link_to_nothing_or_under_a_file_is_said_to_be_so(tmp_path):
+    os.symlink(tmp_path / "gone", tmp_path / "link")  # makedirs says only "File exists"
+    with pytest.raises(tracker_module.OutDirInUse) as e:
+        tracker_module.lock_out_dir(str(tmp_path / "link"))
+    assert str(e.value) == (f"{tmp_path / 'link'} cannot be made: {tmp_path / 'link'} is a symbolic link to "
+                            f"'{tmp_path / 'gone'}', which does not exist")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(tracker_module.OutDirInUse, match=re.escape(f"{tmp_path / 'file'} is not a directory")):
+        tracker_module.lock_out_dir(str(tmp_path / "file" / "run"))
+    assert not (tmp_path / "gone").exists()
+
+
+class DiskFullOnFlush:
+    """An open file whose flush fails as on a full disk."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_when_the_lock_names_its_holder_is_one_line_and_leaves_the_lock_free(tmp_path, monkeypatch):
+    import builtins
+    out = tmp_path / "out"
+    opened = []
+
+    def open_on_a_full_disk(*args, **kwargs):
+        opened.append(DiskFullOnFlush(builtins.open(*args, **kwargs)))
+        return opened[-1]
+    monkeypatch.setattr(tracker_module, "open", open_on_a_full_disk, raising=False)  # the module's open()
+    with pytest.raises(tracker_module.OutDirInUse) as e:
+        tracker_module.lock_out_dir(str(out))
+    assert str(e.value) == f"{out}: cannot write {out / 'train.lock'} (the disk is full)"
+    assert opened[0].f.closed  # so the lock is released: the next run takes it
+    monkeypatch.undo()
+    tracker_module._release(tracker_module.lock_out_dir(str(out)))

@@ -139,7 +139,7 @@ def test_lr_follows_the_token_schedule(tiny_dataset, tmp_path, shape):
     (["--per_example_mode=sometimes"], "--per_example_mode='sometimes' is not one of auto, shapes, ghost, materialise"),
     (["--lnclass=gns"], "--lnclass='gns' is not one of nn, shim, fused"),
     (["--init_from=resume"], "no checkpoint"),
-    (["--dataset=not_prepared_anywhere"], "python data/not_prepared_anywhere/prepare.py"),
+    (["--dataset=not_prepared_anywhere"], "there is no data/not_prepared_anywhere/prepare.py; prepared datasets: "),
     (["--init_from=gpt5"], "--init_from='gpt5' is not one of"),
     (["--bs_controller=gns", "--bs_schedule=True"], "--bs_controller=gns and --bs_schedule=True both set the batch size"),
     (["--bs_controller=pid"], "--bs_controller='pid' is not one of none, gns"),
@@ -444,7 +444,8 @@ def one_step_run(tiny_dataset, tmp_path_factory):
     return made_once(tmp_path_factory, "one_step", make) / "out"
 
 
-@pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "not a checkpoint", "wrong model"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "not a checkpoint", "wrong model",
+                                    "non-finite weights"])
 def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, tmp_path, damage):
     out = tmp_path / "out"
     shutil.copytree(one_step_run, out)
@@ -458,6 +459,10 @@ def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, 
         path.write_bytes(os.urandom(5000))
     elif damage == "not a checkpoint":
         torch.save({"weights": torch.zeros(3)}, path)
+    elif damage == "non-finite weights":  # not to be blamed on the learning rate after max_nonfinite_steps steps
+        ckpt = torch.load(path, weights_only=False)
+        ckpt["model"]["lm_head.weight"][0, 0] = float("nan")
+        torch.save(ckpt, path)
     else:
         ckpt = torch.load(path, weights_only=False)
         ckpt["model"]["transformer.wpe.weight"] = torch.zeros(99, 32)
@@ -467,6 +472,7 @@ def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, 
     assert code == 2
     err = stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "ckpt.pt" in err[0], stderr
+    assert damage != "non-finite weights" or "ckpt.pt: the checkpoint holds non-finite weights" in err[0], stderr
 
 
 @pytest.mark.parametrize("checkpoint_kind", ["fingerprinted", "older, named only"])
