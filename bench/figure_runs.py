@@ -23,6 +23,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -87,9 +88,9 @@ def main(argv=None):
         env = dict(os.environ, OMP_NUM_THREADS=threads, WANDB_MODE='disabled')
         procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env), log)
         print(f"{name}: training into {out_dir} (output in {log.name})", flush=True)
+    wait_showing_progress(procs)
     failed = []
     for name, (proc, log) in procs.items():
-        proc.wait()
         log.close()
         if proc.returncode != 0:
             with open(log.name) as f:
@@ -106,6 +107,29 @@ def main(argv=None):
     return 0
 
 
+def last_iteration(path):
+    """The last 'iter N' train.py printed into `path`, or None: how far a run is."""
+    try:
+        with open(path, 'rb') as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = [line for line in f.read().decode('utf-8', 'replace').splitlines() if line.startswith('iter ')]
+    except OSError:
+        return None
+    return lines[-1].split(':')[0] if lines else None
+
+
+def wait_showing_progress(procs, every=30):
+    """Wait for the runs, printing every `every` seconds how far each has got."""
+    started = time.time()
+    while any(proc.poll() is None for proc, _ in procs.values()):
+        try:
+            next(proc for proc, _ in procs.values() if proc.poll() is None).wait(timeout=every)
+        except subprocess.TimeoutExpired:
+            where = ", ".join(f"{name} {'done' if proc.poll() is not None else last_iteration(log.name) or 'starting'}"
+                              for name, (proc, log) in procs.items())
+            print(f"  {time.time() - started:.0f} s: {where}", flush=True)
+
+
 def execute_notebook(out_dir):
     import nbclient
     import nbformat
@@ -113,7 +137,15 @@ def execute_notebook(out_dir):
     os.environ.update(GNS_RUN_FIXED=os.path.join(out_dir, 'fixed'), GNS_RUN_SCHEDULE=os.path.join(out_dir, 'schedule'),
                       FIGURES_DIR=os.path.join(out_dir, 'figures'))
     nb = nbformat.read(os.path.join(ROOT, NOTEBOOK), as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': ROOT}}).execute()
+    cells = sum(cell.cell_type == 'code' for cell in nb.cells)
+    done = []
+
+    def executed(cell, **_):  # one line per code cell: the notebook takes minutes
+        done.append(cell)
+        print(f"  notebook: cell {len(done)} of {cells} done", flush=True)
+    print(f"executing {NOTEBOOK} ({cells} code cells)", flush=True)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name='python3', resources={'metadata': {'path': ROOT}},
+                            on_cell_executed=executed).execute()
     nbformat.write(nb, os.path.join(out_dir, NOTEBOOK))
     print(f"figures in {os.environ['FIGURES_DIR']}, the executed notebook in {os.path.join(out_dir, NOTEBOOK)}")
 

@@ -60,3 +60,16 @@ def test_notebook_only_needs_the_runs(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "figure_runs.py"), "--out_dir",
                            str(tmp_path), "--notebook_only"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "no run to draw from" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_figure_runs_shows_how_far_its_runs_have_got(tmp_path, capsys):
+    """The runs train in the background for minutes: the wait prints each one's last iteration."""
+    sys.path.insert(0, ROOT)
+    from bench.figure_runs import wait_showing_progress
+    out = tmp_path / "fixed.out"
+    out.write_text("number of parameters: 0.1M\niter 0: loss 4.2\niter 7: loss 3.1, time 10 ms\n")
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    with open(out) as log:
+        wait_showing_progress({"fixed": (run, log)}, every=0.3)
+    shown = capsys.readouterr().out
+    assert "fixed iter 7" in shown and run.returncode == 0
