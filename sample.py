@@ -165,6 +165,8 @@ x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
 with torch.no_grad():
     with ctx:
         for k in range(num_samples):
+            # on stderr, so that stdout holds the samples alone: a long sample on a CPU takes a while
+            print(f"sample {k + 1} of {num_samples}: generating {max_new_tokens} tokens...", file=sys.stderr, flush=True)
             y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)
             print(decode(y[0].tolist()))
-            print('---------------')
+            print('---------------', flush=True)

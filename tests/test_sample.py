@@ -187,6 +187,9 @@ def test_every_layer_class_gives_the_samples_of_its_weights(layers, tiny_dataset
     code, out, err = sample_here(monkeypatch, capsys, f"--out_dir={tmp_path}", *FLAGS, "--start=the ")
     assert code == 0, err
     assert out.endswith(samples_of(model, encode("the "), decode))
+    # progress on stderr, one line before each sample, so that stdout holds the samples alone
+    progress = [line for line in err.splitlines() if line.startswith("sample ")]
+    assert progress == [f"sample {k} of {NUM_SAMPLES}: generating {MAX_NEW_TOKENS} tokens..." for k in (1, 2)]
 
 
 def test_a_llama_style_checkpoint_gives_the_samples_of_its_weights(tiny_dataset, tmp_path, monkeypatch, capsys):
