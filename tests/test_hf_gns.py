@@ -181,3 +181,15 @@ def test_what_it_does_not_support_is_refused_in_one_line(setting):
         GNSCallback().on_train_begin(args, transformers.TrainerState(), transformers.TrainerControl(),
                                      model=tiny_hf("gpt2"))
     assert "\n" not in str(error.value)
+
+
+def test_bfloat16_measures_what_float32_does_within_its_rounding(tmp_path):
+    rows = token_rows(BATCH * ACCUMULATION)
+    trainer(tmp_path / "fp32", rows, [GNSCallback()], steps=1).train()
+    trainer(tmp_path / "bf16", rows, [GNSCallback()], steps=1, bf16=True).train()
+    exact, half = gns_columns(str(tmp_path / "fp32"))[0], gns_columns(str(tmp_path / "bf16"))[0]
+    assert exact.keys() == half.keys()
+    for kind in ("/norm", "/pegn"):
+        ratio = sum(v ** 2 for k, v in half.items() if k.endswith(kind)) / \
+            sum(v ** 2 for k, v in exact.items() if k.endswith(kind))
+        assert 0 < abs(ratio - 1) < 0.05, (kind, ratio)  # bfloat16 did round: not float32 in disguise

@@ -92,3 +92,19 @@ def test_sixteen_bit_mixed_precision_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="16-mixed") as error:
         callback.on_train_start(trainer, None)
     assert "\n" not in str(error.value)
+
+
+def test_bf16_mixed_measures_what_32_does_within_its_rounding(tmp_path):
+    rows = token_rows(BATCH * ACCUMULATION)
+    fit(tmp_path / "fp32", rows, [GNSCallback()], steps=1)
+    trainer = lightning.Trainer(
+        default_root_dir=str(tmp_path / "bf16"), max_steps=1, accumulate_grad_batches=ACCUMULATION,
+        gradient_clip_val=MAX_GRAD_NORM, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed", callbacks=[GNSCallback()])
+    trainer.fit(CausalLM(), torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False))
+    exact, half = gns_columns(str(tmp_path / "fp32"))[0], gns_columns(str(tmp_path / "bf16"))[0]
+    assert exact.keys() == half.keys()
+    for kind in ("/norm", "/pegn"):
+        ratio = sum(v ** 2 for k, v in half.items() if k.endswith(kind)) / \
+            sum(v ** 2 for k, v in exact.items() if k.endswith(kind))
+        assert 0 < abs(ratio - 1) < 0.05, (kind, ratio)  # bfloat16 did round: not float32 in disguise
