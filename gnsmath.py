@@ -219,6 +219,28 @@ def layer_groups(names, kinds=None, norm="layernorm"):
 # ---------------------------------------------------------------------------------------------
 # The critical batch size measured directly (McCandlish et al. 2018, App. D; Merrill et al. 2025)
 
+def _reached(batch_sizes, steps):
+    """[(B, S)] of the batch sizes whose branch reached the target (a step count that is None, NaN or not
+    positive did not); ValueError on a batch size that is not a positive number."""
+    points = [(float(b), float(s)) for b, s in zip(batch_sizes, steps)
+              if s is not None and math.isfinite(float(s)) and float(s) > 0]
+    if any(not (math.isfinite(b) and b > 0) for b, _ in points):
+        raise ValueError(f"fit_critical_batch: batch sizes must be positive numbers, got {list(batch_sizes)}")
+    return points
+
+
+def _fit_lines(inv_batch, steps):
+    """(S_min, E_min) of the least-squares lines steps = S_min + E_min * inv_batch along the last axis,
+    each residual relative to its step count (weights 1 / steps^2)."""
+    weights = 1 / steps ** 2
+    total = weights.sum(-1)
+    x_mean = (weights * inv_batch).sum(-1) / total
+    y_mean = (weights * steps).sum(-1) / total
+    dx = inv_batch - x_mean[..., None]
+    e_min = (weights * dx * (steps - y_mean[..., None])).sum(-1) / (weights * dx ** 2).sum(-1)
+    return y_mean - e_min * x_mean, e_min
+
+
 def fit_critical_batch(batch_sizes, steps):
     """
     (S_min, E_min) of the steps-to-target curve S(B) = S_min + E_min / B, McCandlish's
@@ -228,21 +250,44 @@ def fit_critical_batch(batch_sizes, steps):
     of magnitude and their noise grows with them, so plain residuals would let the smallest batch
     decide S_min alone. The critical batch size is B_crit = E_min / S_min. ValueError, one line
     naming the problem, when fewer than two batch sizes reached the target or the fit is not positive.
+    A batch size that did not reach the target is right-censored (it needed more steps than it ran):
+    the fit leaves it out, and the caller should say which ones it left.
     """
-    points = [(float(b), float(s)) for b, s in zip(batch_sizes, steps)
-              if s is not None and math.isfinite(float(s)) and float(s) > 0]
-    if any(not (math.isfinite(b) and b > 0) for b, _ in points):
-        raise ValueError(f"fit_critical_batch: batch sizes must be positive numbers, got {list(batch_sizes)}")
+    import numpy as np
+    points = _reached(batch_sizes, steps)
     if len({b for b, _ in points}) < 2:
         raise ValueError(f"fit_critical_batch: {len({b for b, _ in points})} batch size(s) reached the target "
                          f"(steps {list(steps)} at batch sizes {list(batch_sizes)}); the fit needs at least 2")
-    xs, ys, ws = [1 / b for b, _ in points], [s for _, s in points], [1 / s ** 2 for _, s in points]
-    total = sum(ws)
-    x_mean, y_mean = sum(w * x for w, x in zip(ws, xs)) / total, sum(w * y for w, y in zip(ws, ys)) / total
-    e_min = (sum(w * (x - x_mean) * (y - y_mean) for w, x, y in zip(ws, xs, ys))
-             / sum(w * (x - x_mean) ** 2 for w, x in zip(ws, xs)))
-    s_min = y_mean - e_min * x_mean
+    s_min, e_min = map(float, _fit_lines(np.array([1 / b for b, _ in points]), np.array([s for _, s in points])))
     if not (s_min > 0 and e_min > 0):
         raise ValueError(f"fit_critical_batch: the fit S(B) = S_min + E_min/B is not positive (S_min {s_min:.4g}, "
                          f"E_min {e_min:.4g}): the steps do not fall with the batch size as the model says")
     return s_min, e_min
+
+
+def critical_batch_interval(batch_sizes, steps, level=0.9, resamples=2000, seed=0):
+    """
+    (low, high): an interval for fit_critical_batch's B_crit = E_min / S_min at `level` (0.9: from the
+    5th to the 95th percentile), by a residual bootstrap: each resample puts the fit's log residuals
+    log(S / S_fit), drawn with replacement and scaled by sqrt(n / (n - 2)) (two parameters fitted to n
+    points), back on the fitted curve, and fits again. It says how far the step counts' scatter about
+    the curve moves B_crit; it cannot see an error the curve itself makes, and with few batch sizes
+    it errs on the narrow side (tests/test_gnsmath.py measures how often it holds the true B_crit
+    of simulated step counts). A resample whose S_min is not positive counts as B_crit = inf (no
+    floor on the steps in sight), one whose E_min is not positive as 0. (nan, nan) when fewer than
+    three batch sizes reached the target: a line through two leaves no scatter to resample.
+    ValueError as fit_critical_batch's; the same input and seed give the same interval.
+    """
+    import numpy as np
+    s_min, e_min = fit_critical_batch(batch_sizes, steps)
+    points = _reached(batch_sizes, steps)
+    if len({b for b, _ in points}) < 3:
+        return math.nan, math.nan
+    inv_batch, observed = np.array([1 / b for b, _ in points]), np.array([s for _, s in points])
+    fitted = s_min + e_min * inv_batch
+    residuals = np.log(observed / fitted) * math.sqrt(len(points) / (len(points) - 2))
+    resampled = fitted * np.exp(np.random.default_rng(seed).choice(residuals, size=(resamples, len(points))))
+    boot_s, boot_e = _fit_lines(np.broadcast_to(inv_batch, resampled.shape), resampled)
+    b_crit = np.where(boot_e <= 0, 0.0, np.where(boot_s > 0, boot_e / np.where(boot_s > 0, boot_s, 1.0), np.inf))
+    tail = (1 - level) / 2  # order statistics, not interpolation: an inf stays an inf
+    return float(np.quantile(b_crit, tail, method='lower')), float(np.quantile(b_crit, 1 - tail, method='higher'))

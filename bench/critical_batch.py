@@ -16,19 +16,23 @@ normalisation layers alone, and of the Adam-preconditioned normalisation layers.
 
     python data/shakespeare_char/prepare.py
     python bench/critical_batch.py --out_dir bench/results/critical_batch   # 2 families x 2 seeds
-    python bench/critical_batch.py --quick --out_dir /tmp/cb --dataset=PATH    # the pipeline, ~1 minute
+    python bench/critical_batch.py --quick --out_dir /tmp/cb --dataset=PATH    # the pipeline, minutes (README)
     python bench/critical_batch.py --report --out_dir bench/results/critical_batch  # the tables, from the CSVs
 
 Writes OUT_DIR/branches.csv (family, seed, branch_tokens, batch_size, learning_rate, best, steps,
 examples, reached: one row per branch), OUT_DIR/summary.csv (family, seed, branch_tokens, s_min,
-e_min, b_crit, b_simple_total, b_simple_norm, b_simple_norm_adam: one row per branch point) and
-OUT_DIR/gns_<family>-s<seed>.csv (each B_simple of the base run over its tokens, for the figure).
-A finished branch is kept: run it again and it goes on where it stopped. Base runs and their
-checkpoints go to --work_dir; a checkpoint that no longer matches the one a branch started from
-(its fingerprint, OUT_DIR/checkpoints.csv) has its branches run again. Any other --key=value goes
-to train.py for the base runs (e.g. --dataset=PATH). --report trains nothing: it fits the branches
-as they stand, rewrites summary.csv, and prints the results as Markdown tables (the README's), each
-ratio B_crit / B_simple with its spread over seeds.
+e_min, b_crit, b_simple_total, b_simple_norm, b_simple_norm_adam, b_crit_low, b_crit_high,
+fit_points, censored, setting: one row per branch point) and OUT_DIR/gns_<family>-s<seed>.csv (each
+B_simple of the base run over its tokens, for the figure), with a line per base run and per branch
+as each starts. A finished branch is kept: run it again and it goes on where it stopped. Nothing
+finished is ever deleted: OUT_DIR holds one setting (delta, max_steps, the evaluation batches; each
+branch point's is in OUT_DIR/checkpoints.csv beside its checkpoint's fingerprint), and a run for
+another setting, or from a checkpoint that is not the one a branch started from, is refused before
+it changes anything (use another --out_dir). Base runs and their checkpoints go to --work_dir. Any
+other --key=value goes to train.py for the base runs (e.g. --dataset=PATH), checked before anything
+runs. --report trains nothing: it fits the branches as they stand, rewrites summary.csv, and prints
+the results as Markdown tables (the README's), each ratio B_crit / B_simple with its spread over
+seeds, and separate tables for each setting if OUT_DIR holds branches of several.
 """
 import argparse
 import contextlib
@@ -38,6 +42,8 @@ import math
 import os
 import shutil
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pandas as pd
@@ -48,9 +54,9 @@ sys.path.insert(0, ROOT)
 from bench.norm_vs_total import FAMILIES, gns_analysis  # noqa: E402
 from bench.runs import check_train_flags, train_once  # noqa: E402
 from checkpoint import config_from_checkpoint, load_weights, read_checkpoint  # noqa: E402
-from configurator import check_dataset  # noqa: E402
-from csv_tools import ToolParser, load_log  # noqa: E402
-from gnsmath import PREFIXES, fit_critical_batch  # noqa: E402
+from configurator import ConfigError, check_dataset, check_device, check_train_config, configure  # noqa: E402
+from csv_tools import ToolParser  # noqa: E402
+from gnsmath import PREFIXES, critical_batch_interval, fit_critical_batch  # noqa: E402
 from model import GPT  # noqa: E402
 from tracker import atomic_write  # noqa: E402
 
@@ -58,7 +64,9 @@ CONFIG = os.path.join(ROOT, 'config', 'train_shakespeare_char_cpu.py')
 BRANCH_COLUMNS = ['family', 'seed', 'branch_tokens', 'batch_size', 'learning_rate', 'best', 'steps', 'examples',
                   'reached']
 SUMMARY_COLUMNS = ['family', 'seed', 'branch_tokens', 's_min', 'e_min', 'b_crit', 'b_simple_total', 'b_simple_norm',
-                   'b_simple_norm_adam']
+                   'b_simple_norm_adam', 'b_crit_low', 'b_crit_high', 'fit_points', 'censored', 'setting']
+PRINT_COLUMNS = ['family', 'seed', 'branch_tokens', 'fingerprint']
+POINT = ['family', 'seed', 'branch_tokens']
 KEY = ['family', 'seed', 'branch_tokens', 'batch_size', 'learning_rate']
 ADAM_PREFIX = PREFIXES['adam']
 # the experiment: the CPU demo's model and schedule (2000 steps of 768 tokens), and --quick: a tiny one.
@@ -76,22 +84,75 @@ QUICK = dict(points=(20, 40, 60), batch_sizes=(2, 4, 8, 16, 32), learning_rates=
 
 # -- 1. the base run ---------------------------------------------------------------------------
 
-def base_run(work_dir, family, seed, setup, extra):
+# train.py's keys that the base runs set themselves: given on the command line they would break the
+# experiment (another seed, checkpoints at other steps, nothing measured)
+OWN_KEYS = ('seed', 'out_dir', 'init_from', 'max_tokens', 'max_iters', 'always_save_checkpoint', 'eval_interval',
+            'linearclass', 'embeddingclass', 'lnclass', 'gns_adam')
+
+
+def base_flags(work_dir, family, seed, setup):
+    where = os.path.join(work_dir, f"{family}-s{seed}")
+    return {**FAMILIES[family], **setup['flags'], 'seed': seed, 'out_dir': where, 'always_save_checkpoint': True,
+            'eval_interval': 10 ** 9, 'linearclass': 'gns', 'embeddingclass': 'gns', 'lnclass': 'shim',
+            'gns_adam': True}
+
+
+def train_defaults():
+    """train.py's defaults, read from its `key = value` lines without running it; None where a default
+    is computed at run time (configure() then takes any value, and check_train_config checks it)."""
+    import ast
+    with open(os.path.join(ROOT, 'train.py')) as f:
+        tree = ast.parse(f.read())
+    defaults = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+            continue
+        if node.targets[0].id == 'config_keys':  # the defaults end here
+            break
+        try:
+            defaults[node.targets[0].id] = ast.literal_eval(node.value)
+        except ValueError:
+            defaults[node.targets[0].id] = None
+    return defaults
+
+
+def check_base_runs(parser, work_dir, families, setup, extra):
+    """Every base run's train.py command line checked as train.py checks it, before anything runs: bad
+    input is one line and exit 2 here, not a failed run minutes later. Returns {family: tokens per step}."""
+    own = [a for a in extra if a[2:].split('=', 1)[0] in OWN_KEYS]
+    if own:
+        parser.error(f"{own[0].split('=', 1)[0]} is set by bench/critical_batch.py itself for every base run "
+                     f"(the seeds: --seeds; the folders: --out_dir, --work_dir)")
+    tokens_per_step = {}
+    for family in families:
+        config, places = train_defaults(), {}
+        argv = [CONFIG, *(f"--{k}={v!r}" for k, v in base_flags(work_dir, family, 1, setup).items()), *extra]
+        with contextlib.redirect_stdout(io.StringIO()):  # configure()'s echo of each setting
+            try:
+                configure(argv, config, places=places)
+            except ConfigError as e:  # train.py's keys, not this script's: its --help lists them
+                parser.exit(2, f"{parser.prog}: error: {str(e).removesuffix('; see --help')} "
+                               f"(python train.py --help lists its keys)\n")
+            check_train_config(config, places)  # exits with one line at a bad value
+            check_device(config['device'])
+            check_dataset(config['dataset'], ROOT)
+        tokens_per_step[family] = config['batch_size'] * config['block_size'] * config['gradient_accumulation_steps']
+    return tokens_per_step
+
+
+def base_run(work_dir, family, seed, setup, extra, tokens_per_step):
     """The base run in stages, one train.py run to each branch point (resumed from the last), each
     checkpoint kept as ckpt-<iter>.pt; returns (run folder, {iter: checkpoint path})."""
-    where = os.path.join(work_dir, f"{family}-s{seed}")
-    flags = {**FAMILIES[family], **setup['flags'], 'seed': seed, 'out_dir': where, 'always_save_checkpoint': True,
-             'eval_interval': 10 ** 9, 'linearclass': 'gns', 'embeddingclass': 'gns', 'lnclass': 'shim',
-             'gns_adam': True}
-    given = {**flags, **dict(a[2:].split('=', 1) for a in extra)}  # the step's shape, as train.py will see it
-    tokens_per_iter = math.prod(int(given.get(k, default)) for k, default in
-                                (('batch_size', 12), ('block_size', 64), ('gradient_accumulation_steps', 1)))
+    flags = base_flags(work_dir, family, seed, setup)
+    where = flags['out_dir']
     checkpoints = {}
-    for point in setup['points']:
+    for k, point in enumerate(setup['points'], 1):
         saved = os.path.join(where, f"ckpt-{point}.pt")
         if not os.path.exists(saved):
+            print(f"  {family} seed {seed}: base run to step {point} ({k} of {len(setup['points'])} checkpoints) ...",
+                  flush=True)
             resume = {'init_from': 'resume'} if checkpoints else {}
-            train_once(where, {**flags, **resume, 'max_tokens': point * tokens_per_iter}, extra,
+            train_once(where, {**flags, **resume, 'max_tokens': point * tokens_per_step}, extra,
                        f"{family} seed {seed} base run to step {point}", CONFIG)
             with open(os.path.join(where, 'ckpt.pt'), 'rb') as source:
                 atomic_write(saved, lambda f: shutil.copyfileobj(source, f))
@@ -208,7 +269,58 @@ def fixed_eval_set(path, setup):
     return [data.get(setup['eval_batch_size'], generator) for _ in range(setup['eval_batches'])]
 
 
-# -- 3. the fits --------------------------------------------------------------------------------
+# -- 3. the setting each branch point ran for ----------------------------------------------------
+
+NOT_RECORDED = "setting not recorded"
+
+
+def setting_of(setup):
+    """What a branch's step count depends on besides its checkpoint, as checkpoints.csv records it after
+    the checkpoint's fingerprint."""
+    return (f"delta {setup['delta']:g} max_steps {setup['max_steps']} "
+            f"eval {setup['eval_batches']}x{setup['eval_batch_size']}")
+
+
+def split_record(record):
+    """(the weights' fingerprint, the setting) of a checkpoints.csv cell '<fingerprint> delta D max_steps N
+    eval AxB' (the first versions recorded no eval)."""
+    weights, _, setting = str(record).partition(' ')
+    return weights, setting
+
+
+def setting_values(setting):
+    words = setting.split()
+    return dict(zip(words[::2], words[1::2]))
+
+
+def differences(recorded, wanted):
+    """'delta 0.2, not 0.35' for each value that differs between a recorded setting and this run's."""
+    old, new = setting_values(recorded), setting_values(wanted)
+    return [f"{key} {old.get(key, 'not recorded')}, not {new.get(key, 'none')}"
+            for key in dict.fromkeys([*new, *old]) if old.get(key) != new.get(key)]
+
+
+def point_settings(prints, branches):
+    """{(family, seed, branch_tokens): setting} of every branch point checkpoints.csv records or branches.csv
+    has rows of; NOT_RECORDED for rows with no record."""
+    settings = {(r.family, r.seed, r.branch_tokens): split_record(r.fingerprint)[1] for r in prints.itertuples()}
+    for point in branches[POINT].drop_duplicates().itertuples(index=False):
+        settings.setdefault(tuple(point), NOT_RECORDED)
+    return settings
+
+
+def refuse_another_setting(parser, out_dir, work_dir, settings, setting):
+    """One line and exit 2, before anything runs, where OUT_DIR holds a branch point of another setting (or of
+    none recorded): running here would mix its rows with this setting's in one fit, or replace them."""
+    for (family, seed, tokens), recorded in settings.items():
+        if recorded != setting:
+            what = ("branches with no record in checkpoints.csv, of an unknown setting" if recorded == NOT_RECORDED
+                    else f"branches run for {'; '.join(differences(recorded, setting))}")
+            parser.error(f"{out_dir} holds {what} ({family} seed {seed} at {tokens:,} tokens); nothing was changed: "
+                         f"run this setting in another --out_dir (--work_dir={work_dir} reuses the base runs)")
+
+
+# -- 4. the fits --------------------------------------------------------------------------------
 
 def in_grid(branches, learning_rates):
     return np.isclose(branches['learning_rate'].astype(float).to_numpy()[:, None], list(learning_rates)).any(axis=1)
@@ -236,38 +348,58 @@ def at_edge(best, branches):
     return bool(np.isclose(best.learning_rate, rates.min()) or np.isclose(best.learning_rate, rates.max()))
 
 
-def summarise(branches, series, setup):
-    """summary.csv's rows: per branch point the fit of its best branches, and the base run's B_simple
-    there. A point whose grid is not finished gets no fit (NaN): a batch size's best rate, and so its
-    steps, may still change. A best rate at the grid's edge is named: a rate beyond it might do better."""
+def summarise(branches, series, setup, settings):
+    """summary.csv's rows: per branch point the fit of its best branches, the interval of its B_crit
+    (gnsmath.critical_batch_interval), and the base run's B_simple there. A point whose grid is not
+    finished gets no fit (NaN): a batch size's best rate, and so its steps, may still change. Said for
+    each point: a best rate at the grid's edge (a rate beyond it might do better), the batch sizes no
+    rate brought to the target (right-censored, left out of the fit), a fit on only two batch sizes,
+    and a B_crit outside the batch sizes tried (an extrapolation)."""
     rows = []
-    rates = sorted(setup['learning_rates'])
-    grid_size = len(setup['batch_sizes']) * len(rates)
-    for (family, seed, tokens), group in branches.groupby(['family', 'seed', 'branch_tokens'], sort=False):
-        group = group[in_grid(group, rates)]
+    rates, sizes = sorted(setup['learning_rates']), sorted(setup['batch_sizes'])
+    grid_size = len(sizes) * len(rates)
+    for (family, seed, tokens), group in branches.groupby(POINT, sort=False):
+        where = f"  {family} seed {seed} at {tokens:,} tokens"
+        setting = settings.get((family, seed, tokens), NOT_RECORDED)
+        group = group[in_grid(group, rates) & group['batch_size'].isin(sizes)]
         best = group[group['best']]
-        s_min = e_min = math.nan
+        s_min = e_min = low = high = math.nan
+        censored = []
         edge = best[[at_edge(row, branches) for row in best.itertuples()]]
         if len(edge):
-            print(f"  {family} seed {seed} at {tokens:,} tokens: the best rate is the grid's edge for "
+            print(f"{where}: the best rate is the grid's edge for "
                   f"B = {', '.join(str(int(b)) for b in edge['batch_size'])} (their steps may be too many)")
         if len(group) < grid_size:
-            print(f"  {family} seed {seed} at {tokens:,} tokens: {len(group)} of {grid_size} branches run, no fit yet")
+            print(f"{where}: {len(group)} of {grid_size} branches run, no fit yet")
         else:
+            censored = sorted(set(sizes) - set(best['batch_size'].astype(int)))
+            if censored:
+                steps = setting_values(setting).get('max_steps', 'its max_steps')
+                print(f"{where}: B = {', '.join(map(str, censored))} reached the target at no rate (right-censored: "
+                      f"more than {steps} steps, or diverged), left out of the fit")
             try:
                 s_min, e_min = fit_critical_batch(best['batch_size'].tolist(), best['steps'].tolist())
+                low, high = critical_batch_interval(best['batch_size'].tolist(), best['steps'].tolist())
             except ValueError as e:
-                print(f"  {family} seed {seed} at {tokens:,} tokens: no fit ({e})")
-            if s_min > 0 and e_min / s_min > max(setup['batch_sizes']):
-                print(f"  {family} seed {seed} at {tokens:,} tokens: B_crit {e_min / s_min:.3g} lies beyond the "
-                      f"largest batch tried ({max(setup['batch_sizes'])}): an extrapolation, a lower bound only, "
-                      f"left out of the ratios")
+                print(f"{where}: no fit ({e})")
+            if s_min > 0 and len(best) == 2:
+                two = ', '.join(str(int(b)) for b in best['batch_size'])
+                print(f"{where}: the fit rests on 2 batch sizes only ({two}): its line goes through both, nothing "
+                      f"checks it, and it has no interval")
+            if s_min > 0 and e_min / s_min > sizes[-1]:
+                print(f"{where}: B_crit {e_min / s_min:.3g} lies beyond the largest batch tried ({sizes[-1]}): an "
+                      f"extrapolation, a lower bound only, left out of the ratios")
+            if s_min > 0 and e_min / s_min < sizes[0]:
+                print(f"{where}: B_crit {e_min / s_min:.3g} lies below the smallest batch tried ({sizes[0]}): an "
+                      f"extrapolation, an upper bound only, left out of the ratios")
         gns = series[(family, seed)]
         at = gns[gns['tokens'] <= tokens].iloc[-1] if (gns['tokens'] <= tokens).any() else None
         rows.append(dict(family=family, seed=seed, branch_tokens=tokens, s_min=s_min, e_min=e_min,
                          b_crit=e_min / s_min if s_min > 0 else math.nan,
                          **{k: (at[k] if at is not None else math.nan)
-                            for k in ('b_simple_total', 'b_simple_norm', 'b_simple_norm_adam')}))
+                            for k in ('b_simple_total', 'b_simple_norm', 'b_simple_norm_adam')},
+                         b_crit_low=low, b_crit_high=high, fit_points=len(best) if s_min > 0 else 0,
+                         censored=' '.join(map(str, censored)), setting=setting))
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
@@ -278,23 +410,35 @@ def report(branches, summary, setup):
     """Markdown: one row per branch point and seed, then per family and branch point the ratios
     B_crit / B_simple as the mean over seeds (min-max), then per estimate how far and how steadily
     it follows B_crit over all fitted points: the geometric mean ratio and the spread of log ratio.
-    A fitted B_crit beyond the largest batch size tried is marked and left out of the ratios."""
+    A fitted B_crit outside the batch sizes tried is marked and left out of the ratios; a fit on two
+    batch sizes is marked."""
     grid = len(setup['batch_sizes']) * len(setup['learning_rates'])
-    largest = max(setup['batch_sizes'])
-    g = lambda v: '–' if pd.isna(v) else f"{v:.3g}"  # noqa: E731
+    smallest, largest = min(setup['batch_sizes']), max(setup['batch_sizes'])
+    g = lambda v: '–' if pd.isna(v) else '∞' if v == math.inf else f"{v:.3g}"  # noqa: E731
     b = lambda v: g(v) if pd.isna(v) or v > 0 else "< 0"  # noqa: E731  (a B_simple whose |G|^2 EMA is negative)
-    lines = ["| family | seed | branch point (tokens) | branches done | S_min | E_min | B_crit | B_simple total | "
-             "B_simple norm | B_simple norm, Adam |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| family | seed | branch point (tokens) | branches done | not reached (censored) | S_min | E_min | "
+             "B_crit | B_crit, 90% interval | B_simple total | B_simple norm | B_simple norm, Adam |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in summary.itertuples():
         here = branches[(branches['family'] == row.family) & (branches['seed'] == row.seed) &
                         (branches['branch_tokens'] == row.branch_tokens)]
-        lines.append(f"| {row.family} | {row.seed} | {row.branch_tokens:,} | {in_grid(here, setup['learning_rates']).sum()} "
-                     f"of {grid} | {g(row.s_min)} | {g(row.e_min)} | {g(row.b_crit)}"
-                     f"{f' (> {largest}: extrapolated)' if row.b_crit > largest else ''} | {b(row.b_simple_total)} | "
+        notes = (' (2 points)' if row.fit_points == 2 else '') + (
+            f" (> {largest}: extrapolated)" if row.b_crit > largest else
+            f" (< {smallest}: extrapolated)" if row.b_crit < smallest else '')
+        censored = ', '.join(str(row.censored).split()) if isinstance(row.censored, str) and row.censored else '–'
+        interval = '–' if pd.isna(row.b_crit_low) else f"{g(row.b_crit_low)}–{g(row.b_crit_high)}"
+        lines.append(f"| {row.family} | {row.seed} | {row.branch_tokens:,} | "
+                     f"{in_grid(here, setup['learning_rates']).sum()} of {grid} | {censored} | {g(row.s_min)} | "
+                     f"{g(row.e_min)} | {g(row.b_crit)}{notes} | {interval} | {b(row.b_simple_total)} | "
                      f"{b(row.b_simple_norm)} | {b(row.b_simple_norm_adam)} |")
-    # a B_crit beyond the largest batch tried is the fit's extrapolation: only "more than that" is
+    lines += ["",
+              "Not reached: batch sizes at which no rate reached the target (right-censored), left out of the fit.",
+              "The interval: the 5th to 95th percentile of B_crit refitted to 2000 resamples of the fit's log "
+              "residuals",
+              "(a residual bootstrap over the batch sizes' step counts; none for a fit on 2 points)."]
+    # a B_crit outside the batches tried is the fit's extrapolation: only "more (or less) than that" is
     # measured, so it stands in the first table, marked, and in no ratio
-    fitted = summary[summary['b_crit'].notna() & (summary['b_crit'] <= largest)].copy()
+    fitted = summary[summary['b_crit'].between(smallest, largest)].copy()
     for column, _ in RATIOS:  # a B_simple not above 0 (its EMA of |G|^2 still negative) is no estimate: no ratio
         fitted[f"ratio_{column}"] = (fitted['b_crit'] / fitted[column]).where(fitted[column] > 0)
     spread = lambda v: f"{v.mean():.2f} ({v.min():.2f}–{v.max():.2f})" if len(v) > 1 else f"{v.mean():.2f}"  # noqa: E731
@@ -316,12 +460,40 @@ def write_csv(path, frame):
     atomic_write(path, lambda f: frame.to_csv(f, index=False), mode='w')
 
 
-def read_csv(path, columns):
-    return pd.read_csv(path) if os.path.exists(path) else pd.DataFrame(columns=columns)
+def read_csv(parser, path, columns):
+    """A CSV this script wrote (empty with `columns` where there is none); one line and exit 2 where it
+    cannot be read or lacks a column."""
+    if not os.path.exists(path):
+        return pd.DataFrame(columns=columns)
+    try:
+        frame = pd.read_csv(path)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        parser.error(f"cannot read {path} ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        parser.error(f"{path} has no column {missing[0]}: it is not this script's")
+    return frame
+
+
+def writable_folder(parser, flag, path):
+    """Create the folder (and its parents) and write a file in it, or one line and exit 2 saying why not."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{flag}={path} is a file, not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        parser.error(f"{flag}={path}: cannot write there ({e.strerror or e})")
+
+
+def clock(seconds):
+    return f"{seconds / 60:.0f} min" if seconds >= 600 else f"{seconds:.0f} s"
 
 
 def main(argv=None):
-    parser = ToolParser(prog='bench/critical_batch.py', description=__doc__,
+    # no abbreviations: --seed=3 is train.py's key, not --seeds
+    parser = ToolParser(prog='bench/critical_batch.py', description=__doc__, allow_abbrev=False,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--out_dir', default='out-critical-batch',
                         help="where branches.csv, summary.csv and the GNS series go (default: out-critical-batch)")
@@ -329,7 +501,8 @@ def main(argv=None):
     parser.add_argument('--seeds', type=int, help="seeds per model family (default: 2, --quick 1)")
     parser.add_argument('--families', help=f"model families (default: {','.join(FAMILIES)}, --quick {next(iter(FAMILIES))})")
     parser.add_argument('--quick', action='store_true',
-                        help="a tiny model, a short base run, few steps, one family and seed: ~1 minute")
+                        help="a tiny model, a short base run, few steps, one family and seed "
+                             "(the README says how long it takes)")
     parser.add_argument('--delta', type=float, help="the loss drop each branch trains for (default: 0.05, --quick 0.2)")
     parser.add_argument('--report', action='store_true',
                         help="train nothing: fit OUT_DIR's branches as they stand, rewrite summary.csv and print "
@@ -343,84 +516,123 @@ def main(argv=None):
     args.seeds = args.seeds if args.seeds is not None else 1 if args.quick else 2
     families = (args.families or (next(iter(FAMILIES)) if args.quick else ','.join(FAMILIES))).split(',')
     families = [f for f in families if f]
-    if args.seeds < 1 or not setup['delta'] > 0 or not 0 <= args.alpha < 1:
-        parser.error("--seeds must be >= 1, --delta > 0 and --alpha in [0, 1)")
+    if args.seeds < 1 or not 0 < setup['delta'] < math.inf or not 0 <= args.alpha < 1:
+        parser.error("--seeds must be >= 1, --delta > 0 (and finite) and --alpha in [0, 1)")
     if not families or set(families) - set(FAMILIES):
         parser.error(f"--families must name some of {', '.join(FAMILIES)}")
+    branches_csv, summary_csv = (os.path.join(args.out_dir, n) for n in ('branches.csv', 'summary.csv'))
+    prints_csv = os.path.join(args.out_dir, 'checkpoints.csv')
     if args.report:  # the fits again from branches.csv as it stands (a running experiment adds rows to it)
-        branches_csv = os.path.join(args.out_dir, 'branches.csv')
+        if extra or args.delta is not None:
+            parser.error(f"--report trains nothing and takes the delta each branch point ran for from checkpoints.csv: "
+                         f"{(extra or ['--delta'])[0].split('=')[0]} has no effect there")
         if not os.path.exists(branches_csv):
             parser.error(f"--report: {args.out_dir} has no branches.csv (run the experiment first)")
-        branches = mark_best(pd.read_csv(branches_csv), setup['learning_rates'])
+        branches = mark_best(read_csv(parser, branches_csv, BRANCH_COLUMNS), setup['learning_rates'])
+        settings = point_settings(read_csv(parser, prints_csv, PRINT_COLUMNS), branches)
+        points = [tuple(p) for p in branches[POINT].drop_duplicates().itertuples(index=False)]
+        groups = {}  # setting: its branch points, each setting fitted and reported on its own
+        for point in points:
+            groups.setdefault(settings[point], []).append(point)
+        other = FULL if args.quick else QUICK
+        if all(setting_values(s).get('max_steps') == str(other['max_steps']) != str(setup['max_steps'])
+               for s in groups):
+            parser.error(f"{args.out_dir}'s branches ran for max_steps {other['max_steps']}, "
+                         f"{'the full experiment' if args.quick else '--quick'}'s: "
+                         f"{'leave out' if args.quick else 'add'} --quick to judge them on its grid")
         series = {}
         for family, seed in branches[['family', 'seed']].drop_duplicates().itertuples(index=False):
             path = os.path.join(args.out_dir, f"gns_{family}-s{seed}.csv")
             series[(family, seed)] = pd.read_csv(path) if os.path.exists(path) else pd.DataFrame(columns=['tokens'])
-        with contextlib.redirect_stdout(sys.stderr):  # the fits' notes
-            summary = summarise(branches, series, setup)
-        write_csv(os.path.join(args.out_dir, 'summary.csv'), summary)  # the notebook's figure reads it
-        print(report(branches, summary, setup))
+        if len(groups) > 1:
+            counts = '; '.join(f"{s}: {len(p)} branch point(s)" for s, p in groups.items())
+            print(f"note: {args.out_dir} holds branches of {len(groups)} settings ({counts}): each has its own "
+                  f"tables, no fit or ratio mixes them", file=sys.stderr)
+        texts, summaries = [], []
+        for setting, mine in groups.items():
+            part = branches[pd.MultiIndex.from_frame(branches[POINT]).isin(mine)]
+            with contextlib.redirect_stdout(sys.stderr):  # the fits' notes
+                summaries.append(summarise(part, series, setup, settings))
+            heading = (f"#### {setting}" if len(groups) > 1 else
+                       f"{len(mine)} branch point(s), all run for {setting}." if setting != NOT_RECORDED else
+                       f"{len(mine)} branch point(s), of a setting checkpoints.csv does not record.")
+            texts.append(f"{heading}\n\n{report(part, summaries[-1], setup)}")
+        try:  # the notebook's figure reads it
+            write_csv(summary_csv, pd.concat(summaries, ignore_index=True))
+        except OSError as e:
+            print(f"warning: could not rewrite {summary_csv} ({e.strerror or e}); the tables below are not in it",
+                  file=sys.stderr)
+        print("\n\n".join(texts))
         return 0
     work_dir = args.work_dir or os.path.join(args.out_dir, 'base')
-    os.makedirs(args.out_dir, exist_ok=True)
-    from tqdm import tqdm
-
-    branches_csv, summary_csv = (os.path.join(args.out_dir, n) for n in ('branches.csv', 'summary.csv'))
-    prints_csv = os.path.join(args.out_dir, 'checkpoints.csv')
-    branches = read_csv(branches_csv, BRANCH_COLUMNS)
-    prints = read_csv(prints_csv, ['family', 'seed', 'branch_tokens', 'fingerprint'])
+    writable_folder(parser, '--out_dir', args.out_dir)
+    writable_folder(parser, '--work_dir', work_dir)
+    tokens_per_step = check_base_runs(parser, work_dir, families, setup, extra)
+    branches = read_csv(parser, branches_csv, BRANCH_COLUMNS)
+    prints = read_csv(parser, prints_csv, PRINT_COLUMNS)
+    setting = setting_of(setup)
+    refuse_another_setting(parser, args.out_dir, work_dir, point_settings(prints, branches), setting)
     runs = [(f, s) for s in range(1, args.seeds + 1) for f in families]  # every family before a second seed
     grid = [(b, lr) for b in setup['batch_sizes'] for lr in setup['learning_rates']]
+    total = len(runs) * len(setup['points']) * len(grid)
     print(f"{len(runs)} base runs, {len(setup['points'])} branch points each, {len(grid)} branches per point "
-          f"(batch sizes {setup['batch_sizes']}, learning rates {setup['learning_rates']}, delta {setup['delta']})",
-          flush=True)
-    series, kept = {}, 0
-    bar = tqdm(total=len(runs) * len(setup['points']) * len(grid), desc="branches", unit="branch")
+          f"(batch sizes {setup['batch_sizes']}, learning rates {setup['learning_rates']}, {setting})", flush=True)
+    series, kept, done, started = {}, 0, 0, time.time()
     for family, seed in runs:
-        run, checkpoints = base_run(work_dir, family, seed, setup, extra)
+        run, checkpoints = base_run(work_dir, family, seed, setup, extra, tokens_per_step[family])
+        points = {}  # path: (tokens, weights' fingerprint), every one checked before anything is written
+        for path in checkpoints.values():
+            tokens, weights = int(read_checkpoint(path)['model']['tokens_processed']), fingerprint(path)
+            here = (prints['family'] == family) & (prints['seed'] == seed) & (prints['branch_tokens'] == tokens)
+            recorded = split_record(prints.loc[here, 'fingerprint'].iloc[0])[0] if here.any() else weights
+            if recorded != weights:
+                parser.error(f"{path} is not the checkpoint {args.out_dir}'s branches at {tokens:,} tokens started "
+                             f"from (its weights' fingerprint {weights}, recorded {recorded}: rebuilt, or trained by "
+                             f"other code); nothing was changed: run it in another --out_dir")
+            points[path] = tokens, weights
         series[(family, seed)] = b_simple_at(run, args.alpha)
         write_csv(os.path.join(args.out_dir, f"gns_{family}-s{seed}.csv"), series[(family, seed)])
-        for point, path in checkpoints.items():
-            tokens = int(read_checkpoint(path)['model']['tokens_processed'])
+        for path, (tokens, weights) in points.items():
             here = (prints['family'] == family) & (prints['seed'] == seed) & (prints['branch_tokens'] == tokens)
-            fp = (f"{fingerprint(path)} delta {setup['delta']:g} max_steps {setup['max_steps']} "
-                  f"eval {setup['eval_batches']}x{setup['eval_batch_size']}")
-            if here.any() and prints.loc[here, 'fingerprint'].iloc[0] != fp:
-                print(f"  {family} seed {seed}: the branches at {tokens:,} tokens started from another checkpoint or "
-                      f"ran for another delta ({prints.loc[here, 'fingerprint'].iloc[0]}); running them again")
-                mine = (branches['family'] == family) & (branches['seed'] == seed) & (branches['branch_tokens'] == tokens)
-                branches = branches[~mine]
-            prints = pd.concat([prints[~here], pd.DataFrame([dict(family=family, seed=seed, branch_tokens=tokens,
-                                                                  fingerprint=fp)])], ignore_index=True)
-            write_csv(prints_csv, prints)
+            if not here.any():  # recorded before its first branch is written: no row without its setting
+                record = dict(family=family, seed=seed, branch_tokens=tokens, fingerprint=f"{weights} {setting}")
+                prints = pd.concat([prints, pd.DataFrame([record])], ignore_index=True)
+                write_csv(prints_csv, prints)
+            mine = (branches['family'] == family) & (branches['seed'] == seed) & (branches['branch_tokens'] == tokens)
+            todo = [(b, lr) for b, lr in grid if not (mine & (branches['batch_size'] == b) &
+                                                     np.isclose(branches['learning_rate'].astype(float), lr)).any()]
+            kept, done = kept + len(grid) - len(todo), done + len(grid) - len(todo)
+            if len(todo) < len(grid):
+                print(f"  [{done}/{total}] {family} seed {seed} at {tokens:,} tokens: {len(grid) - len(todo)} branches "
+                      f"kept from an earlier run", flush=True)
+            if not todo:
+                continue
             eval_set = fixed_eval_set(path, setup)
             model = load_branch(path, 0.0)[0]
             start_loss = held_out_loss(model, eval_set)
-            for b, lr in grid:
-                done = ((branches['family'] == family) & (branches['seed'] == seed) &
-                        (branches['branch_tokens'] == tokens) & (branches['batch_size'] == b) &
-                        np.isclose(branches['learning_rate'].astype(float), lr))
-                bar.update(1)
-                if done.any():
-                    kept += 1
-                    continue
-                bar.set_postfix_str(f"{family} s{seed} step {point} B={b} lr={lr:g}")
+            for b, lr in todo:
+                print(f"  [{done + 1}/{total}, {clock(time.time() - started)}] {family} seed {seed} at {tokens:,} "
+                      f"tokens: B={b} lr={lr:g} ...", end='', flush=True)
+                branch_started = time.time()
                 steps = run_branch(path, b, lr, eval_set, start_loss, setup['delta'], setup['max_steps'],
                                    seed=1000 * seed + b)
+                done += 1
+                print(f" {f'{steps:.1f} steps' if steps is not None else 'not reached'} "
+                      f"({clock(time.time() - branch_started)})", flush=True)
                 row = dict(family=family, seed=seed, branch_tokens=tokens, batch_size=b, learning_rate=lr, best=False,
                            steps=steps if steps is not None else math.nan,
                            examples=b * steps if steps is not None else math.nan, reached=steps is not None)
                 branches = pd.concat([branches, pd.DataFrame([row])], ignore_index=True)
                 branches = mark_best(branches, setup['learning_rates'])
                 write_csv(branches_csv, branches[BRANCH_COLUMNS])  # every finished branch is kept
-    bar.close()
-    print(f"{kept} branches were kept from an earlier run, {bar.n - kept} run now")
+    print(f"{kept} branches were kept from an earlier run, {done - kept} run now ({clock(time.time() - started)})")
     branches = mark_best(branches, setup['learning_rates'])
     write_csv(branches_csv, branches[BRANCH_COLUMNS])
-    summary = summarise(branches[branches['family'].isin(families)], series, setup)
+    ran = pd.MultiIndex.from_frame(branches[['family', 'seed']]).isin(list(series))  # this run's families and seeds
+    summary = summarise(branches[ran], series, setup, point_settings(prints, branches))
     write_csv(summary_csv, summary)
     with pd.option_context('display.width', 200, 'display.max_columns', 20):
-        print(summary.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        print(summary.drop(columns='setting').to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(f"wrote {branches_csv} and {summary_csv}")
     return 0
 

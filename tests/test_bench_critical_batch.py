@@ -1,6 +1,9 @@
 """bench/critical_batch.py --quick: the whole pipeline on a tiny model (base run, branches, fit),
-its CSVs' columns, summary's B_crit the fit of branches.csv's best rows, and a run that is
-started again keeping every finished branch."""
+its CSVs' columns, summary's B_crit the fit of branches.csv's best rows, a line per base run and
+branch, and a run that is started again keeping every finished branch; a run of another setting
+(or from another checkpoint) refused before it changes anything; --report's tables, one set per
+setting, naming censored batch sizes, fits on two points and extrapolations both ways; bad input
+as one line."""
 import os
 import shutil
 
@@ -14,11 +17,12 @@ from gnsmath import fit_critical_batch
 SCRIPT = os.path.join(REPO, "bench", "critical_batch.py")
 
 
-def critical_batch(capsys, *args):
-    """(exit code, stdout, stderr) of the script run in this process until it exits: for the runs that
-    train nothing, without paying a fresh interpreter's import of torch each time."""
+def critical_batch(capsys, *args, script=None):
+    """(exit code, stdout, stderr) of the script (a fresh load_script() unless given) run in this process
+    until it exits: for the runs that train nothing, without paying a fresh interpreter's import of
+    torch each time."""
     try:
-        code = load_script().main(list(args))
+        code = (script or load_script()).main(list(args))
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()
@@ -33,7 +37,9 @@ def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs,
     assert list(branches.columns) == ["family", "seed", "branch_tokens", "batch_size", "learning_rate", "best",
                                       "steps", "examples", "reached"]
     assert list(summary.columns) == ["family", "seed", "branch_tokens", "s_min", "e_min", "b_crit", "b_simple_total",
-                                     "b_simple_norm", "b_simple_norm_adam"]
+                                     "b_simple_norm", "b_simple_norm_adam", "b_crit_low", "b_crit_high", "fit_points",
+                                     "censored", "setting"]
+    assert (summary.setting == "delta 0.2 max_steps 150 eval 4x16").all()
     # 3 branch points x 5 batch sizes (x16) x 3 learning rates, the same grid everywhere
     assert len(summary) == 3 and len(branches) == 45
     assert branches.groupby("branch_tokens").size().tolist() == [15, 15, 15]
@@ -49,6 +55,9 @@ def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs,
         assert best.batch_size.is_unique
         for b, group in here[here.reached].groupby("batch_size"):
             assert best[best.batch_size == b].steps.item() == group.steps.min()
+        # the batch sizes no rate brought to the target are named: right-censored, not in the fit
+        never = sorted(set(here.batch_size) - set(here[here.reached].batch_size))
+        assert (row.censored.split() if isinstance(row.censored, str) else []) == [str(b) for b in never]
         try:
             s_min, e_min = fit_critical_batch(best.batch_size.tolist(), best.steps.tolist())
         except ValueError:
@@ -56,14 +65,33 @@ def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs,
             continue
         fitted += 1
         assert (row.s_min, row.e_min, row.b_crit) == pytest.approx((s_min, e_min, e_min / s_min))
+        assert row.fit_points == len(best)
+        if len(best) > 2:
+            assert 0 <= row.b_crit_low <= row.b_crit_high
+        else:
+            assert np.isnan(row.b_crit_low) and np.isnan(row.b_crit_high)
         assert row.b_simple_total > 0 and row.b_simple_norm > 0
     assert fitted >= 1
     gns = pd.read_csv(out / "gns_gpt2-s1.csv")
     assert list(gns.columns) == ["tokens", "b_simple_total", "b_simple_norm", "b_simple_norm_adam"]
+    # a line as each base run and each branch starts: what runs, how many of how many
+    lines = bench_runs["critical_batch.py"][1].splitlines()
+    for k, step in enumerate((20, 40, 60), 1):
+        assert f"  gpt2 seed 1: base run to step {step} ({k} of 3 checkpoints) ..." in lines
+    started = [line for line in lines if line.startswith("  [") and " tokens: B=" in line]
+    assert [int(line[3:].split("/")[0].split(",")[0]) for line in started] == list(range(1, 46))
+    assert all(line.split("/")[1].startswith("45,") for line in started)
+    for row in branches.itertuples():  # each line names its branch, and ends with what it took
+        name = f"at {row.branch_tokens:,} tokens: B={row.batch_size} lr={row.learning_rate:g} ..."
+        line = next(x for x in started if name in x)
+        assert line.endswith(" s)")
+        assert f" {row.steps:.1f} steps (" in line if row.reached else " not reached (" in line
     # started again: every branch is kept, nothing is run twice, the results are the same
     code, stdout, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}")
     assert code == 0, stderr[-2000:]
     assert "45 branches were kept from an earlier run, 0 run now" in stdout
+    last = branches.branch_tokens.max()
+    assert f"  [45/45] gpt2 seed 1 at {last:,} tokens: 15 branches kept from an earlier run" in stdout
     pd.testing.assert_frame_equal(pd.read_csv(out / "branches.csv"), branches)
 
 
@@ -125,8 +153,10 @@ def test_report_refits_the_branches_as_they_stand_with_each_ratio_and_its_spread
     code, stdout, stderr = critical_batch(capsys, "--report", "--quick", f"--out_dir={out}")
     assert code == 0, stderr
     lines = stdout.splitlines()
-    assert "| gpt2 | 1 | 100 | 15 of 15 | 10 | 300 | 30 | 15 | 10 | 30 |" in lines
-    assert "| gpt2 | 2 | 100 | 12 of 15 | – | – | – | 30 | 10 | < 0 |" in lines  # an EMA of |G|^2 still negative
+    # exact points: no scatter about the curve, so the bootstrap interval is the point itself
+    assert "| gpt2 | 1 | 100 | 15 of 15 | – | 10 | 300 | 30 | 30–30 | 15 | 10 | 30 |" in lines
+    # (an EMA of |G|^2 still negative: < 0)
+    assert "| gpt2 | 2 | 100 | 12 of 15 | – | – | – | – | – | 30 | 10 | < 0 |" in lines
     assert "seed 2 at 100 tokens: 12 of 15 branches run, no fit yet" in stderr
     summary = pd.read_csv(out / "summary.csv")  # rewritten for the notebook
     assert summary.b_crit.tolist()[0] == pytest.approx(30) and np.isnan(summary.b_crit.tolist()[1])
@@ -158,7 +188,8 @@ def test_a_b_crit_beyond_the_largest_batch_tried_is_marked_and_in_no_ratio(tmp_p
     assert code == 0, stderr
     lines = stdout.splitlines()
     largest = max(sizes)
-    assert f"| gpt2 | 1 | 150 | 15 of 15 | 1 | 3e+03 | 3e+03 (> {largest}: extrapolated) | 100 | 50 | 80 |" in lines
+    assert (f"| gpt2 | 1 | 150 | 15 of 15 | – | 1 | 3e+03 | 3e+03 (> {largest}: extrapolated) | 3e+03–3e+03 | "
+            f"100 | 50 | 80 |") in lines
     assert f"B_crit 3e+03 lies beyond the largest batch tried ({largest})" in stderr
     assert pd.read_csv(out / "summary.csv").b_crit.tolist() == pytest.approx([30, 3000])  # the fit, as it is
     assert not any(line.startswith("| gpt2 | 150 |") for line in lines)  # no ratio at that point
@@ -168,3 +199,193 @@ def test_a_b_crit_beyond_the_largest_batch_tried_is_marked_and_in_no_ratio(tmp_p
 def test_report_needs_the_experiments_csvs(tmp_path, capsys):
     code, _, stderr = critical_batch(capsys, "--report", f"--out_dir={tmp_path}")
     assert code == 2 and "has no branches.csv" in stderr.strip().splitlines()[-1]
+
+
+# -- nothing finished is lost, no setting mixed ----------------------------------------------------
+
+QUICK_SETTING = "delta 0.2 max_steps 150 eval 4x16"  # --quick's, as checkpoints.csv records it
+
+
+def trains_nothing():
+    """The script with its training replaced by a failure: for the runs that must stop before any."""
+    script = load_script()
+
+    def trained(*args, **kwargs):
+        raise AssertionError("it went on to train")
+    script.base_run = script.run_branch = script.train_once = trained
+    return script
+
+
+def finished_out_dir(out, setting=QUICK_SETTING, weights="0123456789abcdef"):
+    """An OUT_DIR with one finished branch point (100 tokens) of --quick's grid, recorded for `setting`."""
+    out.mkdir()
+    grid, sizes = load_script().QUICK["learning_rates"], load_script().QUICK["batch_sizes"]
+    rows(*[(b, lr, 10 + 300 / b + (0 if lr == grid[1] else 50)) for b in sizes for lr in grid]
+         ).to_csv(out / "branches.csv", index=False)
+    pd.DataFrame(dict(family=["gpt2"], seed=[1], branch_tokens=[100], fingerprint=[f"{weights} {setting}"])
+                 ).to_csv(out / "checkpoints.csv", index=False)
+    return {name: (out / name).read_bytes() for name in ("branches.csv", "checkpoints.csv")}
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--quick", "--delta=0.35"], ["delta 0.2, not 0.35"]),
+    ([], ["delta 0.2, not 0.05", "max_steps 150, not 2000", "eval 4x16, not 8x16"]),  # the full experiment's
+])
+def test_another_setting_on_an_out_dir_is_refused_in_one_line_and_deletes_nothing(tmp_path, tiny_dataset, capsys,
+                                                                                    args, named):
+    out = tmp_path / "cb"
+    before = finished_out_dir(out)
+    code, _, stderr = critical_batch(capsys, *args, f"--out_dir={out}", f"--dataset={tiny_dataset}",
+                                     script=trains_nothing())
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert all(words in stderr for words in named) and "another --out_dir" in stderr
+    assert f"--work_dir={out / 'base'} reuses the base runs" in stderr
+    assert {name: (out / name).read_bytes() for name in before} == before
+
+
+def test_the_same_setting_on_an_out_dir_goes_on(tmp_path, tiny_dataset, capsys):
+    out = tmp_path / "cb"
+    finished_out_dir(out)
+    with pytest.raises(AssertionError, match="it went on to train"):
+        critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}", script=trains_nothing())
+
+
+def test_branches_with_no_recorded_setting_are_refused(tmp_path, tiny_dataset, capsys):
+    out = tmp_path / "cb"
+    finished_out_dir(out)
+    (out / "checkpoints.csv").unlink()
+    code, _, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}",
+                                     script=trains_nothing())
+    assert code == 2 and "no record in checkpoints.csv" in stderr.strip().splitlines()[-1]
+
+
+def test_a_checkpoint_that_is_not_the_branches_one_is_refused_and_deletes_nothing(tmp_path, tiny_dataset, capsys):
+    """A base run rebuilt (or trained by other code) gives other weights at a branch point: its branches
+    are kept, and the run stops before running any again."""
+    out = tmp_path / "cb"
+    before = finished_out_dir(out)
+    script = trains_nothing()
+    script.base_run = lambda *args: (str(tmp_path), {20: str(tmp_path / "ckpt-20.pt")})
+    script.b_simple_at = lambda run, alpha: pd.DataFrame(dict(tokens=[100], b_simple_total=[1.0], b_simple_norm=[1.0],
+                                                              b_simple_norm_adam=[1.0]))
+    script.read_checkpoint = lambda path: {"model": {"tokens_processed": 100}}
+    script.fingerprint = lambda path: "fedcba9876543210"
+    code, _, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}", script=script)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "fingerprint fedcba9876543210, recorded 0123456789abcdef" in stderr and "another --out_dir" in stderr
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not (out / "gns_gpt2-s1.csv").exists()  # nor the other base run's B_simple beside these branches
+
+
+def report_out_dir(out, points):
+    """An OUT_DIR of finished --quick grids: points [(tokens, S_min, E_min, setting or None)], each batch size's
+    best rate (the middle one) on S = S_min + E_min / B exactly, the others 50 steps slower; steps None:
+    not reached. B_simple 10 everywhere."""
+    out.mkdir()
+    script = load_script()
+    grid, sizes = script.QUICK["learning_rates"], script.QUICK["batch_sizes"]
+    frames, records = [], []
+    for tokens, steps, setting in points:
+        frames.append(rows(*[(b, lr, None if steps(b) is None else steps(b) + (0 if lr == grid[1] else 50))
+                             for b in sizes for lr in grid]).assign(branch_tokens=tokens))
+        if setting:
+            records.append(dict(family="gpt2", seed=1, branch_tokens=tokens, fingerprint=f"0123456789abcdef {setting}"))
+    pd.concat(frames).to_csv(out / "branches.csv", index=False)
+    if records:
+        pd.DataFrame(records).to_csv(out / "checkpoints.csv", index=False)
+    pd.DataFrame(dict(tokens=[0], b_simple_total=[10.0], b_simple_norm=[10.0], b_simple_norm_adam=[10.0])
+                 ).to_csv(out / "gns_gpt2-s1.csv", index=False)
+
+
+def test_report_gives_each_setting_its_own_tables_and_says_so(tmp_path, capsys):
+    """Branch points of two deltas (a run for another delta, stopped midway, by earlier versions that
+    replaced rows): never one table, one fit or one ratio across them."""
+    out = tmp_path / "cb"
+    other = QUICK_SETTING.replace("delta 0.2", "delta 0.3")
+    report_out_dir(out, [(100, lambda b: 10 + 300 / b, QUICK_SETTING), (200, lambda b: 10 + 100 / b, other),
+                         (300, lambda b: 10 + 200 / b, QUICK_SETTING)])
+    code, stdout, stderr = critical_batch(capsys, "--report", "--quick", f"--out_dir={out}")
+    assert code == 0, stderr
+    assert f"holds branches of 2 settings ({QUICK_SETTING}: 2 branch point(s); {other}: 1 branch point(s))" in stderr
+    first, second = stdout.split(f"#### {other}")
+    assert first.startswith(f"#### {QUICK_SETTING}\n")
+    tables = {"first": first, "second": second}
+    for name, tokens in (("first", [100, 300]), ("second", [200])):
+        rows_here = [line for line in tables[name].splitlines() if line.startswith("| gpt2 | 1 |")]
+        assert [int(line.split(" | ")[2].replace(",", "")) for line in rows_here] == tokens
+        # the last table: the ratios over that setting's points alone (B_crit 30 and 20 at delta 0.2, 10 at 0.3)
+        ratios = [line for line in tables[name].splitlines() if line.startswith("| B_simple total |")][0]
+        assert ratios.split(" | ")[1:3] == (["2", f"{np.sqrt(3.0 * 2.0):.3g}"] if name == "first" else ["1", "1"])
+    summary = pd.read_csv(out / "summary.csv")
+    assert dict(zip(summary.branch_tokens, summary.setting)) == {100: QUICK_SETTING, 200: other, 300: QUICK_SETTING}
+    # one setting: said once, above the tables
+    report_out_dir(tmp_path / "one", [(100, lambda b: 10 + 300 / b, QUICK_SETTING)])
+    code, stdout, stderr = critical_batch(capsys, "--report", "--quick", f"--out_dir={tmp_path / 'one'}")
+    assert stdout.startswith(f"1 branch point(s), all run for {QUICK_SETTING}.\n") and "settings" not in stderr
+
+
+def test_report_names_censored_batch_sizes_two_point_fits_and_extrapolations_below(tmp_path, capsys):
+    out = tmp_path / "cb"
+    report_out_dir(out, [
+        (100, lambda b: None if b <= 4 else 10 + 300 / b, QUICK_SETTING),  # B = 2, 4 never reach the target
+        (200, lambda b: 10 + 300 / b if b in (8, 32) else None, QUICK_SETTING),  # two batch sizes reach it
+        (300, lambda b: 100 + 50 / b, QUICK_SETTING),  # B_crit 0.5, below the smallest batch tried (2)
+    ])
+    code, stdout, stderr = critical_batch(capsys, "--report", "--quick", f"--out_dir={out}")
+    assert code == 0, stderr
+    lines = stdout.splitlines()
+    # right-censored: named in the output and the table, and the fit is that of the other batch sizes alone
+    assert "seed 1 at 100 tokens: B = 2, 4 reached the target at no rate (right-censored: more than 150 steps" in stderr
+    s_min, e_min = fit_critical_batch([8, 16, 32], [10 + 300 / b for b in (8, 16, 32)])
+    assert f"| gpt2 | 1 | 100 | 15 of 15 | 2, 4 | {s_min:.3g} | {e_min:.3g} | {e_min / s_min:.3g} |" in stdout
+    # two points: marked, no interval
+    assert "seed 1 at 200 tokens: the fit rests on 2 batch sizes only (8, 32)" in stderr
+    assert "| gpt2 | 1 | 200 | 15 of 15 | 2, 4, 16 | 10 | 300 | 30 (2 points) | – |" in stdout
+    # below the smallest batch: an extrapolation as one above the largest is, and in no ratio
+    assert "seed 1 at 300 tokens: B_crit 0.5 lies below the smallest batch tried (2)" in stderr
+    assert "| gpt2 | 1 | 300 | 15 of 15 | – | 100 | 50 | 0.5 (< 2: extrapolated) | 0.5–0.5 | 10 | 10 | 10 |" \
+        in lines
+    assert not any(line.startswith("| gpt2 | 300 |") for line in lines)
+    assert "| B_simple total | 2 | 3 |" in stdout  # B_crit 30 at 100 and 200 tokens, B_simple 10
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary.censored.tolist()[:2] == ["2 4", "2 4 16"] and summary.fit_points.tolist() == [3, 2, 5]
+
+
+def test_report_refuses_the_other_modes_branches(tmp_path, capsys):
+    """--report judges the branches on --quick's grid or the full one: the recorded max_steps says which."""
+    out = tmp_path / "cb"
+    report_out_dir(out, [(100, lambda b: 10 + 300 / b, QUICK_SETTING)])
+    code, _, stderr = critical_batch(capsys, "--report", f"--out_dir={out}")
+    assert code == 2 and "add --quick" in stderr.strip().splitlines()[-1]
+    code, _, stderr = critical_batch(capsys, "--report", "--quick", "--delta=0.3", f"--out_dir={out}")
+    assert code == 2 and "--delta has no effect" in stderr.strip().splitlines()[-1]
+
+
+# -- bad input: one line, exit 2, before anything runs ---------------------------------------------
+
+@pytest.mark.parametrize("args, words", [
+    (["--out_dir=/proc/x"], "--out_dir=/proc/x: cannot write there"),
+    (["--out_dir={file}"], "is a file, not a folder"),
+    (["--work_dir={file}"], "--work_dir={file} is a file, not a folder"),
+    (["--batch_size=abc"], "--batch_size expects int"),
+    (["--n_layer=0"], "--n_layer=0 must be a whole number >= 1"),
+    (["--learning_rate=-1"], "--learning_rate=-1.0 must be a number > 0"),
+    (["--bogus=1"], "unknown config key 'bogus'"),
+    (["--seed=3"], "--seed is set by bench/critical_batch.py itself"),
+    (["--max_tokens=100"], "--max_tokens is set by bench/critical_batch.py itself"),
+    (["--seeds=abc"], "--seeds: invalid int value"),
+    (["--delta=abc"], "--delta: invalid float value"),
+    (["--delta=nan"], "--delta > 0"),
+    (["--delta=inf"], "--delta > 0"),
+    (["--alpha=1"], "--alpha in [0, 1)"),
+    (["--dataset={missing}"], "is not prepared"),
+    (["--device=nodevice"], "is not a device"),
+])
+def test_bad_values_are_one_line_exit_2_before_anything_runs(tmp_path, tiny_dataset, capsys, args, words):
+    (tmp_path / "file").write_text("not a folder")
+    names = dict(file=tmp_path / "file", missing=tmp_path / "missing")
+    args = [a.format(**names) for a in args]
+    where = [] if any(a.startswith("--out_dir") for a in args) else [f"--out_dir={tmp_path / 'cb'}"]
+    code, _, stderr = critical_batch(capsys, "--quick", f"--dataset={tiny_dataset}", *where, *args,
+                                     script=trains_nothing())
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and words.format(**names) in stderr, stderr

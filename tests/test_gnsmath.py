@@ -1,5 +1,6 @@
 """gnsmath.py: McCandlish et al.'s unbiased estimates, the online and the vectorised bias-corrected
-EMA (the same average), log.csv's column names, and that none of it needs torch."""
+EMA (the same average), log.csv's column names, the critical-batch fit and its interval, and that
+none of it needs torch."""
 import os
 import subprocess
 import sys
@@ -141,3 +142,57 @@ def test_fit_critical_batch_refuses_degenerate_input_in_one_line(batch_sizes, st
     with pytest.raises(ValueError, match="fit_critical_batch") as e:
         gnsmath.fit_critical_batch(batch_sizes, steps)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# -- critical_batch_interval: how far the step counts' scatter moves B_crit --------------------------
+
+def test_critical_batch_interval_covers_the_true_b_crit_about_as_often_as_it_says():
+    """Step counts scattered about a known curve by a few percent, as branches' are: the 90% interval
+    holds the true B_crit in most draws, neither always (too wide to say anything) nor rarely (too narrow).
+    Five batch sizes and two fitted parameters leave a residual bootstrap somewhat narrow, so the band
+    is wide."""
+    rng = np.random.default_rng(7)
+    batch_sizes = np.array([4, 8, 16, 32, 64])
+    s_min, e_min = 10.0, 300.0
+    held = []
+    for draw in range(300):
+        steps = (s_min + e_min / batch_sizes) * np.exp(0.1 * rng.standard_normal(len(batch_sizes)))
+        low, high = gnsmath.critical_batch_interval(batch_sizes, steps, resamples=500, seed=draw)
+        held.append(low <= e_min / s_min <= high)
+    assert 0.7 <= np.mean(held) <= 0.97
+
+
+def test_critical_batch_interval_is_the_fit_itself_on_exact_points_and_none_on_two():
+    batch_sizes = [4, 8, 16, 32]
+    steps = [10 + 300 / b for b in batch_sizes]
+    low, high = gnsmath.critical_batch_interval(batch_sizes, steps)
+    assert low == pytest.approx(30, rel=1e-9) and high == pytest.approx(30, rel=1e-9)
+    # two batch sizes (with repeats, and with a censored third): the line goes through both, no scatter to resample
+    for sizes, counts in (([4, 32], steps[::3]), ([4, 4, 32], [steps[0], steps[0] * 1.1, steps[3]]),
+                          ([4, 16, 32], [steps[0], None, steps[3]])):
+        assert all(np.isnan(gnsmath.critical_batch_interval(sizes, counts)))
+    with pytest.raises(ValueError, match="1 batch size"):
+        gnsmath.critical_batch_interval([4, 8], [100, None])
+
+
+def test_critical_batch_interval_widens_with_the_scatter_and_repeats_for_a_seed():
+    batch_sizes = [4, 8, 16, 32, 64]
+    wobble = np.array([1, -1, 0.5, 1, -1.5])
+    width = []
+    for scale in (0.02, 0.1):
+        steps = [(10 + 300 / b) * np.exp(scale * w) for b, w in zip(batch_sizes, wobble)]
+        low, high = gnsmath.critical_batch_interval(batch_sizes, steps)
+        assert (low, high) == gnsmath.critical_batch_interval(batch_sizes, steps)
+        assert low < high
+        width.append(np.log(high / low))
+    assert width[1] > 2 * width[0]
+
+
+def test_critical_batch_interval_counts_a_resample_with_no_floor_as_infinite():
+    """Steps that keep halving with the batch: many resamples fit S_min <= 0, a B_crit beyond any
+    batch size; the interval's top says so instead of a number."""
+    batch_sizes = [4, 8, 16, 32]
+    steps = [1000 / b * f for b, f in zip(batch_sizes, (1.0, 1.15, 0.9, 1.1))]
+    s_min, e_min = gnsmath.fit_critical_batch(batch_sizes, steps)  # a floor, barely: B_crit far beyond 32
+    low, high = gnsmath.critical_batch_interval(batch_sizes, steps)
+    assert e_min / s_min > 32 and high == np.inf and 0 < low
