@@ -100,9 +100,9 @@ def test_a_resume_through_state_dict_continues_the_run(tmp_path):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     meter.close()
-    assert largest_difference(gns_columns(str(whole)), gns_columns(str(cut))) < 1e-6
+    assert largest_difference(gns_columns(str(whole)), gns_columns(str(cut))) < 1e-5
     uninterrupted = own_loop(None, rows, batch=4, accumulation=2, steps=6, max_grad_norm=0.5)[2]
-    assert live["gns/total"] == pytest.approx(uninterrupted.live()["gns/total"], rel=1e-6)
+    assert live["gns/total"] == pytest.approx(uninterrupted.live()["gns/total"], rel=1e-5)
 
 
 def test_refusals_are_one_line(tmp_path):

@@ -94,11 +94,11 @@ def test_a_trainer_resumed_from_its_checkpoint_continues_the_gns(tmp_path):
     resumed = trainer(tmp_path / "cut", rows, [GNSCallback()], steps=6)
     resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-3"))
     assert sorted(gns_columns(str(tmp_path / "cut"))) == list(range(6))
-    assert largest_difference(gns_columns(str(tmp_path / "whole")), gns_columns(str(tmp_path / "cut"))) < 1e-6
+    assert largest_difference(gns_columns(str(tmp_path / "whole")), gns_columns(str(tmp_path / "cut"))) < 1e-5
     last = [entry for entry in whole.state.log_history if "gns/total" in entry][-1]
     again = [entry for entry in resumed.state.log_history if "gns/total" in entry][-1]
     assert again["step"] == last["step"] == 6
-    assert again["gns/total"] == pytest.approx(last["gns/total"], rel=1e-6)  # the EMA went on, not restarted
+    assert again["gns/total"] == pytest.approx(last["gns/total"], rel=1e-5)  # the EMA went on, not restarted
 
 
 def test_two_ddp_ranks_give_one_process_with_the_doubled_batch(tmp_path):

@@ -63,9 +63,9 @@ def test_a_fit_resumed_from_its_checkpoint_continues_the_gns(tmp_path):
     resumed_callback = GNSCallback()
     fit(tmp_path / "cut", rows, [resumed_callback], epochs=2, ckpt_path=str(tmp_path / "cut.ckpt"))
     assert sorted(gns_columns(str(tmp_path / "cut"))) == list(range(6))
-    assert largest_difference(gns_columns(str(tmp_path / "whole")), gns_columns(str(tmp_path / "cut"))) < 1e-6
+    assert largest_difference(gns_columns(str(tmp_path / "whole")), gns_columns(str(tmp_path / "cut"))) < 1e-5
     assert resumed_callback.meter.live()["gns/total"] == pytest.approx(whole_callback.meter.live()["gns/total"],
-                                                                       rel=1e-6)
+                                                                       rel=1e-5)
 
 
 def test_refusals_are_one_line(tmp_path):
