@@ -51,7 +51,9 @@ torch.compile: every class compiles (the buffers are handed to the autograd Func
 inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts).
 """
 import functools
+import importlib.util
 import math
+import os
 import time
 import types
 import warnings
@@ -358,11 +360,32 @@ def _gram_dot(x, dy):
     return _cast(torch.dot(gram_x.view(-1), gram_dy.view(-1)), torch.float32)
 
 
+# On a GPU the materialised norms can run linear_gns_kernel's Triton GEMM, which never writes the
+# per-example W_b: with GNS_LINEAR_KERNEL=1 in the environment (where Triton is installed), until
+# bench/gpu_check.py has shown it exact and fast on a GPU; otherwise, and on the CPU, torch.bmm
+# over chunks of examples
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+LINEAR_KERNEL = os.environ.get("GNS_LINEAR_KERNEL") == "1"
+
+
+def _on_kernel(x, ids):
+    """Whether the materialised norms of x's layer run linear_gns_kernel: asked for, on a GPU with
+    Triton, for any layer but a tied head (whose embedding needs W_b's rows at its ids)."""
+    return LINEAR_KERNEL and ids is None and x.is_cuda and HAS_TRITON
+
+
 def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
     """sum_b ||W_b||^2 with W_b = dy_b^T x_b materialised a chunk of examples at a time, in
     the compute dtype (it is the weight gradient's own GEMM split by example); also their sum,
     the weight gradient (in at least float32), when want_grad; and for a tied output head (ids
-    given, [B, T]) Q_b[t] = W_b[id_bt] as float32 [B, T, K], a gather from the rows at hand."""
+    given, [B, T]) Q_b[t] = W_b[id_bt] as float32 [B, T, K], a gather from the rows at hand.
+    On a GPU, untied, the same sums come from linear_gns_kernel, which never writes W_b (float32
+    throughout)."""
+    if _on_kernel(x, ids):
+        import linear_gns_kernel  # here, on first use: it imports Triton
+        if linear_gns_kernel.supports(x, dy):
+            grad, per_example = linear_gns_kernel.per_example_weight_grad(x, dy, want_grad)
+            return per_example.sum(), grad, None
     B, T, K = x.shape
     L = dy.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)

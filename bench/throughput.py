@@ -84,7 +84,12 @@ SETTINGS = {
     'llama-rms-shim': dict(LLAMA, lnclass='shim'),
     'llama-rms-fused': dict(LLAMA, lnclass='fused'),
     'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
+    'all-gns-kernel': dict(linearclass='gns', embeddingclass='gns', lnclass='shim'),
+    'llama-all-gns-kernel': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
 }
+# settings that differ by their environment alone: the Linears' per-example-norm Triton kernel on a
+# GPU (buffered.LINEAR_KERNEL), asked for until it has been shown exact and fast there
+SETTING_ENV = {'all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'}, 'llama-all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'}}
 BASELINE = 'nn'
 DTYPES = ('float32', 'bfloat16', 'float16')
 GPT2_VOCAB = 50304  # train.py's vocabulary for a dataset without meta.pkl
@@ -218,7 +223,7 @@ def run_train(repo, setting, args, work, iters, memory=False, profile=None, comp
     flags = {**train_flags(args, os.path.join(work, 'data'), out_dir, iters, compiled), **args.settings[setting]}
     options = dict(device=args.device, threads=args.threads, warmup=args.warmup, iters=args.iters,
                    profile=profile, rows=args.profile_rows)
-    env = dict(os.environ, WANDB_MODE='disabled')
+    env = dict(os.environ, WANDB_MODE='disabled', **SETTING_ENV.get(setting, {}))
     if args.threads:
         env['OMP_NUM_THREADS'] = str(args.threads)
     if memory:  # glibc: each tensor above 64 KiB mapped on its own and unmapped when freed

@@ -52,3 +52,41 @@ def test_every_step_names_commands_that_exist(tmp_path):
         for cmd in commands(args):
             scripts = [part for part in cmd if part.endswith(".py")]
             assert all(os.path.exists(os.path.join(ROOT, s)) for s in scripts), (name, scripts)
+
+
+def test_the_linear_step_times_the_kernel_and_the_tests_step_runs_its_tests():
+    assert "tests/test_linear_gns_kernel.py" in gpu_check.TESTS
+    args = gpu_check.argparse.Namespace(python=sys.executable, out="gpu-check")
+    assert gpu_check.STEPS["linear"][1](args) == [[sys.executable, "bench/gpu_check.py", "--out", "gpu-check",
+                                                    "--time_linear"]]
+
+
+def test_time_linear_without_a_gpu_is_one_line_and_exit_2(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here")
+    done = gpu_check.subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--out",
+                                     str(tmp_path), "--time_linear"], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "bench/gpu_check.py: error: --time_linear needs a CUDA GPU\n"
+
+
+def test_time_linear_table_and_csv(tmp_path):
+    """The linear step's timing, run here on the CPU under the Triton interpreter at tiny shapes:
+    every way at every shape is timed and its norm compared with the bmm path's."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    code = ("import sys; sys.path.insert(0, 'bench'); import gpu_check; "
+            f"sys.exit(gpu_check.time_linear({str(tmp_path)!r}, batch=2, tokens=3, reps=1, "
+            "shapes={'a': (20, 24), 'b': (40, 17)}, configs={'16x16': dict(block_l=16, block_k=16, block_t=16)}, "
+            "device='cpu'))")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    done = gpu_check.subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = list(gpu_check.csv.DictReader(open(tmp_path / "linear.csv")))
+    methods = ["torch GEMM dy^T x", "kernel: dW + norms", "kernel: norms (shim)", "bmm chunks: dW + norms",
+               "ghost: norms", "kernel 16x16"]
+    assert [(r["layer"], r["method"]) for r in rows] == [(layer, m) for layer in "ab" for m in methods]
+    # bfloat16: the bmm path rounds each W_b to bfloat16 before squaring, the others square in float32
+    assert all(abs(float(r["norm_vs_bmm"])) < 2e-3 for r in rows if r["norm_vs_bmm"])
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("kernel dW + norms: ") and "the bmm path" in last
