@@ -196,14 +196,21 @@ def _records(f, line_number=2):
 
 
 def _cells(raw):
-    """The cells of one raw record, or None if it is not UTF-8 CSV text (a NUL byte is binary)."""
+    """The cells of one raw record, or None if it is not one CSV row of UTF-8 text (_not_cells says why)."""
+    return None if _not_cells(raw) else next(csv.reader(io.StringIO(raw.decode("utf-8"), newline="")))
+
+
+def _not_cells(raw):
+    """Why a raw record is not one CSV row of UTF-8 text, in words; None if it is one."""
     if b"\x00" in raw:
-        return None
+        return "binary (a NUL byte)"
     try:
         rows = list(csv.reader(io.StringIO(raw.decode("utf-8"), newline="")))
-    except (UnicodeDecodeError, csv.Error):
-        return None
-    return rows[0] if len(rows) == 1 else None
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text (byte {e.start})"
+    except csv.Error as e:
+        return f"not CSV ({e})"
+    return None if len(rows) == 1 else f"{len(rows)} rows in one line (a stray carriage return?)"
 
 
 def _steps(first, last):
@@ -422,7 +429,7 @@ class LogWrapper:
                 cells = _cells(raw)
                 step = int(cells[0]) if cells and re.fullmatch(r"-?[0-9]+", cells[0]) else None
                 if cells is None:
-                    problem = "not UTF-8 CSV text"
+                    problem = _not_cells(raw)
                 elif len(cells) > len(header):
                     problem = f"{len(cells)} cells for {len(header)} columns"
                 elif step is None:

@@ -671,7 +671,7 @@ def test_resume_moves_malformed_rows_aside_and_reports_each(tmp_path):
         f"{path} line 5: step 1 is missing",
         f"{path} line 6: step 2 after step 2; {moved}",
         f"{path} line 7: step 1 after step 2; {moved}",
-        f"{path}: 4 more problems like these"]  # lines 8, 9 not UTF-8 CSV text, 10 steps 3-4 missing, 11 empty
+        f"{path}: 4 more problems like these"]  # lines 8 not UTF-8, 9 binary, 10 steps 3-4 missing, 11 empty
     assert (out / "log.csv.rejected").read_bytes() == b"".join(r + b"\r\n" for r in [
         b"1,1,extra", b"x,2", b"2,22", b"1,3", b"3,\xff\xfe", b"4,a\x00b", b"",
         b"step,a", b"7,7", b"8,8"])  # then the steps the run redoes, under their header
@@ -930,3 +930,16 @@ def test_a_full_disk_when_the_lock_names_its_holder_is_one_line_and_leaves_the_l
     assert opened[0].f.closed  # so the lock is released: the next run takes it
     monkeypatch.undo()
     tracker_module._release(tracker_module.lock_out_dir(str(out)))
+
+
+@pytest.mark.parametrize("raw, why", [(b"1,1,2,\r3", "2 rows in one line (a stray carriage return?)"),
+                                      (b"1,\xff\xfe", "not UTF-8 text (byte 2)"),
+                                      (b"1,a\x00b", "binary (a NUL byte)")])
+def test_a_row_that_is_not_one_csv_row_is_reported_for_what_it_is(tmp_path, raw, why):
+    """A row broken by a stray carriage return was reported as 'not UTF-8 CSV text'."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.csv").write_bytes(b"step,a,b\n0,1,2\n" + raw + b"\n2,1,2\n")
+    with pytest.warns(UserWarning) as caught:
+        LogWrapper(out_dir=out, resume_step=3).close()
+    assert f"{out / 'log.csv'} line 3: {why}; moved to log.csv.rejected" in [str(w.message) for w in caught]
