@@ -239,12 +239,12 @@ def estimate_loss():
     out = {}
     eval_model.eval()
     for split in ['train', 'val']:
-        losses = torch.zeros(eval_iters)
+        losses = torch.zeros(eval_iters, device=device)  # on the device: one read per split, not one per batch
         for k in range(eval_iters):
             X, Y = get_batch(split, eval_generator(seed, iter_num, split))
             with ctx:
                 logits, loss = eval_model(X, Y)
-            losses[k] = loss.item()
+            losses[k] = loss
         out[split] = losses.mean().item()
     if fsdp:  # FSDP: every rank evaluated its slice of the same batches; their mean is the batches' loss
         means = torch.tensor([out['train'], out['val']], device=device)

@@ -1,5 +1,6 @@
 """train.py end to end on CPU, as a user runs it: training lowers the loss, resume continues
 exactly, the LR follows the token schedule, bad input fails cleanly, DDP on gloo runs."""
+import json
 import math
 import os
 import re
@@ -929,3 +930,42 @@ def test_two_ranks_take_the_same_accumulation_every_step(tiny_dataset, tmp_path)
     expected = expected_accumulation(7, floor=2, ceiling=8, warmup=3, update_tokens=0, world=2)
     assert [2 * int(line.split()[1]) for line in rank0] == expected
     assert pd.read_csv(out / "log.csv")["bs_controller/accumulation_steps"].tolist() == expected
+
+
+# ---------------------------------------------------------------- reads from the device
+
+# runs train.py as `python train.py FLAGS...` would, counting the project's reads of tensor values on the
+# host (each one a device-to-host copy that waits for the device on a GPU): calls of Tensor.item, tolist,
+# cpu, float(), int() and bool() made from this repository's files, by file and function, into argv[1]
+COUNT_READS = r"""
+import collections, json, os, runpy, sys, torch
+out, repo = sys.argv[1], os.getcwd()
+reads = collections.Counter()
+def counted(method):
+    def wrapper(self, *args, **kwargs):
+        caller = sys._getframe(1).f_code
+        if caller.co_filename.startswith(repo) and '.venv' not in caller.co_filename:
+            reads[f"{os.path.basename(caller.co_filename)}:{caller.co_name}"] += 1
+        return method(self, *args, **kwargs)
+    return wrapper
+for name in ('item', 'tolist', 'cpu', '__float__', '__int__', '__bool__'):
+    setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+sys.argv = sys.argv[2:]
+try:
+    runpy.run_path(os.path.join(repo, 'train.py'), run_name='__main__')
+finally:
+    with open(out, 'w') as f:
+        json.dump(reads, f)
+"""
+
+
+def test_an_evaluation_reads_each_split_s_mean_once(tiny_dataset, tmp_path):
+    """estimate_loss keeps the batches' losses on the device: one read per split, not one per batch."""
+    counts = tmp_path / "reads.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    run = subprocess.run([sys.executable, "-c", COUNT_READS, str(counts), "train.py", *TINY, f"--dataset={tiny_dataset}",
+                          f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=100", "--eval_iters=6",
+                          "--log_interval=100"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reads = json.loads(counts.read_text())
+    assert reads.get("train.py:estimate_loss") == 2 * 2  # two evaluations (the first step's, the last's), two splits
