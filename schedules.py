@@ -7,9 +7,8 @@ batch sizes follow the same schedule.
 """
 import math
 import os
-import stat
 
-from tracker import atomic_write
+from tracker import atomic_write, read_text_file
 
 # A schedule is a few lines. A bigger file is a mistake (a log or a dataset copied over it):
 # refused unread, so it can neither stall a step nor fill the log.
@@ -115,39 +114,10 @@ def steps_at(points, tokens, world_size=1):
     return max(1, math.ceil(math.ceil(steps - 1e-9) / world_size))
 
 
-def _check_regular(st, max_bytes):
-    if not stat.S_ISREG(st.st_mode):
-        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a device",
-                stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(st.st_mode), "a special file")
-        raise ValueError(f"not a regular file: {kind}")
-    if st.st_size > max_bytes:  # the size is left out of the message: a growing file warns once
-        raise ValueError(f"larger than the {max_bytes:_} bytes a schedule may have")
-
-
 def read_schedule_file(path, max_bytes=MAX_SCHEDULE_BYTES):
-    """The text of a regular file of at most max_bytes; never blocks and never reads more than
-    max_bytes + 1. A FIFO (whose open() waits for a writer), a directory or a device is refused
-    from its stat; the open is non-blocking and the opened descriptor is checked again, in case
-    the path was replaced in between. Raises OSError or ValueError (one line)."""
-    _check_regular(os.stat(path), max_bytes)
-    flags = os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_NOCTTY', 0) | getattr(os, 'O_CLOEXEC', 0)
-    fd = os.open(path, flags)
-    try:
-        _check_regular(os.fstat(fd), max_bytes)
-        data = b''
-        while len(data) <= max_bytes:  # the size stat gave may be stale (or 0, as in /proc)
-            chunk = os.read(fd, max_bytes + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise ValueError(f"larger than the {max_bytes:_} bytes a schedule may have")
-    try:
-        return data.decode('utf-8')
-    except UnicodeDecodeError as e:
-        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
+    """The text of the schedule file: tracker.read_text_file's, a regular file of at most max_bytes,
+    read without ever blocking. Raises OSError or ValueError (one line)."""
+    return read_text_file(path, max_bytes)
 
 
 def rank0s(value, ddp_device):

@@ -52,6 +52,7 @@ import errno
 import io
 import json
 import os
+import stat
 import re
 import string
 import time
@@ -111,6 +112,38 @@ def _write_all(fd, data):
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def read_text_file(path, max_bytes):
+    """The UTF-8 text of the regular file at path, of at most max_bytes. A FIFO (whose open waits for
+    a writer), a device (/dev/zero never ends) or a directory is refused from its stat, before any
+    open; the open does not block and the opened file is checked again, in case the path was replaced
+    in between; at most max_bytes + 1 bytes are read. Raises OSError or ValueError, one line."""
+    def check(st):
+        if not stat.S_ISREG(st.st_mode):
+            kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFCHR: "a device",
+                    stat.S_IFBLK: "a device", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(st.st_mode), "a special file")
+            raise ValueError(f"not a regular file but {kind}")
+        if st.st_size > max_bytes:
+            raise ValueError(f"larger than {max_bytes:,} bytes")
+    check(os.stat(path))
+    fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_NOCTTY', 0))
+    try:
+        check(os.fstat(fd))
+        data = b''
+        while len(data) <= max_bytes:  # the size stat gave may be stale: a file that grows is cut here
+            chunk = os.read(fd, max_bytes + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"larger than {max_bytes:,} bytes")
+    try:
+        return data.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ValueError(f"not UTF-8 text (byte {e.start})") from None
 
 
 def atomic_write(path, write, mode="wb"):

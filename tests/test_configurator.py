@@ -175,23 +175,6 @@ def test_a_setting_without_its_dashes_is_not_called_a_missing_config_file():
         configure(["nokey=5"], dict(DEFAULTS))
 
 
-def test_read_text_file_reads_only_a_regular_file_and_only_so_much(tmp_path):
-    from configurator import read_text_file
-    (tmp_path / "prompt.txt").write_text("héllo", encoding="utf-8")
-    assert read_text_file(str(tmp_path / "prompt.txt"), 6) == "héllo"
-    with pytest.raises(ValueError, match="larger than 5 bytes"):
-        read_text_file(str(tmp_path / "prompt.txt"), 5)
-    os.mkfifo(tmp_path / "fifo")  # opened for reading, it would wait for a writer
-    for path, kind in ((tmp_path / "fifo", "a FIFO"), ("/dev/zero", "a device"), (tmp_path, "a directory")):
-        with pytest.raises(ValueError, match=f"^not a regular file but {kind}$"):
-            read_text_file(str(path), 1 << 20)
-    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
-    with pytest.raises(ValueError, match=r"not UTF-8 text \(byte 3\)"):
-        read_text_file(str(tmp_path / "latin1.txt"), 100)
-    with pytest.raises(FileNotFoundError):
-        read_text_file(str(tmp_path / "missing.txt"), 100)
-
-
 def test_host_memory_is_lowered_by_an_address_space_limit(monkeypatch):
     import resource
     import configurator
