@@ -97,3 +97,24 @@ def run_readme_example(index, cwd, out_dir, steps=20):
     assert analysis.returncode == 0, analysis.stderr[-3000:]
     assert f"{steps} steps with GNS measurements under 'train/gns', 28 parameters" in analysis.stdout
     return run.stdout + run.stderr
+
+
+def torchrun_two_ranks(worker, *args, cwd):
+    """Run tests/<worker> on two CPU ranks (gloo) with torchrun; fails the test with its output if it fails."""
+    import subprocess
+    import sys
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             os.path.join(REPO, "tests", worker), *map(str, args)],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=str(cwd))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def assert_bfloat16_rounding(exact, half):
+    """One step's GNS cells under bfloat16 against float32's (gns_columns()[step]): the model's summed
+    squared norms within 5%, and not equal (bfloat16 did round: not float32 in disguise)."""
+    assert exact.keys() == half.keys()
+    for kind in ("/norm", "/pegn"):
+        ratio = sum(v ** 2 for k, v in half.items() if k.endswith(kind)) / \
+            sum(v ** 2 for k, v in exact.items() if k.endswith(kind))
+        assert 0 < abs(ratio - 1) < 0.05, (kind, ratio)

@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from gns_fixtures import one_thread, tiny_hf  # noqa: F401  (one_thread: autouse)
 from gnsmeter import GNSMeter
-from loop_fixtures import gns_columns, largest_difference, own_loop, run_readme_example, token_rows
+from loop_fixtures import (gns_columns, largest_difference, own_loop, run_readme_example, token_rows,
+                           torchrun_two_ranks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -208,12 +209,8 @@ def test_two_fsdp2_ranks_give_one_process_with_the_doubled_batch(tmp_path):
     rows = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(3))  # 3 steps of 2 x 4 rows
     torch.save(rows, tmp_path / "rows.pt")
     train(rows, str(tmp_path / "one"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(REPO, "tests", "meter_fsdp_worker.py"), str(tmp_path / "rows.pt"), str(tmp_path / "two")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun_two_ranks("meter_fsdp_worker.py", tmp_path / "rows.pt", tmp_path / "two", cwd=tmp_path)
     one, two = gns_columns(str(tmp_path / "one")), gns_columns(str(tmp_path / "two"))
     assert sorted(two) == [0, 1, 2]
-    assert largest_difference(one, two) < 1e-5
+    # the first step on the same weights; later ones on weights rounded apart by the ranks' averaged gradients
+    assert largest_difference({0: one[0]}, {0: two[0]}) < 1e-5 and largest_difference(one, two) < 1e-4

@@ -6,8 +6,6 @@ process, and one-line refusals.
 """
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -18,7 +16,8 @@ import transformers  # noqa: E402
 
 from gns_fixtures import one_thread, tiny_hf  # noqa: E402,F401  (one_thread: autouse)
 from hf_gns import GNSCallback  # noqa: E402
-from loop_fixtures import LR, gns_columns, largest_difference, own_loop, run_readme_example, token_rows  # noqa: E402
+from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, largest_difference, own_loop,  # noqa: E402
+                           run_readme_example, token_rows, torchrun_two_ranks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH, ACCUMULATION, STEPS, MAX_GRAD_NORM = 4, 2, 4, 0.5
@@ -106,16 +105,14 @@ def test_two_ddp_ranks_give_one_process_with_the_doubled_batch(tmp_path):
     torch.save(rows, tmp_path / "rows.pt")
     one = trainer(tmp_path / "one", rows, [GNSCallback()])
     one.train()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(REPO, "tests", "hf_ddp_worker.py"), str(tmp_path / "rows.pt"), str(tmp_path / "two")],
-        capture_output=True, text=True, timeout=300, env=env, cwd=str(tmp_path))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun_two_ranks("hf_ddp_worker.py", tmp_path / "rows.pt", tmp_path / "two", cwd=tmp_path)
     two = gns_columns(str(tmp_path / "two"))
     assert all(cells[column] == BATCH * ACCUMULATION for cells in two.values()
                for column in cells if column.endswith("/batch_size"))
-    assert largest_difference(gns_columns(str(tmp_path / "one")), two) < 1e-5
+    one = gns_columns(str(tmp_path / "one"))
+    # the first step on the same weights; later ones on weights that the ranks' averaged gradients, rounded
+    # apart from one process's in float32, have moved a little apart
+    assert largest_difference({0: one[0]}, {0: two[0]}) < 1e-5 and largest_difference(one, two) < 1e-4
 
 
 def test_refusals_are_one_line(tmp_path):
@@ -187,9 +184,4 @@ def test_bfloat16_measures_what_float32_does_within_its_rounding(tmp_path):
     rows = token_rows(BATCH * ACCUMULATION)
     trainer(tmp_path / "fp32", rows, [GNSCallback()], steps=1).train()
     trainer(tmp_path / "bf16", rows, [GNSCallback()], steps=1, bf16=True).train()
-    exact, half = gns_columns(str(tmp_path / "fp32"))[0], gns_columns(str(tmp_path / "bf16"))[0]
-    assert exact.keys() == half.keys()
-    for kind in ("/norm", "/pegn"):
-        ratio = sum(v ** 2 for k, v in half.items() if k.endswith(kind)) / \
-            sum(v ** 2 for k, v in exact.items() if k.endswith(kind))
-        assert 0 < abs(ratio - 1) < 0.05, (kind, ratio)  # bfloat16 did round: not float32 in disguise
+    assert_bfloat16_rounding(gns_columns(str(tmp_path / "fp32"))[0], gns_columns(str(tmp_path / "bf16"))[0])
