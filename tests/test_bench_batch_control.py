@@ -3,6 +3,7 @@ of two settings on the tiny dataset (every run is train.py's own; the numbers co
 import importlib.util
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,13 +60,38 @@ def test_two_settings_end_to_end(bench_runs, tiny_dataset, tmp_path):
     assert runs.final_val_loss.tolist() == pytest.approx(finals)
     assert f"target validation loss {max(finals):.4f}" in (out / "results.md").read_text()
     assert "| fixed-floor |" in stdout and "validation loss vs tokens" in stdout
+    # a line when each run starts (which of how many) and one when it ends
+    assert "1 torch thread(s) each" in stdout.splitlines()[0]
+    assert "[1/2] fixed-floor seed 1: training into" in stdout and "[2/2] gns-total seed 1: training into" in stdout
+    assert re.search(r"^  \[2/2\] gns-total seed 1: \d+ s$", stdout, re.MULTILINE)
     # a finished run is not run again (in a copy: the notebook's test reads these runs)
     shutil.copytree(out, tmp_path / "runs")
     again = run_bench("batch_control.py", f"--out_dir={tmp_path / 'runs'}", f"--dataset={tiny_dataset}", *BATCH_CONTROL)
-    assert again.returncode == 0 and "fixed-floor seed 1:" not in again.stdout
+    assert again.returncode == 0 and "[1/2] fixed-floor seed 1: finished earlier, kept" in again.stdout
+    assert "training into" not in again.stdout and not re.search(r"seed 1: \d+ s", again.stdout)
+
+
+@pytest.mark.slow
+def test_the_runs_do_not_depend_on_the_thread_count_of_the_environment(bench_runs, tiny_dataset, tmp_path):
+    """Every run gets --threads torch threads (1), whatever OMP_NUM_THREADS says, and the Linears' norm
+    methods by their shapes, not by a timing: the same runs again give the same logs, bit for bit."""
+    out, _ = bench_runs["batch_control.py"]
+    env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "batch_control.py"), f"--out_dir={tmp_path}",
+                        f"--dataset={tiny_dataset}", *BATCH_CONTROL], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    for setting in ("fixed-floor", "gns-total"):
+        first, again = (pd.read_csv(d / f"{setting}-s1" / "log.csv").drop(columns=["dt", "tokens_per_sec", "mfu"])
+                        for d in (out, tmp_path))
+        pd.testing.assert_frame_equal(first, again, check_exact=True)
+        assert "per_example_mode = 'shapes'" in (tmp_path / f"{setting}-s1" / "train.out").read_text()
 
 
 def test_bad_input_is_one_line_exit_2():
     p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "batch_control.py"), "--settings=huge"],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "unknown setting(s) huge" in p.stderr.strip().splitlines()[-1]
+    p = subprocess.run([sys.executable, os.path.join(REPO, "bench", "batch_control.py"), "--threads=0"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--threads must be >= 1" in p.stderr.strip().splitlines()[-1]
