@@ -14,7 +14,7 @@ lightning = pytest.importorskip("lightning")
 from gns_fixtures import one_thread, tiny_hf  # noqa: E402,F401  (one_thread: autouse)
 from lightning_gns import GNSCallback  # noqa: E402
 from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, largest_difference, own_loop,  # noqa: E402
-                           run_readme_example, token_rows)
+                           run_readme_example, token_rows, torchrun_two_ranks)
 
 BATCH, ACCUMULATION, STEPS, MAX_GRAD_NORM = 4, 2, 4, 0.5
 
@@ -104,3 +104,15 @@ def test_bf16_mixed_measures_what_32_does_within_its_rounding(tmp_path):
         enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed", callbacks=[GNSCallback()])
     trainer.fit(CausalLM(), torch.utils.data.DataLoader(rows, batch_size=BATCH, shuffle=False))
     assert_bfloat16_rounding(gns_columns(str(tmp_path / "fp32"))[0], gns_columns(str(tmp_path / "bf16"))[0])
+
+
+def test_two_ddp_ranks_give_one_process_with_the_doubled_batch(tmp_path):
+    rows = token_rows(BATCH * ACCUMULATION * STEPS)
+    torch.save(rows, tmp_path / "rows.pt")
+    fit(tmp_path / "one", rows, [GNSCallback()])
+    torchrun_two_ranks("lightning_ddp_worker.py", tmp_path / "rows.pt", tmp_path / "two", cwd=tmp_path)
+    one, two = gns_columns(str(tmp_path / "one")), gns_columns(str(tmp_path / "two"))
+    assert all(cells[column] == BATCH * ACCUMULATION for cells in two.values()
+               for column in cells if column.endswith("/batch_size"))
+    # the first step on the same weights; later ones on weights rounded apart by the ranks' averaged gradients
+    assert largest_difference({0: one[0]}, {0: two[0]}) < 1e-5 and largest_difference(one, two) < 1e-4

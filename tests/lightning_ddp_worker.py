@@ -1,0 +1,26 @@
+"""
+Worker for tests/test_lightning_gns.py: Lightning's Trainer with GNSCallback on two CPU ranks (gloo)
+under torchrun,
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/lightning_ddp_worker.py ROWS.pt OUT_DIR
+each rank taking its half of every micro-batch of test_lightning_gns's single-process fit (dealt out
+here, with Lightning's own sampler off); rank 0 writes OUT_DIR/log.csv.
+"""
+import sys
+
+import os
+
+import lightning
+import torch
+
+from lightning_gns import GNSCallback
+from test_lightning_gns import ACCUMULATION, BATCH, MAX_GRAD_NORM, STEPS, CausalLM
+
+torch.set_num_threads(1)
+rows_path, out_dir = sys.argv[1:3]
+trainer = lightning.Trainer(
+    default_root_dir=out_dir, max_steps=STEPS, accumulate_grad_batches=ACCUMULATION, gradient_clip_val=MAX_GRAD_NORM,
+    accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    enable_model_summary=False, use_distributed_sampler=False, callbacks=[GNSCallback()])
+rows, rank, share = torch.load(rows_path), int(os.environ["RANK"]), BATCH // 2
+mine = torch.cat([rows[start + rank * share:start + (rank + 1) * share] for start in range(0, len(rows), BATCH)])
+trainer.fit(CausalLM(), torch.utils.data.DataLoader(mine, batch_size=share, shuffle=False))
