@@ -42,11 +42,17 @@ from reference_names import ReferenceNameError, refuse_module_names, refused
 # ---------------------------------------------------------------------------------------------
 # The exact per-example estimator's measurements
 
-def _grad_sqnorms(grads, device):
+def _grad_sqnorms(grads, device, foreach=None):
     """||grad||^2 of each gradient, float32 0-dim tensors on `device`. FSDP's gradients are DTensor
     shards: each rank squares its own shard and one all-reduce of them all sums the ranks' squares
-    (never a gather of the full gradients)."""
+    (never a gather of the full gradients). foreach (default: on a GPU): all the norms from one
+    multi-tensor kernel, where a launch per gradient costs host time each step; on the CPU one dot
+    each (sum_of_squares: more precise there)."""
     mesh = getattr(grads[0], "device_mesh", None)
+    foreach = device.type == "cuda" if foreach is None else foreach
+    if mesh is None and foreach and all(g.dtype == torch.float32 and g.device == device for g in grads):
+        norms = torch.stack(torch._foreach_norm(grads))
+        return list((norms * norms).unbind())
     if mesh is None:
         return [sum_of_squares(g).to(device) for g in grads]
     if not all(pl.is_shard() for g in grads for pl in g.placements):

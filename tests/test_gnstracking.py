@@ -844,3 +844,17 @@ def test_measured_groups_put_layernorm_first_when_it_is_all_that_is_measured():
     assert gnstracking.measured_groups(no_ln) == ["total"]
     assert gnstracking.measured_groups([]) == [] and math.isnan(gnstracking.live_gns([])[0])
     assert gnstracking.live_gns(no_ln, "LayerNorm")[1] == 0
+
+
+def test_the_gradients_squared_norms_from_one_multi_tensor_kernel_are_the_dots():
+    """On a GPU the tracker takes every ||grad||^2 from torch._foreach_norm (one launch, not one per
+    gradient); they are the per-gradient dots' numbers within float32 rounding."""
+    from gnstracking import _grad_sqnorms
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=generator) * scale
+             for shape, scale in (((7,), 1e-3), ((33, 17), 1.0), ((512, 96), 30.0), ((1,), 0.0))]
+    dots = _grad_sqnorms(grads, torch.device("cpu"), foreach=False)
+    fused = _grad_sqnorms(grads, torch.device("cpu"), foreach=True)
+    assert len(fused) == len(grads) and all(f.dim() == 0 and f.dtype == torch.float32 for f in fused)
+    torch.testing.assert_close(torch.stack(fused), torch.stack(dots), rtol=1e-6, atol=0)
+    assert fused[-1].item() == 0.0
