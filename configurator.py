@@ -16,6 +16,7 @@ Scripts written for nanoGPT (or the reference implementation) apply it their way
 import math
 import os
 import pickle
+import stat
 import sys
 import warnings
 import tokenize
@@ -101,14 +102,28 @@ def datasets_under(root):
             (f"; not yet prepared: {', '.join(preparable)} (run python data/<name>/prepare.py)" if preparable else ""))
 
 
+MAX_META_BYTES = 64 << 20  # a character vocabulary's meta.pkl is a few KB
+
+
+def read_meta(meta_path):
+    """A dataset's meta.pkl, unpickled: a regular file (a FIFO would block, a device never end) of at
+    most MAX_META_BYTES, checked before it is opened. Raises OSError, ValueError or unpickling's errors."""
+    st = os.stat(meta_path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError("not a regular file")
+    if st.st_size > MAX_META_BYTES:
+        raise ValueError(f"larger than {MAX_META_BYTES:,} bytes")
+    with open(meta_path, 'rb') as f:
+        return pickle.loads(f.read(MAX_META_BYTES + 1))
+
+
 def dataset_vocab_size(data_dir, quiet=False):
     """The vocabulary size a dataset folder's meta.pkl names (character-level datasets write one),
     else None: the dataset is GPT-2's BPE."""
     meta_path = os.path.join(data_dir, 'meta.pkl')
     if not os.path.exists(meta_path):
         return None
-    with open(meta_path, 'rb') as f:
-        vocab_size = pickle.load(f)['vocab_size']
+    vocab_size = read_meta(meta_path)['vocab_size']
     if not quiet:
         print(f"found vocab_size = {vocab_size} (inside {meta_path})")
     return vocab_size

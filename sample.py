@@ -17,13 +17,12 @@ with one line on stderr and exit code 2.
 """
 import math
 import os
-import pickle
 import sys
 from contextlib import nullcontext
 
 import torch
 
-from configurator import ConfigError, check_device, configure, die
+from configurator import ConfigError, check_device, configure, die, read_meta
 from tracker import read_text_file
 
 # -----------------------------------------------------------------------------
@@ -123,8 +122,7 @@ load_meta = meta_path is not None and os.path.exists(meta_path)
 if load_meta:
     print(f"Loading meta from {meta_path}...")
     try:
-        with open(meta_path, 'rb') as f:
-            meta = pickle.load(f)
+        meta = read_meta(meta_path)
         stoi, itos = meta['stoi'], meta['itos']
     except Exception as e:  # damaged, or not a character vocabulary: pickle raises many kinds
         die(f"{meta_path} cannot be read as a character vocabulary with stoi and itos ({type(e).__name__}: {e})")

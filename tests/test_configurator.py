@@ -301,3 +301,18 @@ def test_a_value_that_is_merely_unused_is_one_warning(tiny_dataset, tmp_path):
                                     "--bs_schedule_points=[(0, 1), (100, 2)]", "--min_lr=1.0", "--decay_lr=False")
     assert code == 0
     assert stderr.strip().splitlines() == ["warning: --bs_schedule_points is unused without --bs_schedule=True"]
+
+
+def test_a_meta_pkl_that_is_not_a_small_regular_file_is_refused_before_it_is_read(tmp_path):
+    """meta.pkl was unpickled from whatever was there: a FIFO blocked, a huge file was read whole."""
+    import pickle
+    from configurator import MAX_META_BYTES, dataset_vocab_size, read_meta
+    (tmp_path / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 65}))
+    assert dataset_vocab_size(str(tmp_path), quiet=True) == 65
+    with open(tmp_path / "meta.pkl", "ab") as f:
+        f.truncate(MAX_META_BYTES + 1)  # sparse: no disk used
+    with pytest.raises(ValueError, match="larger than"):
+        dataset_vocab_size(str(tmp_path), quiet=True)
+    os.mkfifo(tmp_path / "fifo.pkl")  # opened for reading, it would wait for a writer
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_meta(str(tmp_path / "fifo.pkl"))
