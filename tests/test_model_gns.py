@@ -285,3 +285,33 @@ def test_compile_inductor_with_every_class():
         compiled(*batches[0])
     train(compiled, batches)
     check_against_brute_force(model, expected, list(state_names(model)))
+
+
+@pytest.mark.parametrize("flags", [dict(lnclass="fused"), dict(linearclass="gns", embeddingclass="gns", lnclass="shim"),
+                                   dict(linearclass="gns", embeddingclass="gns", lnclass="fused")],
+                         ids=["ln-fused", "every-layer", "every-layer-fused"])
+def test_a_compiled_training_step_is_not_recompiled_after_the_first(flags):
+    """torch.compile traces the measured GPT once: later steps (accumulation, the estimator reading and
+    zeroing the buffers, the optimizer step) change nothing its guards watch. Dynamo's own backend, no
+    code generation: a recompile is decided by the guards alone."""
+    import torch._dynamo
+    import gnstracking
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    with set_contextual_config(**classes_for_flags(**flags)):
+        model = GPT(GPTConfig(**TINY_GPT))
+    estimators = gnstracking.estimators_for(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            for _ in range(2):
+                ids = torch.randint(0, TINY_GPT["vocab_size"], (4, TINY_GPT["block_size"]), generator=generator)
+                (compiled(ids, ids)[1] / 2).backward()
+        row = gnstracking.measure_all(estimators, step, 8, None)
+        assert row and all(v == 8 for k, v in row.items() if k.endswith("/batch_size"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gnstracking.reset_all(estimators)
+    torch._dynamo.reset()
