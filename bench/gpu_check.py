@@ -4,6 +4,8 @@ one-LayerNorm table, training throughput of a GPT-2 small (bf16, batch 8 x 1024)
 compiled against plain nanoGPT, and a short profile of where the host time goes. Each step is
 a subprocess with its own time limit, its output saved as a file in --out as it finishes, so a
 step that crashes or runs out of time costs only itself; summary.txt says how each step ended.
+All the steps share --budget seconds (each gets at most what is left of it), so that one call
+ends, with its summary, within the 10 minutes such a loan allows a command.
 
     python bench/gpu_check.py --out gpu-check                  # every step (make gpu-check)
     python bench/gpu_check.py --out gpu-check --steps tests,layernorm
@@ -51,6 +53,9 @@ def _workers(python):
     return ['-n', str(min(8, os.cpu_count() or 1))] if has else []
 
 
+# all the steps within one command of at most 10 minutes, with time to spare for starting and the summary
+BUDGET = 540
+MIN_STEP_SECONDS = 10  # a step given less is not started
 # step -> (seconds allowed, what it runs: a function of the parsed arguments)
 STEPS = {
     'env': (30, lambda a: [['nvidia-smi'], [a.python, '-c', 'import torch, triton; print("torch", torch.__version__, '
@@ -186,7 +191,7 @@ def run_step(name, commands, limit, out):
                                       env=dict(os.environ, PYTHONUNBUFFERED='1', WANDB_MODE='disabled'))
                 codes.append('ok' if done.returncode == 0 else f'exit {done.returncode}')
             except subprocess.TimeoutExpired:
-                codes.append(f'stopped after {limit} s')
+                codes.append(f'stopped after {limit:.0f} s')
             except OSError as e:
                 codes.append(f'could not start ({e.strerror})')
     seconds = time.time() - start
@@ -217,6 +222,10 @@ def main(argv=None):
     parser.add_argument('--time_linear', action='store_true',
                         help="run the linear step's timing in this process instead of the steps (needs a CUDA GPU)")
     parser.add_argument('--python', default=sys.executable, help="the python that has torch and triton (default: this one)")
+    parser.add_argument('--budget', type=float, default=BUDGET,
+                        help="seconds for all the steps together: each step gets at most what is left of it, and one "
+                             "with less than 10 s of it left is not started, so that the summary is written in time "
+                             "(default: %(default)s; the steps' own limits sum to more)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     steps = [s.strip() for s in args.steps.split(',') if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -224,6 +233,8 @@ def main(argv=None):
         parser.error(f"unknown step(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(STEPS)}")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give at least 1")
+    if not args.budget > 0:
+        parser.error(f"--budget {args.budget}: give a number of seconds above 0")
     for repo in args.repo or []:
         if not os.path.isfile(os.path.join(repo, 'train.py')):
             parser.error(f"--repo {repo}: there is no train.py in it")
@@ -239,10 +250,16 @@ def main(argv=None):
         return time_linear(args.out)
 
     summary, failed = [], []
+    started = time.time()
     for name in steps:
         limit, commands = STEPS[name]
-        print(f"{name} (at most {limit} s) ...", flush=True)
-        line, ok = run_step(name, commands(args), limit, args.out)
+        left = args.budget - (time.time() - started)
+        if left < min(limit, MIN_STEP_SECONDS):  # too little of the budget left to be worth starting
+            line, ok = f"{name:<10} not run: the --budget of {args.budget:g} s was spent", False
+        else:
+            limit = min(limit, left)
+            print(f"{name} (at most {limit:.0f} s) ...", flush=True)
+            line, ok = run_step(name, commands(args), limit, args.out)
         summary.append(line)
         failed += [] if ok else [name]
         print('  ' + line, flush=True)

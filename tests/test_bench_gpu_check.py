@@ -90,3 +90,22 @@ def test_time_linear_table_and_csv(tmp_path):
     assert all(abs(float(r["norm_vs_bmm"])) < 2e-3 for r in rows if r["norm_vs_bmm"])
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("kernel dW + norms: ") and "the bmm path" in last
+
+
+def test_the_steps_share_one_budget_and_the_summary_says_what_was_not_run(tmp_path, monkeypatch):
+    """The steps' own limits sum to more than one device command may run: --budget bounds them all, so the
+    summary is written in time, naming each step there was no time left for."""
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    ok = [sys.executable, "-c", "print('1 passed in 0.1s')"]
+    monkeypatch.setattr(gpu_check, "MIN_STEP_SECONDS", 1)
+    monkeypatch.setattr(gpu_check, "STEPS", {"first": (60, lambda a: [ok]), "slow": (60, lambda a: [sleep]),
+                                             "late": (60, lambda a: [ok])})
+    assert gpu_check.main(["--out", str(tmp_path), "--budget", "3"]) == 1
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("first") and "1 passed" in summary[0]
+    assert summary[1].startswith("slow") and "stopped after" in summary[1]  # given what was left, not its 60 s
+    assert summary[2].startswith("late") and "not run: the --budget of 3 s was spent" in summary[2]
+
+
+def test_the_default_budget_leaves_a_minute_of_ten():
+    assert gpu_check.BUDGET + 60 <= 600  # all of it within 10 minutes, with a minute for python, imports and the summary
