@@ -486,6 +486,9 @@ def test_resume_on_another_dataset_of_the_same_shapes_is_one_line(tiny_dataset, 
     tokens[: len(tokens) // 2].tofile(other / "train.bin")
     out = tmp_path / "out"
     shutil.copytree(one_step_run, out)
+    # the dataset the checkpoint names: one_step_run is made once per test run, by whichever test worker came
+    # first, with that worker's own copy of the tiny dataset
+    trained_on = torch.load(out / "ckpt.pt", weights_only=False)["config"]["dataset"]
     if checkpoint_kind != "fingerprinted":
         ckpt = torch.load(out / "ckpt.pt", weights_only=False)
         del ckpt["dataset_fingerprint"]
@@ -495,7 +498,7 @@ def test_resume_on_another_dataset_of_the_same_shapes_is_one_line(tiny_dataset, 
                                     "--max_iters=2")
     assert code == 2, stderr
     err = stderr.strip().splitlines()
-    assert len(err) == 1 and f"was trained on --dataset={tiny_dataset!r}, this run reads --dataset={str(other)!r}" in err[0]
+    assert len(err) == 1 and f"was trained on --dataset={trained_on!r}, this run reads --dataset={str(other)!r}" in err[0]
     assert "nothing was changed" in err[0]
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"} == before
 
