@@ -31,7 +31,7 @@ import buffered
 import gnstracking
 from estimator import distributed_world_size, unwrap
 from gnsmath import EMA_BETA, LOG_NAME
-from tracker import LogWrapper, lock_out_dir
+from tracker import LogWrapper, lock_out_dir, release_out_dir
 
 STATE_KEYS = ("step", gnstracking.CHECKPOINT_KEY)  # what state_dict() always holds
 
@@ -100,8 +100,10 @@ class GNSMeter:
         self.estimator.reset()  # the buffers start the next step at zero, whatever this one measured
         self.step_count = step + 1
         if self.logger is not None:
-            if not self._methods_recorded and buffered.linear_norm_methods(self.model):
-                self.logger.record_norm_methods(buffered.linear_norm_methods(self.model))
+            if not self._methods_recorded:  # chosen in the first step, as train.py records them
+                methods = buffered.linear_norm_methods(self.model)
+                if methods:
+                    self.logger.record_norm_methods(methods)
                 self._methods_recorded = True
             self.logger.step_count = step
             self.logger.log({"iter_num": step, **(values or {}), **row})
@@ -141,7 +143,8 @@ class GNSMeter:
                                      numbers_only=True)
             self.logger.record_kinds(buffered.layer_kinds(self.model))
         except BaseException:
-            self._release()
+            release_out_dir(self._lock)
+            self._lock = None
             raise
 
     def close(self):
@@ -150,13 +153,9 @@ class GNSMeter:
             self.logger.close()
             self.logger = None
             self.out_dir = None
-        self._release()
-
-    def _release(self):
-        if self._lock is not None and not self._lock.closed:
-            self._lock.truncate(0)
-            self._lock.close()
-        self._lock = None
+        if self._lock is not None:
+            release_out_dir(self._lock)
+            self._lock = None
 
     def __enter__(self):
         return self

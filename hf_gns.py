@@ -21,7 +21,6 @@ computes and logs the gradient norm before clipping, so its logs and the trainin
 Only code that uses the callback imports this file, and transformers with it: train.py and the
 modules it imports never do.
 """
-import json
 import math
 import sys
 import warnings
@@ -112,7 +111,7 @@ class GNSCallback(TrainerCallback, ExportableState):
     def state(self):
         meter_state = self.meter.state_dict() if self.meter is not None else None
         return {"args": {"out_dir": self.out_dir, "strict": self.strict, **self.layers},
-                "attributes": {"meter_state": json.loads(json.dumps(meter_state))}}
+                "attributes": {"meter_state": meter_state}}
 
     # ------------------------------------------------------------------------------------------
 

@@ -683,12 +683,12 @@ def lock_out_dir(out_dir, set_aside=False):
             pass
         reason = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e))
         raise OutDirInUse(f"{out_dir}: cannot write {os.path.join(out_dir, 'train.lock')} ({reason})") from None
-    atexit.register(_release, f)  # an exit the process makes itself (an end, a stop, an error) empties it
+    atexit.register(release_out_dir, f)  # an exit the process makes itself (an end, a stop, an error) empties it
     if set_aside:
         try:
             set_aside_previous_run(out_dir)
         except OSError as e:
-            _release(f)
+            release_out_dir(f)
             raise OutDirInUse(f"{out_dir} holds an earlier run that could not be moved aside "
                               f"({e.strerror or e}); resume it with --init_from=resume, or use another out_dir") from None
     return f
@@ -730,7 +730,8 @@ def set_aside_previous_run(out_dir):
     return folder
 
 
-def _release(lock):
+def release_out_dir(lock):
+    """Give up lock_out_dir's lock: its file emptied (no holder named) and closed."""
     if not lock.closed:
         lock.truncate(0)
         lock.close()

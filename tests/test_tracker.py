@@ -863,7 +863,7 @@ def test_a_fresh_run_sets_an_earlier_runs_files_aside_and_keeps_what_is_not_a_ru
         note = capsys.readouterr().out
         assert f"moved into {folders[0]}/" in note and "--init_from=resume" in note
     finally:
-        tracker_module._release(lock)
+        tracker_module.release_out_dir(lock)
 
 
 def test_setting_aside_twice_in_one_second_keeps_both_and_an_empty_out_dir_moves_nothing(tmp_path):
@@ -886,7 +886,7 @@ def test_a_resumed_run_leaves_its_files_in_place(tmp_path):
     out.mkdir()
     (out / "log.csv").write_text("step,x\n0,1\n")
     lock = tracker_module.lock_out_dir(str(out))
-    tracker_module._release(lock)
+    tracker_module.release_out_dir(lock)
     assert (out / "log.csv").exists() and not [p for p in out.iterdir() if p.name.startswith("previous-run-")]
 
 
@@ -929,7 +929,7 @@ def test_a_full_disk_when_the_lock_names_its_holder_is_one_line_and_leaves_the_l
     assert str(e.value) == f"{out}: cannot write {out / 'train.lock'} (the disk is full)"
     assert opened[0].f.closed  # so the lock is released: the next run takes it
     monkeypatch.undo()
-    tracker_module._release(tracker_module.lock_out_dir(str(out)))
+    tracker_module.release_out_dir(tracker_module.lock_out_dir(str(out)))
 
 
 @pytest.mark.parametrize("raw, why", [(b"1,1,2,\r3", "2 rows in one line (a stray carriage return?)"),
