@@ -21,6 +21,8 @@ class Estimator:
             all-reduce), before scaler.unscale_ and clipping (it may run collectives); examples is
             B, over all ranks and micro-steps; scaler the GradScaler (enabled or not), whose scale
             the estimator divides out. Returns this step's log.csv columns, floats.
+        collect(step, examples, scaler) -> (values, finish)   measure(), its reads left on the
+            device until the loop logs (see collect() below)
         reset()              after the optimizer step: zero the step's sums
         status() -> str      its part of the status line, e.g. "gns 12.3" ('' if none)
         state_dict() / load_state_dict(state)   what a checkpoint keeps (a live EMA)
@@ -35,6 +37,13 @@ class Estimator:
 
     def measure(self, step, examples, scaler):
         raise NotImplementedError
+
+    def collect(self, step, examples, scaler):
+        """measure() with its reads of the device deferred: (values, finish), values a 1-D float32
+        device tensor (or None) and finish(host) measure()'s row, given values.tolist(), called in
+        step order, before the next state_dict() or status(). By default measure() reads now."""
+        row = self.measure(step, examples, scaler)
+        return None, lambda host: row
 
     def reset(self):
         pass

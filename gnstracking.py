@@ -153,14 +153,22 @@ class MeasurementTracker:
         (readers check one batch size per row), and a sum of squared norms over the step is
         inf or nan, never a number that silently leaves something out.
         """
+        values, finish = self.collect(batch_size, step)
+        return finish(values.tolist() if values is not None else [])
+
+    @torch.no_grad()
+    def collect(self, batch_size=None, step=None):
+        """step()'s reads, kept on the device: (values, finish), where values is one float32 device
+        tensor of everything step() reads (None when no parameter has a gradient) and finish(host),
+        given values.tolist(), returns step()'s Measurements. The buffers are zeroed now, so a
+        training loop may read the values of several steps at once, later, and finish them in order."""
         step = self.step_count if step is None else step
         self.step_count += 1
         live = [(n, p, sq, count) for n, p, sq, count in self.entries if p.grad is not None]
         if not live:
             self._zero_buffers()
-            return []
-
-        # One host-device transfer for everything: stack on device, then a single .tolist().
+            return None, lambda host: []
+        # everything in one tensor: one device-to-host copy, whenever it is read
         scale = current_scale(self.scaler)
         device = live[0][1].grad.device
         values = _grad_sqnorms([p.grad for _, p, _, _ in live], device)
@@ -168,9 +176,13 @@ class MeasurementTracker:
         values += [count.to(device) for _, _, _, count in live]
         if isinstance(scale, torch.Tensor):
             values.append(scale.to(device=device, dtype=torch.float32).reshape(()))
-        host = torch.stack(values).tolist()
+        values = torch.stack(values)
         self._zero_buffers()
-        n = len(live)
+        names = [name for name, _, _, _ in live]
+        return values, lambda host: self._finish(names, host, scale, batch_size, step)
+
+    def _finish(self, names, host, scale, batch_size, step):
+        n = len(names)
         grad_sqnorms, sq_sums, counts = host[:n], host[n:2 * n], host[2 * n:3 * n]
         if isinstance(scale, torch.Tensor):
             scale = host[3 * n]
@@ -179,7 +191,7 @@ class MeasurementTracker:
             self.skipped_steps += 1
 
         measurements = []
-        for (name, _, _, _), grad_sqnorm, sq_sum, count in zip(live, grad_sqnorms, sq_sums, counts):
+        for name, grad_sqnorm, sq_sum, count in zip(names, grad_sqnorms, sq_sums, counts):
             if count == 0:
                 continue  # module not run this step: no per-example information
             B = int(round(count)) if batch_size is None else int(batch_size)
@@ -312,6 +324,10 @@ class ExactGNS(Estimator):
         return self.tracker.skipped_steps
 
     def measure(self, step, examples, scaler):
+        values, finish = self.collect(step, examples, scaler)
+        return finish(values.tolist() if values is not None else [])
+
+    def collect(self, step, examples, scaler):
         if self.tracker.world_size > 1:
             allreduce_buffers(self.buffers)  # the global batch's sums, not one rank's
             methods = sum(layer.norm_method is not None for layer in self.linears)
@@ -319,7 +335,10 @@ class ExactGNS(Estimator):
                 agree_linear_norm_methods(self.model)
                 self.agreed_methods = sum(layer.norm_method is not None for layer in self.linears)
         self.tracker.scaler = scaler
-        measurements = self.tracker.step(batch_size=examples, step=step)
+        values, finish = self.tracker.collect(batch_size=examples, step=step)
+        return values, lambda host: self._finish(finish(host), examples)
+
+    def _finish(self, measurements, examples):
         if examples is None and measurements:  # B from the layers' own example counts, which must agree
             by_count = {}
             for m in measurements:
@@ -384,6 +403,12 @@ def measure_all(estimators, step, examples, scaler):
     for e in estimators:
         row.update(e.measure(step, examples, scaler))
     return row
+
+
+def collect_all(estimators, step, examples, scaler):
+    """measure_all() with the reads left on the device: every estimator's collect() (see Estimator),
+    for a pending.PendingSteps that reads them with the loop's other values when it logs."""
+    return [e.collect(step, examples, scaler) for e in estimators]
 
 
 def reset_all(estimators):

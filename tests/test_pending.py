@@ -1,0 +1,79 @@
+"""pending.py: the loop's per-step values read in one copy, the estimators' collected sums finished
+in step order, the same rows as reading every step."""
+import math
+
+import pytest
+import torch
+
+import gnstracking
+from gns_fixtures import brute_force_norms, regression_loss, train_step
+from pending import PendingSteps
+from test_gnstracking import make_batch, make_model
+
+
+def count_tolist(monkeypatch):
+    calls = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(self.numel()) or tolist(self))
+    return calls
+
+
+def test_every_pending_step_is_read_in_one_copy_into_its_own_row(monkeypatch):
+    calls = count_tolist(monkeypatch)
+    pending = PendingSteps()
+    rows, finished = [], []
+    for step in range(4):
+        row = {"iter_num": step, "loss": torch.tensor(step + 0.5, dtype=torch.bfloat16), "dt": 0.25,
+               "norm": torch.tensor([2.0 * step])}
+        collected = [(torch.arange(3.0) + 10 * step, lambda host, step=step: finished.append(step) or {"sums": sum(host)}),
+                     (None, lambda host: {"read": len(host)})]
+        pending.add(row, collected)
+        rows.append(row)
+    assert len(pending) == 4 and calls == []  # nothing read while the steps go
+    read = pending.read()
+    assert calls == [4 * (2 + 3)]  # one copy of all of them
+    assert read == rows and read[2] is rows[2]  # the rows themselves, filled in where they stand
+    assert read[2] == {"iter_num": 2, "loss": 2.5, "dt": 0.25, "norm": 4.0, "sums": 63.0, "read": 0}
+    assert list(read[0]) == ["iter_num", "loss", "dt", "norm", "sums", "read"]
+    assert finished == [0, 1, 2, 3] and len(pending) == 0
+    assert pending.read() == [] and calls == [20]  # nothing pending: no copy
+
+
+def test_the_exact_estimator_read_later_gives_what_it_gives_read_each_step():
+    """Three steps collected and read together: the same rows (against brute force), the same live
+    GNS and skipped count as measure() every step; the buffers zeroed at each collect."""
+    now_model, later_model = make_model(), make_model()
+    now, = gnstracking.estimators_for(now_model)
+    later, = gnstracking.estimators_for(later_model)
+    pending, expected = PendingSteps(), []
+    for step in range(3):
+        x, y = make_batch(6, seed=step)
+        norms = brute_force_norms(now_model, regression_loss, x, y)
+        for model in (now_model, later_model):
+            train_step(model, [(x[:3], y[:3]), (x[3:], y[3:])])
+        if step == 1:  # a non-finite step: counted, and its cells inf
+            for model in (now_model, later_model):
+                model.head.weight.grad.fill_(math.inf)
+        expected.append(gnstracking.measure_all([now], step, 6, None))
+        pending.add({"iter_num": step}, gnstracking.collect_all([later], step, 6, None))
+        assert all(float(sq) == 0 for sq in later.buffers)
+        if step != 1:
+            for name, (big, small) in norms.items():
+                assert expected[-1][f"train/gns/{name}/pegn"] == pytest.approx(small, rel=1e-5)
+        for model, e in ((now_model, now), (later_model, later)):
+            model.zero_grad()
+            e.reset()
+    assert later.skipped_steps == 0 and later.gns.state_dict() != now.gns.state_dict()  # not yet read
+    rows = pending.read()
+    assert [{k: v for k, v in row.items() if k != "iter_num"} for row in rows] == expected
+    assert math.isinf(rows[1]["train/gns/head.weight/norm"]) and later.skipped_steps == now.skipped_steps == 1
+    assert later.gns.state_dict() == now.gns.state_dict() and later.status() == now.status()
+    assert later.groups["LayerNorm"].state_dict() == now.groups["LayerNorm"].state_dict()
+
+
+def test_an_estimator_without_a_device_part_measures_when_collected():
+    class Reads(gnstracking.Estimator):
+        def measure(self, step, examples, scaler):
+            return {"step": step, "examples": examples}
+    values, finish = Reads().collect(3, 8, None)
+    assert values is None and finish([]) == {"step": 3, "examples": 8}
