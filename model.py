@@ -334,8 +334,9 @@ class GPT(nn.Module):
                 sd[k].copy_(v)
         return model
 
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW; matrices (>= 2-D) are weight-decayed, biases and LayerNorm / RMSNorm gains are not."""
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type, fused=True):
+        """AdamW; matrices (>= 2-D) are weight-decayed, biases and LayerNorm / RMSNorm gains are not. fused=False:
+        never the fused one (FSDP's float16 GradScaler gives it a found_inf of a shape it cannot take)."""
         params = [p for p in self.parameters() if p.requires_grad]
         decay_params = [p for p in params if p.dim() >= 2]
         nodecay_params = [p for p in params if p.dim() < 2]
@@ -345,7 +346,8 @@ class GPT(nn.Module):
         ]
         print(f"num decayed parameter tensors: {len(decay_params)}, with {sum(p.numel() for p in decay_params):,} parameters")
         print(f"num non-decayed parameter tensors: {len(nodecay_params)}, with {sum(p.numel() for p in nodecay_params):,} parameters")
-        use_fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type == 'cuda'
+        # fused: one kernel for all the parameters, and a step it skips on the device (step_unless_nonfinite)
+        use_fused = fused and 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type in ('cuda', 'cpu')
         optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas,
                                       **(dict(fused=True) if use_fused else {}))
         print(f"using fused AdamW: {use_fused}")
@@ -413,3 +415,25 @@ def grad_scaler(device_type, enabled, fsdp=False):
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
         return ShardedGradScaler(device_type, enabled=enabled)
     return torch.amp.GradScaler(device_type, enabled=enabled)
+
+
+def step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_steps):
+    """scaler.step(optimizer), unless the gradients' norm is not finite: GradScaler skips a float16
+    overflow itself; in float32/bfloat16 a fused AdamW is told to skip through its found_inf, as
+    GradScaler tells it, so the decision stays on the device and the step reads nothing (an optimizer
+    that cannot skip on the device reads the norm). Returns the non-finite steps in a row, a 0-dim
+    float32 tensor on the norm's device, given the count before this step (a number or that tensor)."""
+    norm = grad_norm.to_local() if hasattr(grad_norm, 'to_local') else grad_norm  # FSDP: a replicated DTensor
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+        return torch.zeros((), device=norm.device)
+    found_inf = (~torch.isfinite(norm)).float()
+    if optimizer.defaults.get('fused'):
+        optimizer.found_inf = found_inf  # fused AdamW leaves parameters, moments and step count as they were
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif math.isfinite(norm.item()):
+        optimizer.step()
+    return (nonfinite_steps + 1) * found_inf

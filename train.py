@@ -7,7 +7,6 @@ iteration lengths are converted), and an optional batch-size schedule editable m
 $ python train.py config/train_shakespeare_char_cpu.py --lnclass=shim
 $ torchrun --standalone --nproc_per_node=4 train.py config/train_cgpt_111M_owt.py
 """
-import math
 import os
 import sys
 import time
@@ -26,7 +25,8 @@ from checkpoint import (CheckpointError, data_order, eval_generator, init_model,
 from configurator import check_resources, configure_train, dataset_vocab_size, die
 from buffered import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
 from layer_config import classes_for_flags, set_contextual_config
-from model import fully_shard_gpt, grad_scaler
+from model import fully_shard_gpt, grad_scaler, step_unless_nonfinite
+from pending import PendingSteps
 from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
 from tracker import OutDirInUse, lock_out_dir, log_for_run
@@ -128,9 +128,7 @@ if ddp:
     from torch.distributed import init_process_group, destroy_process_group
     from torch.nn.parallel import DistributedDataParallel as DDP
     init_process_group(backend=backend)
-    ddp_rank = int(os.environ['RANK'])
-    ddp_local_rank = int(os.environ['LOCAL_RANK'])
-    ddp_world_size = int(os.environ['WORLD_SIZE'])
+    ddp_rank, ddp_local_rank, ddp_world_size = (int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE'))
     if device_type == 'cuda':
         device = f'cuda:{ddp_local_rank}'
         torch.cuda.set_device(device)
@@ -138,13 +136,9 @@ if ddp:
     seed_offset = ddp_rank  # each process gets a different seed
     gradient_accumulation_steps //= ddp_world_size  # global: check_train_config saw that it divides
 else:
-    master_process = True
-    seed_offset = 0
-    ddp_world_size = 1
-    ddp_rank = 0
+    master_process, seed_offset, ddp_world_size, ddp_rank = True, 0, 1, 0
 tokens_per_micro_step = ddp_world_size * batch_size * block_size
 print(f"tokens per iteration will be: {gradient_accumulation_steps * tokens_per_micro_step:,}")
-
 if master_process and not eval_only:  # out_dir is this run's alone (eval_only writes nothing there)
     try:
         out_dir_lock = lock_out_dir(out_dir, set_aside=init_from != 'resume')  # an earlier run is kept
@@ -192,9 +186,8 @@ model.to(device)
 if fsdp:  # FSDP: shard in place before the optimizer is built on the (sharded) parameters
     fully_shard_gpt(model, device_type, ddp_world_size, bf16_params=(device_type == 'cuda' and dtype == 'bfloat16'))
 batch_rng = data_order(seed, checkpoint)  # the train batches' order, where a resumed run's checkpoint left it
-
 scaler = grad_scaler(device_type, enabled=(dtype == 'float16'), fsdp=fsdp)  # FSDP: an overflow on one rank skips the step on all
-optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
+optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type, fused=not (fsdp and scaler.is_enabled()))
 if checkpoint is not None:
     try:
         load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=model if fsdp else None)
@@ -236,27 +229,38 @@ signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_chec
 @torch.no_grad()
 def estimate_loss():
     """Mean loss over eval_iters batches of each split."""
-    out = {}
+    means = torch.zeros(2, device=device)  # on the device: one read per evaluation, not one per batch
     eval_model.eval()
-    for split in ['train', 'val']:
-        losses = torch.zeros(eval_iters, device=device)  # on the device: one read per split, not one per batch
+    for s, split in enumerate(['train', 'val']):
+        losses = torch.zeros(eval_iters, device=device)
         for k in range(eval_iters):
             X, Y = get_batch(split, eval_generator(seed, iter_num, split))
             with ctx:
                 logits, loss = eval_model(X, Y)
             losses[k] = loss
-        out[split] = losses.mean().item()
+        means[s] = losses.mean()
     if fsdp:  # FSDP: every rank evaluated its slice of the same batches; their mean is the batches' loss
-        means = torch.tensor([out['train'], out['val']], device=device)
         torch.distributed.all_reduce(means)
-        out = dict(zip(('train', 'val'), (means / ddp_world_size).tolist()))
+        means /= ddp_world_size
     eval_model.train()
-    return out
+    return dict(zip(('train', 'val'), means.tolist()))
+
+
+def flush_steps():
+    """Read the pending steps' device values into their rows: the master logs them; a run that diverged stops here."""
+    global nonfinite_steps
+    for row in pending.read():
+        step, nonfinite_steps = row['iter_num'], int(row.pop('nonfinite_steps'))
+        if master_process:  # with the first row of this process, the method each measured Linear chose
+            log_step_or_stop(logger, ddp, linear_norm_methods(raw_model) if step == first_iter else None, row)
+        if nonfinite_steps >= max_nonfinite_steps and not (last_step and row is step_row):
+            stop_early(diverged_message(step + 1, nonfinite_steps, last_checkpoint), 1, logger, ddp)
 
 
 def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
+    flush_steps()  # the estimators' states and the non-finite count up to this step
     run_state = training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps,
                                    data_order_state, estimators, schedule if bs_controller == 'gns' else None)
     try:  # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
@@ -268,14 +272,14 @@ def save_checkpoint():
         stop_early(f"{e}; ckpt.pt keeps {last_checkpoint}", 1, logger, ddp)
 
 
-def evaluate_and_checkpoint():
+def evaluate_and_checkpoint(row):
+    """The losses into `row`, log.csv's row of the step the evaluation comes before (after, for the last)."""
     global best_val_loss
     losses = estimate_loss()
     if master_process:  # FSDP: every rank evaluates and checkpoints, the master logs
         print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        # eval_tokens: what the evaluated model has seen (the row's tokens_processed counts its step too,
-        # which comes after the row's evaluation, except for the final evaluation)
-        logger.log({'train/loss': losses['train'], 'val/loss': losses['val'], 'eval_tokens': tokens_processed})
+        # eval_tokens: what the evaluated model has seen (the row's tokens_processed counts its step too)
+        row.update({'train/loss': losses['train'], 'val/loss': losses['val'], 'eval_tokens': tokens_processed})
     if losses['val'] < best_val_loss or always_save_checkpoint:
         best_val_loss = min(best_val_loss, losses['val'])
         if local_iter_num > 0:  # nothing new to save before this process has taken a step
@@ -287,8 +291,8 @@ def finished(tokens, iters):
 
 
 X, Y = get_batch('train')
-t0 = time.time()
-running_mfu = -1.0
+t0, running_mfu = time.time(), -1.0
+pending, first_iter, nonfinite_on_device = PendingSteps(), iter_num, nonfinite_steps  # the unlogged steps; a device count
 while eval_only or not finished(tokens_processed, iter_num):
     torch.manual_seed(step_seed(seed, seed_offset, iter_num))  # dropout: a resumed step draws what it drew
     if schedule is not None:
@@ -301,11 +305,12 @@ while eval_only or not finished(tokens_processed, iter_num):
     last_step = finished(tokens_processed + tokens_this_step, iter_num + 1)
 
     # the last step's evaluation comes after it (below): readers of log.csv find GNS on every row
+    step_row = {}
     if (master_process or fsdp) and (eval_only or (iter_num % eval_interval == 0 and not last_step)):
-        evaluate_and_checkpoint()
+        evaluate_and_checkpoint(step_row)
     if eval_only:
         if master_process:
-            log_step_or_stop(logger, ddp)  # to wandb only
+            log_step_or_stop(logger, ddp, row=step_row)  # to wandb only
         break
 
     # forward/backward with gradient accumulation; the per-example-norm layers add into their buffers
@@ -320,49 +325,44 @@ while eval_only or not finished(tokens_processed, iter_num):
         scaler.scale(loss).backward()
 
     # GNS: after the last micro-step (and DDP's all-reduce), before unscaling (the estimators divide it out)
-    examples_this_step = gradient_accumulation_steps * batch_size * ddp_world_size
-    gns_row = gnstracking.measure_all(estimators, iter_num, examples_this_step, scaler)
+    examples_this_step = gradient_accumulation_steps * batch_size * ddp_world_size  # their values read when logged
+    gns_collected = gnstracking.collect_all(estimators, iter_num, examples_this_step, scaler)
     scaler.unscale_(optimizer)
-    # the norm is computed (and logged) whether or not it clips
+    # the norm is computed (and logged) whether or not it clips; a step from non-finite gradients (they would
+    # ruin the weights) is skipped, decided on the device. The norm is the same on every rank (DDP averaged them)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0.0 else float('inf'))
-    grad_normf = grad_norm.item()  # the same on every rank: DDP has averaged the gradients (FSDP: a replicated DTensor)
-    if scaler.is_enabled() or math.isfinite(grad_normf):
-        scaler.step(optimizer)  # GradScaler skips a float16 step that overflowed by itself
-        nonfinite_steps = 0
-    else:  # float32/bfloat16: a step from non-finite gradients would ruin the weights: skip it
-        nonfinite_steps += 1
+    nonfinite_on_device = step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_on_device)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     gnstracking.reset_all(estimators)
     raw_model.tokens_processed += tokens_this_step
     tokens_processed += tokens_this_step
 
-    t1 = time.time()
+    t1 = time.time()  # dt: between logged steps the host's time (nothing waits for the device)
     dt = t1 - t0
     t0 = t1
-    if master_process:
-        lossf = loss.item() * gradient_accumulation_steps  # one CPU-GPU sync per step
-        if local_iter_num >= 5:  # the first iterations are slow (allocation, compilation)
-            mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps * ddp_world_size, dt)
-            running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
-        logger.log({'iter_num': iter_num, 'tokens_processed': tokens_processed, 'dt': dt,
-                    'tokens_per_sec': tokens_this_step / dt, 'mfu': running_mfu, 'lr': lr,
-                    'grad_norm': grad_normf, 'gradient_accumulation_steps': gradient_accumulation_steps,
-                    'train/lossf': lossf})
-        logger.log({**gns_row, **(schedule.row() if schedule else {})})
-        if iter_num % log_interval == 0:  # nanoGPT's: the iteration just done, log.csv's step
-            gns = ", ".join(s for s in (gnstracking.status_line(estimators), schedule and schedule.status()) if s)
-            print(f"iter {iter_num}: loss {lossf:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, "
-                  f"tokens {tokens_processed:,}, lr {lr:.3e}, grad_norm {grad_normf:.3f}" + (f", {gns}" if gns else ""))
+    if local_iter_num >= 5:  # the first iterations are slow (allocation, compilation)
+        mfu = raw_model.estimate_mfu(batch_size * gradient_accumulation_steps * ddp_world_size, dt)
+        running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
+    step_row.update({'iter_num': iter_num, 'tokens_processed': tokens_processed, 'dt': dt, 'tokens_per_sec': tokens_this_step / dt,
+                     'mfu': running_mfu, 'lr': lr, 'grad_norm': grad_norm, 'gradient_accumulation_steps': gradient_accumulation_steps,
+                     'train/lossf': loss.detach() * gradient_accumulation_steps, 'nonfinite_steps': nonfinite_on_device,
+                     **(schedule.row() if schedule else {})})
+    pending.add(step_row, gns_collected)  # its device values (loss, norm, GNS sums) read when logged
+    logs = iter_num % log_interval == 0  # nanoGPT's: the iteration just done, log.csv's step
     iter_num += 1
     local_iter_num += 1
     if last_step and (master_process or fsdp):  # the final evaluation (and checkpoint), on the last step's row
-        evaluate_and_checkpoint()
-    if master_process:  # in this process's first step, also the method each measured Linear chose
-        log_step_or_stop(logger, ddp, linear_norm_methods(raw_model) if local_iter_num == 1 else None)
-    if not last_step and nonfinite_steps >= max_nonfinite_steps:
-        stop_early(diverged_message(iter_num, nonfinite_steps, last_checkpoint), 1, logger, ddp)
+        evaluate_and_checkpoint(step_row)
+    # read for the status line, before an evaluation (on every rank alike), and each step for the GNS controller
+    if logs or last_step or iter_num % eval_interval == 0 or bs_controller == 'gns' or len(pending) >= pending.LIMIT:
+        flush_steps()  # step_row's values are numbers now
+        if master_process and logs:
+            gns = ", ".join(s for s in (gnstracking.status_line(estimators), schedule and schedule.status()) if s)
+            print(f"iter {iter_num - 1}: loss {step_row['train/lossf']:.4f}, time {dt*1000:.2f}ms, mfu {running_mfu*100:.2f}%, tokens "
+                  f"{tokens_processed:,}, lr {lr:.3e}, grad_norm {step_row['grad_norm']:.3f}" + (f", {gns}" if gns else ""))
     if not last_step and signals.agreed(ddp, device):  # Ctrl-C, a preemption: on every rank after this step
+        flush_steps()
         if (master_process or fsdp) and always_save_checkpoint:
             save_checkpoint()
         if ddp:  # torchrun stops the other ranks once one exits: none leaves before ckpt.pt is written

@@ -1,5 +1,6 @@
 """model.py: shapes, loss at initialisation, weight tying, the layer config, options."""
 import math
+import sys
 
 import pytest
 import torch
@@ -274,3 +275,66 @@ def test_the_grad_scaler_scales_float16_alone_and_is_the_sharded_one_under_fsdp(
     assert grad_scaler('cpu', enabled=True).is_enabled() and not grad_scaler('cpu', enabled=False).is_enabled()
     assert not isinstance(grad_scaler('cpu', enabled=True), ShardedGradScaler)
     assert isinstance(grad_scaler('cpu', enabled=True, fsdp=True), ShardedGradScaler)
+
+
+def adamw_pair(fused):
+    """Two identical small models' AdamW (fused or not), the second for a reference step."""
+    torch.manual_seed(0)
+    params = [torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    return (torch.optim.AdamW(params, lr=0.1, fused=fused), params), (torch.optim.AdamW(copies, lr=0.1, fused=fused), copies)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_step_from_non_finite_gradients_is_skipped_and_counted_on_the_device(fused, monkeypatch):
+    """step_unless_nonfinite: a finite step is the optimizer's own step, a non-finite one leaves the
+    weights, moments and step count as they were, and the count of such steps in a row goes on the
+    device. A fused AdamW decides it there (no read of the norm); another optimizer reads it."""
+    from model import step_unless_nonfinite
+    scaler = torch.amp.GradScaler('cpu', enabled=False)
+    (optimizer, params), (reference, copies) = adamw_pair(fused)
+    reads = []  # model.py's reads of a tensor's value
+    item = torch.Tensor.item
+    def counted(self):
+        reads.append(sys._getframe(1).f_code.co_filename.endswith("model.py"))
+        return item(self)
+    monkeypatch.setattr(torch.Tensor, "item", counted)
+    count = 0
+    for step, bad in enumerate([False, True, True, False, True]):
+        grads = [torch.randn_like(p) for p in params]
+        if bad:
+            grads[1][0] = math.nan
+        for p, q, g in zip(params, copies, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = torch.nn.utils.clip_grad_norm_(params, float('inf'))
+        count = step_unless_nonfinite(optimizer, scaler, norm, count)
+        if not bad:
+            reference.step()
+        assert torch.is_tensor(count) and count.dtype == torch.float32
+        assert float(count) == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1}[step]
+        assert all(torch.equal(p, q) for p, q in zip(params, copies)), step
+        for p, q in zip(params, copies):
+            assert torch.equal(optimizer.state[p]['exp_avg'], reference.state[q]['exp_avg'])
+            assert float(optimizer.state[p]['step']) == float(reference.state[q]['step'])
+    assert not hasattr(optimizer, 'found_inf')
+    assert sum(reads) == (0 if fused else 5)
+
+
+def test_a_float16_step_is_left_to_the_grad_scaler():
+    from model import step_unless_nonfinite
+    (optimizer, params), _ = adamw_pair(True)
+    stepped = []
+    class Scaler:
+        def is_enabled(self):
+            return True
+        def step(self, opt):
+            stepped.append(opt)
+    for p in params:
+        p.grad = torch.full_like(p, math.inf)
+    count = step_unless_nonfinite(optimizer, Scaler(), torch.tensor(math.inf), torch.tensor(3.0))
+    assert stepped == [optimizer] and float(count) == 0
+
+
+def test_adamw_is_fused_on_the_cpu_too():
+    optimizer = GPT(GPTConfig(**CFG)).configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    assert optimizer.defaults['fused']

@@ -962,13 +962,43 @@ finally:
 """
 
 
-def test_an_evaluation_reads_each_split_s_mean_once(tiny_dataset, tmp_path):
-    """estimate_loss keeps the batches' losses on the device: one read per split, not one per batch."""
+def count_reads(tmp_path, *flags):
+    """The project's reads of tensor values in a train.py run with TINY and `flags`, by file:function."""
     counts = tmp_path / "reads.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    run = subprocess.run([sys.executable, "-c", COUNT_READS, str(counts), "train.py", *TINY, f"--dataset={tiny_dataset}",
-                          f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=100", "--eval_iters=6",
-                          "--log_interval=100"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", COUNT_READS, str(counts), "train.py", *TINY, *flags],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    reads = json.loads(counts.read_text())
-    assert reads.get("train.py:estimate_loss") == 2 * 2  # two evaluations (the first step's, the last's), two splits
+    return json.loads(counts.read_text()), run.stdout
+
+
+def test_an_evaluation_reads_its_losses_once(tiny_dataset, tmp_path):
+    """estimate_loss keeps the batches' losses on the device: one read of both splits' means, not one per batch."""
+    reads, _ = count_reads(tmp_path, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4",
+                           "--eval_interval=100", "--eval_iters=6", "--log_interval=100")
+    assert reads.get("train.py:estimate_loss") == 2  # two evaluations (the first step's, the last's)
+
+
+LOOP_READERS = ("train.py:<module>", "pending.py:read", "gnstracking.py:step", "gnstracking.py:collect",
+                "model.py:step_unless_nonfinite", "stopping.py:agreed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [[], ["--lnclass=fused"], ["--linearclass=gns", "--embeddingclass=gns", "--lnclass=shim"]],
+                         ids=["nn", "layernorm", "every-layer"])
+def test_ten_steps_logged_every_ten_read_the_device_at_most_three_times(tiny_dataset, tmp_path, layers):
+    """The loop keeps each step's loss, gradient norm and GNS sums on the device and reads them all in one
+    copy when it logs (the first step and the last here), as the skip of a non-finite step is decided there:
+    a step that does not log waits for nothing. log.csv still has every step's row."""
+    out = tmp_path / "out"
+    reads, stdout = count_reads(tmp_path, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--max_iters=10",
+                                "--eval_interval=1000", "--log_interval=10", *layers)
+    loop = {where: n for where, n in reads.items() if where not in ("train.py:estimate_loss",
+                                                                    "checkpoint.py:save_training_state")}
+    assert set(loop) <= set(LOOP_READERS), reads  # a new reader would escape this count
+    assert sum(loop.values()) <= 3, reads  # the start's tokens_processed, then one read per log
+    log = pd.read_csv(out / "log.csv")
+    assert list(log["iter_num"]) == list(range(10)) and log["train/lossf"].notna().all() and (log["grad_norm"] > 0).all()
+    assert [int(line.split()[1][:-1]) for line in stdout.splitlines() if line.startswith("iter ")] == [0]
+    if layers:
+        assert log.filter(like="/pegn").notna().all().all() and (log.filter(like="/pegn") > 0).all().all()
