@@ -368,10 +368,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 LINEAR_KERNEL = os.environ.get("GNS_LINEAR_KERNEL") == "1"
 
 
-def _on_kernel(x, ids):
-    """Whether the materialised norms of x's layer run linear_gns_kernel: asked for, on a GPU with
-    Triton, for any layer but a tied head (whose embedding needs W_b's rows at its ids)."""
-    return LINEAR_KERNEL and ids is None and x.is_cuda and HAS_TRITON
+def _on_kernel(x):
+    """Whether the materialised norms of x's layer run linear_gns_kernel: asked for, on a GPU with Triton."""
+    return LINEAR_KERNEL and x.is_cuda and HAS_TRITON
 
 
 def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
@@ -379,13 +378,14 @@ def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
     the compute dtype (it is the weight gradient's own GEMM split by example); also their sum,
     the weight gradient (in at least float32), when want_grad; and for a tied output head (ids
     given, [B, T]) Q_b[t] = W_b[id_bt] as float32 [B, T, K], a gather from the rows at hand.
-    On a GPU, untied, the same sums come from linear_gns_kernel, which never writes W_b (float32
-    throughout)."""
-    if _on_kernel(x, ids):
+    On a GPU the same sums come from linear_gns_kernel, which never writes W_b (float32
+    throughout); a tied head's Q_b then from _head_grad_at_ids, as under the ghost norm."""
+    if _on_kernel(x):
         import linear_gns_kernel  # here, on first use: it imports Triton
         if linear_gns_kernel.supports(x, dy):
             grad, per_example = linear_gns_kernel.per_example_weight_grad(x, dy, want_grad)
-            return per_example.sum(), grad, None
+            q = None if ids is None else _head_grad_at_ids(x, dy, ids, max_chunk_numel)
+            return per_example.sum(), grad, q
     B, T, K = x.shape
     L = dy.shape[2]
     acc = torch.promote_types(x.dtype, torch.float32)

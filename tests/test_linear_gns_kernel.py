@@ -143,7 +143,7 @@ def test_buffered_materialise_runs_the_kernel(monkeypatch, fused):
     launch = linear_gns_kernel._launch
     monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
     for on_kernel in (False, True):
-        monkeypatch.setattr(buffered, "_on_kernel", lambda x, ids: on_kernel and ids is None)
+        monkeypatch.setattr(buffered, "_on_kernel", lambda x: on_kernel)
         launches.clear()
         torch.manual_seed(0)
         layer = cls(20, 24).to(DEVICE)
@@ -156,14 +156,46 @@ def test_buffered_materialise_runs_the_kernel(monkeypatch, fused):
 
 
 @kernel_runs
-def test_tied_head_keeps_the_bmm_path(monkeypatch):
-    """A tied head (ids given) needs W_b's rows at its ids: the kernel does not take it."""
-    monkeypatch.setattr(buffered, "_on_kernel", lambda x, ids: ids is None)
-    monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: pytest.fail("the kernel ran"))
+def test_a_tied_head_runs_the_kernel_and_gives_its_rows_at_the_ids(monkeypatch):
+    """A tied head (ids given) runs the kernel too: its norm and gradient from it, and W_b's rows at
+    the embedding's ids (for the cross term) from the ghost path's gather, the bmm path's values."""
     x, dy = inputs(2, 3, 8, 12, torch.float32)
     ids = torch.randint(0, 12, (2, 3), device=DEVICE)
-    sq, grad, q = buffered._weight_sqnorm_materialised(x, dy, 1 << 24, True, ids)
-    assert q is not None and q.shape == (2, 3, 8)
+    results, launches = {}, []
+    launch = linear_gns_kernel._launch
+    monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    for on_kernel in (False, True):
+        monkeypatch.setattr(buffered, "_on_kernel", lambda x: on_kernel)
+        results[on_kernel] = buffered._weight_sqnorm_materialised(x, dy, 1 << 24, True, ids)
+        assert len(launches) == on_kernel
+    for got, want in zip(results[True], results[False]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
+    assert results[True][2].shape == (2, 3, 8)
+
+
+@kernel_runs
+def test_a_tied_gpt_on_the_kernel_measures_what_the_bmm_path_measures(monkeypatch):
+    """The whole GPT, every layer measured with its head tied to the embedding, materialised: the
+    per-example sums of every parameter (the tied weight's cross term included) and the gradients
+    agree with the kernel and without it."""
+    from gns_fixtures import gpt_batches, tiny_gpt
+    from layer_config import classes_for_flags
+    layers = classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="shim")
+    results = {}
+    for on_kernel in (False, True):
+        monkeypatch.setattr(buffered, "_on_kernel", lambda x: on_kernel)
+        model = tiny_gpt(**layers).to(DEVICE)
+        buffered.set_per_example_mode(model, "materialise")
+        for ids, targets in gpt_batches(2, 3):
+            _, loss = model(ids.to(DEVICE), targets.to(DEVICE))
+            (loss / 2).backward()
+        results[on_kernel] = ({name: sq.clone() for name, _, sq, _ in buffered.find_sqgradnorm_buffers(model)},
+                              {name: p.grad.clone() for name, p in model.named_parameters()})
+    assert "transformer.wte.weight" in results[True][0]
+    for name, sq in results[False][0].items():
+        torch.testing.assert_close(results[True][0][name], sq, rtol=1e-5, atol=0, msg=name)
+    for name, grad in results[False][1].items():
+        torch.testing.assert_close(results[True][1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 # ---------------------------------------------------------------- on a GPU, at GPT-2 small's size
@@ -226,7 +258,7 @@ def test_kernel_interpreted():
                            os.path.abspath(__file__), "-k", "not gpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    ran = sum(1 for name in CASES for _ in DTYPES) + 6
+    ran = sum(1 for name in CASES for _ in DTYPES) + 7
     assert f"{ran} passed" in done.stdout, done.stdout[-3000:]
 
 
@@ -263,7 +295,7 @@ def test_buffered_cpu_path_unchanged(monkeypatch, fused):
     layer = cls(20, 24)
     layer.per_example_mode = "materialise"
     (layer(x) * dy).sum().backward()
-    assert not buffered._on_kernel(x, None)
+    assert not buffered._on_kernel(x)
     assert torch.equal(layer.weight_sqgradnorm, buffered.sum_of_squares(torch.bmm(dy.mT, x)))
 
 
@@ -367,9 +399,9 @@ def test_the_kernel_is_asked_for_until_a_gpu_has_shown_it(monkeypatch):
     on_a_gpu = SimpleNamespace(is_cuda=True)
     monkeypatch.setattr(buffered, "HAS_TRITON", True)
     monkeypatch.setattr(buffered, "LINEAR_KERNEL", False)
-    assert not buffered._on_kernel(on_a_gpu, None)
+    assert not buffered._on_kernel(on_a_gpu)
     monkeypatch.setattr(buffered, "LINEAR_KERNEL", True)
-    assert buffered._on_kernel(on_a_gpu, None) and not buffered._on_kernel(on_a_gpu, torch.zeros(1))
+    assert buffered._on_kernel(on_a_gpu)
     result = subprocess.run([sys.executable, "-c", "import buffered; print(buffered.LINEAR_KERNEL)"], cwd=ROOT,
                             env=dict(os.environ, GNS_LINEAR_KERNEL="1"), capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "True", result.stderr
