@@ -1266,13 +1266,12 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
         self._check_call(_examples(x, len(self.normalized_shape)))
         params, bufs = self._parameters, self._buffers  # dict reads: a module attribute is two __getattr__
         weight = params.get("weight")
-        if weight is not None and "bias" in params and x.shape[-1:] == weight.shape \
-                and not torch.compiler.is_compiling():
-            # eager, own parameters: the Function itself, without layer_norm()'s checks of buffers
-            # that this layer registered
-            return normgnorm._LayerNormFn.apply(x, weight, params["bias"], bufs["weight_sqgradnorm"],
-                                                bufs.get("bias_sqgradnorm"), bufs["example_count"], self.eps,
-                                                self.backend or "")
+        if weight is not None and "bias" in params and x.shape[-1:] == weight.shape:
+            # own parameters: the Function itself, without layer_norm()'s checks of buffers that this
+            # layer registered (eager and compiled: the one path)
+            return normgnorm._NormFn.apply(x, weight, params["bias"], bufs["weight_sqgradnorm"],
+                                           bufs.get("bias_sqgradnorm"), bufs["example_count"], self.eps,
+                                           self.backend or "", False)
         if self.weight is None:
             return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
         return normgnorm.layer_norm(x, self.weight, self.bias,
@@ -1288,11 +1287,11 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
     def forward(self, x):
         self._check_call(_examples(x, len(self.normalized_shape)))
         weight = self._parameters.get("weight")
-        if weight is not None and x.dim() and x.shape[-1:] == weight.shape and not torch.compiler.is_compiling():
-            # eager, own gain: the Function itself, without rms_norm()'s checks of this layer's own buffers
+        if weight is not None and x.dim() and x.shape[-1:] == weight.shape:
+            # own gain: the Function itself, without rms_norm()'s checks of this layer's own buffers
             bufs = self._buffers
-            return normgnorm._RMSNormFn.apply(x, weight, bufs["weight_sqgradnorm"], bufs["example_count"],
-                                              rms_norm_eps(self.eps, x.dtype), self.backend or "")
+            return normgnorm._NormFn.apply(x, weight, None, bufs["weight_sqgradnorm"], None, bufs["example_count"],
+                                           rms_norm_eps(self.eps, x.dtype), self.backend or "", True)
         if self.weight is None:
             return F.rms_norm(x, self.normalized_shape, None, self.eps)
         return normgnorm.rms_norm(x, self.weight, self.weight_sqgradnorm, self.example_count, self.eps,

@@ -17,19 +17,19 @@ RMSNorm (x̂ = x * rstd, rstd = 1 / sqrt(mean(x²) + eps), y = γ ⊙ x̂, no β
 centring (Zhang & Sennrich 2019): its dγ_b has the same form, and every implementation runs it through
 the LayerNorm code with the mean left out (`rms=True` in forward, `mean` None in backward).
 
-Two functions, `layer_norm` and `rms_norm` (the reference implementation's `PEGLayerNorm`, with
-its seven arguments, is an adapter onto layer_norm's autograd Function, at the end), with four
-implementations behind:
+Two functions, `layer_norm` and `rms_norm`, and one autograd Function behind both (_NormFn, which
+the measured layers call directly; the reference implementation's `PEGLayerNorm`, with its seven
+arguments, is an adapter onto its forward and backward, at the end), with four implementations:
 - "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
 - "cpu": torch's forward and a backward in one native pass (normgnorm/cpu_ext.py, C built on
   first use), the default on CPU in eager mode; what it does not take runs the PyTorch path;
 - "torch": pure PyTorch (normgnorm/torch_path.py): off GPU otherwise (mps, torch.compile).
 Choose with the `backend` argument or the NORMGNORM_BACKEND environment variable. Under
-torch.compile the kernels run as torch.library custom ops, which the compiler treats as opaque
-nodes (no graph breaks), and the torch path is traced like any PyTorch code, so that its
-per-example sums fuse with the model's own ops; in eager mode both skip the ops' dispatch and call
-the implementation directly.
+torch.compile the Function runs the kernels as two torch.library custom ops (normgnorm::norm_fwd,
+normgnorm::norm_bwd), which the compiler treats as opaque nodes (no graph breaks), and the torch
+path is traced like any PyTorch code, so that its per-example sums fuse with the model's own ops;
+in eager mode it skips the ops' dispatch and calls the implementation directly.
 """
 import contextlib
 import functools
@@ -108,12 +108,6 @@ def _forward(x, weight, bias, eps, backend, rms=False):
     return y2d.view(x.shape), mean, rstd
 
 
-def _op_forward(x, weight, bias, eps, backend, rms=False):
-    """_forward for the registered ops, whose outputs have one shape whatever the implementation: [N] statistics."""
-    y, mean, rstd = _forward(x, weight, bias, eps, resolve_backend(backend, x), rms)
-    return y, (None if mean is None else mean.reshape(-1)), rstd.reshape(-1)
-
-
 def _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm,
                    example_count, backend):
     """dx, dw, db (None where not needed), adding the per-example norms to the buffers; mean None: RMSNorm.
@@ -132,71 +126,46 @@ def _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnor
     return dx2d.view(x.shape), dw, db
 
 
-@torch.library.custom_op("normgnorm::layer_norm_fwd", mutates_args=())
-def _layer_norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor],
-                    weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
-                    eps: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    # The buffers are inputs only so that the backward can reach them; the forward leaves them alone.
-    return _op_forward(x, weight, bias, eps, backend)
+# ---------------------------------------------------------------------------------------------
+# The registered ops: the kernels as torch.compile sees them, opaque nodes it keeps whole. One pair
+# for both normalisations (rms: no centring, no bias). _NormFn below calls them while compiling,
+# and the implementation directly in eager mode, where their dispatch would cost about as much
+# host time as a small normalisation itself.
+
+@torch.library.custom_op("normgnorm::norm_fwd", mutates_args=())
+def _norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, backend: str,
+              rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """y and [N] statistics whatever the implementation; an RMSNorm's mean, which it has not, is empty."""
+    y, mean, rstd = _forward(x, weight, bias, eps, resolve_backend(backend, x), rms)
+    return y, (rstd.new_empty(0) if mean is None else mean.reshape(-1)), rstd.reshape(-1)
 
 
-def _fake_forward(x):
-    """Fakes of the forward's outputs (for the compiler): y like x, a float32 statistic per row."""
-    stats = x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), stats
+@_norm_fwd.register_fake
+def _(x, weight, bias, eps, backend, rms):
+    rows = x.numel() // x.shape[-1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty((0 if rms else rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
 
 
-@_layer_norm_fwd.register_fake
-def _(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
-    y, stats = _fake_forward(x)
-    return y, stats, torch.empty_like(stats)
-
-
-@torch.library.custom_op("normgnorm::layer_norm_bwd", mutates_args=("weight_sqgradnorm", "bias_sqgradnorm", "example_count"))
-def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor,
-                    need_dw: bool, need_db: bool,
-                    weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
-                    backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db,
+@torch.library.custom_op("normgnorm::norm_bwd", mutates_args=("weight_sqgradnorm", "bias_sqgradnorm", "example_count"))
+def _norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, need_dw: bool, need_db: bool,
+              weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
+              backend: str, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, and dw, db (empty where not needed: an op returns tensors), adding the norms to the buffers."""
+    dx, dw, db = _backward_impl(dy, x, weight, None if rms else mean, rstd, need_dw, need_db,
                                 weight_sqgradnorm, bias_sqgradnorm, example_count, resolve_backend(backend, x))
     return dx, _tensor(dw, weight), _tensor(db, weight)
 
 
 def _tensor(grad, weight):
-    """A custom op returns tensors, never None: an empty one stands for "not needed"."""
     return weight.new_empty(0) if grad is None else grad
 
 
-def _fake_grad(weight, needed):
-    return weight.new_empty(weight.shape[-1] if needed else 0)
-
-
-@_layer_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm, example_count, backend):
-    return _fake_forward(x)[0], _fake_grad(weight, need_dw), _fake_grad(weight, need_db)
-
-
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend = inputs
-    _, mean, rstd = output
-    # only parameters that receive a gradient are measured
-    ctx.need_dw = ctx.needs_input_grad[1]
-    ctx.need_db = bias is not None and ctx.needs_input_grad[2]
-    ctx.backend = backend
-    ctx.save_for_backward(x, weight, mean, rstd, weight_sqgradnorm, bias_sqgradnorm, example_count)
-
-
-def _backward(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd, weight_sqgradnorm, bias_sqgradnorm, example_count = ctx.saved_tensors
-    dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, ctx.need_dw, ctx.need_db,
-                                 weight_sqgradnorm, bias_sqgradnorm, example_count, ctx.backend)
-    return dx, dw if ctx.need_dw else None, db if ctx.need_db else None, None, None, None, None, None
-
-
-_layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-# Under CUDA autocast torch's layer_norm runs in float32 (float32 output); do the same. CPU
-# autocast leaves layer_norm alone (a bfloat16 input gives a bfloat16 output), and so does this op.
-torch.library.register_autocast("normgnorm::layer_norm_fwd", "cuda", torch.float32)
+@_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm, example_count, backend, rms):
+    D = weight.shape[-1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            weight.new_empty(D if need_dw else 0), weight.new_empty(D if need_db else 0))
 
 
 def _buffer_layout(name, buffer, pair_allowed=True):
@@ -229,7 +198,7 @@ def _float32_under_cuda_autocast(x, weight, bias, cast=True):
     Under CUDA autocast torch's layer_norm (and, in newer torch, rms_norm: `cast`) runs in
     float32 with a float32 output; CPU autocast leaves them alone. Returns x, weight, bias with
     their half-precision ones cast up as torch does, and whether CUDA autocast is on. The
-    Functions do this themselves rather than through torch.amp.custom_fwd/custom_bwd, whose
+    Function does this itself rather than through torch.amp.custom_fwd/custom_bwd, whose
     autocast contexts on every call cost more host time than the kernels take on the GPU.
     """
     if not (x.is_cuda and torch.is_autocast_enabled("cuda")):
@@ -249,52 +218,50 @@ def _autocast_off(ctx):
     return contextlib.nullcontext()
 
 
-def _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
-    """The forward of the layer_norm Functions (ours and the reference's PEGLayerNorm): y, with what
-    the backward needs kept in ctx. In eager mode the implementation is called directly (the
-    registered op's Python dispatch costs about as much as a small LayerNorm itself); under
-    torch.compile the registered op, which the compiler keeps whole."""
+def _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend, rms):
+    """The forward of the normalisations (_NormFn, and the reference's PEGLayerNorm): y, with what
+    the backward needs kept in ctx. In eager mode the implementation is called directly; while
+    compiling the kernels are the registered op, and the torch path is traced like any PyTorch code,
+    its ops fused with the model's."""
     backend = resolve_backend(backend, x)  # once: the backward runs what the forward ran
-    x, weight, bias, ctx.autocast = _float32_under_cuda_autocast(x, weight, bias)
-    ctx.backend = backend
+    x, weight, bias, ctx.autocast = _float32_under_cuda_autocast(x, weight, bias, cast=RMS_NORM_UPCAST or not rms)
+    ctx.backend, ctx.rms = backend, rms
     if torch.compiler.is_compiling() and backend != "torch":
-        # the op's buffer inputs serve its own autograd (layer_norm below); the Function keeps the
-        # buffers itself, so the op gets a placeholder
-        unused = x.new_zeros((), dtype=torch.float32)
-        y, mean, rstd = _layer_norm_fwd(x, weight, bias, unused, None, unused, eps, backend)
-    else:  # eager, or the torch path traced: the compiler fuses its ops with the model's
+        y, mean, rstd = _norm_fwd(x, weight, bias, eps, backend, rms)
+    else:
         with _autocast_off(ctx):
-            y, mean, rstd = _forward(x, weight, bias, eps, backend)
+            y, mean, rstd = _forward(x, weight, bias, eps, backend, rms)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
     ctx.has_bias = bias is not None
     return y
 
 
-def _layer_norm_backward(ctx, dy):
+def _norm_backward(ctx, dy):
     """dx, dγ, dβ (None where not needed), the per-example norms added to the buffers ctx keeps."""
     x, weight, mean, rstd = ctx.saved_tensors
     # only parameters that receive a gradient are measured
     need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
     if torch.compiler.is_compiling() and ctx.backend != "torch":
-        dx, dw, db = _layer_norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+        dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend, ctx.rms)
         return dx, (dw if need_dw else None), (db if need_db else None)
     with _autocast_off(ctx):
         return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
 
 
-class _LayerNormFn(torch.autograd.Function):
-    """layer_norm's autograd Function, in our argument order; under CUDA autocast it runs in float32
-    with a float32 output, as torch's layer_norm does."""
+class _NormFn(torch.autograd.Function):
+    """The one autograd Function of both normalisations, eager and compiled (rms: RMSNorm, bias and
+    its buffer None): layer_norm, rms_norm and the measured layers run it. Under CUDA autocast it
+    runs in float32 with a float32 output where torch's own does."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend):
-        return _layer_norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
-                                   backend)
+    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend, rms):
+        return _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
+                             backend, rms)
 
     @staticmethod
     def backward(ctx, dy):
-        return *_layer_norm_backward(ctx, dy), None, None, None, None, None
+        return *_norm_backward(ctx, dy), None, None, None, None, None, None
 
 
 def _check_buffers(entry, **buffers):
@@ -320,83 +287,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         weight_sqgradnorm = fresh() if weight_sqgradnorm is None else weight_sqgradnorm
         bias_sqgradnorm = fresh() if bias is not None and bias_sqgradnorm is None else bias_sqgradnorm
         example_count = fresh() if example_count is None else example_count
-    # under torch.compile the kernels are the op with its registered autograd, which the compiler
-    # keeps whole; the torch path is traced through the Function, its ops fused with the model's
-    if torch.compiler.is_compiling() and resolve_backend(backend or "", x) != "torch":
-        return _layer_norm_fwd(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
-                               backend or "")[0]
-    return _LayerNormFn.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend or "")
-
-
-# ---------------------------------------------------------------------------------------------
-# RMSNorm: the LayerNorm implementations without the centring (rms=True, mean None)
-
-@torch.library.custom_op("normgnorm::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count: Tensor,
-                  eps: float, backend: str) -> tuple[Tensor, Tensor]:
-    # the buffers are inputs only so that the backward can reach them, as in layer_norm_fwd
-    y, _, rstd = _op_forward(x, weight, None, eps, backend, rms=True)
-    return y, rstd
-
-
-@_rms_norm_fwd.register_fake
-def _(x, weight, weight_sqgradnorm, example_count, eps, backend):
-    return _fake_forward(x)
-
-
-@torch.library.custom_op("normgnorm::rms_norm_bwd", mutates_args=("weight_sqgradnorm", "example_count"))
-def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, need_dw: bool,
-                  weight_sqgradnorm: Tensor, example_count: Tensor, backend: str) -> tuple[Tensor, Tensor]:
-    dx, dw, _ = _backward_impl(dy, x, weight, None, rstd, need_dw, False, weight_sqgradnorm, None,
-                               example_count, resolve_backend(backend, x))
-    return dx, _tensor(dw, weight)
-
-
-@_rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd, need_dw, weight_sqgradnorm, example_count, backend):
-    return _fake_forward(x)[0], _fake_grad(weight, need_dw)
-
-
-def _rms_setup_context(ctx, inputs, output):
-    x, weight, weight_sqgradnorm, example_count, eps, backend = inputs
-    ctx.need_dw, ctx.backend = ctx.needs_input_grad[1], backend  # a frozen gain is not measured
-    ctx.save_for_backward(x, weight, output[1], weight_sqgradnorm, example_count)
-
-
-def _rms_backward(ctx, dy, _drstd):
-    x, weight, rstd, weight_sqgradnorm, example_count = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd(dy, x, weight, rstd, ctx.need_dw, weight_sqgradnorm, example_count, ctx.backend)
-    return dx, dw if ctx.need_dw else None, None, None, None, None
-
-
-_rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup_context)
-# as torch's rms_norm under CUDA autocast: float32 where this torch runs it so; CPU autocast leaves it alone
-if RMS_NORM_UPCAST:
-    torch.library.register_autocast("normgnorm::rms_norm_fwd", "cuda", torch.float32)
-
-
-class _RMSNormFn(torch.autograd.Function):
-    """rms_norm in eager mode: the implementation called directly, without the ops' dispatch
-    (which costs about as much as a small normalisation itself), as PEGLayerNorm does."""
-
-    @staticmethod
-    def forward(ctx, x, weight, weight_sqgradnorm, example_count, eps, backend):
-        ctx.backend = resolve_backend(backend, x)
-        x, weight, _, ctx.autocast = _float32_under_cuda_autocast(x, weight, None, cast=RMS_NORM_UPCAST)
-        with _autocast_off(ctx):
-            y, _, rstd = _forward(x, weight, None, eps, ctx.backend, rms=True)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.bufs = (weight_sqgradnorm, example_count)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        weight_sqgradnorm, example_count = ctx.bufs
-        with _autocast_off(ctx):
-            dx, dw, _ = _backward_impl(dy, x, weight, None, rstd, ctx.needs_input_grad[1], False,
-                                       weight_sqgradnorm, None, example_count, ctx.backend)
-        return dx, dw, None, None, None, None
+    return _NormFn.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend or "", False)
 
 
 def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count: Tensor,
@@ -411,10 +302,8 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
     if x.dim() == 0 or weight.shape != x.shape[-1:]:
         raise ValueError(f"normgnorm.rms_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
                          f"must be ({x.shape[-1] if x.dim() else ''},) for input {tuple(x.shape)}")
-    eps, backend = rms_norm_eps(eps, x.dtype), backend or ""
-    if torch.compiler.is_compiling() and resolve_backend(backend, x) != "torch":  # the kernels: the op, kept whole
-        return _rms_norm_fwd(x, weight, weight_sqgradnorm, example_count, eps, backend)[0]
-    return _RMSNormFn.apply(x, weight, weight_sqgradnorm, example_count, eps, backend)
+    return _NormFn.apply(x, weight, None, weight_sqgradnorm, None, example_count, rms_norm_eps(eps, x.dtype),
+                         backend or "", True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,12 +341,12 @@ class PEGLayerNorm(torch.autograd.Function):
         sums = [buf if buf is not None and not pair else fresh()
                 for buf, pair in zip((weight_sqgradnorm, bias_sqgradnorm), pairs)]
         ctx.pairs = tuple(zip(pairs, (weight_sqgradnorm, bias_sqgradnorm), sums))
-        return _layer_norm_forward(ctx, x, weight, bias, *sums, example_count if example_count is not None else fresh(),
-                                   eps, backend or "")
+        return _norm_forward(ctx, x, weight, bias, *sums, example_count if example_count is not None else fresh(),
+                             eps, backend or "", False)
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dw, db = _layer_norm_backward(ctx, dy)
+        dx, dw, db = _norm_backward(ctx, dy)
         num_examples = _examples_and_rows(dy)[0]
         for (pair, buf, sq), grad in zip(ctx.pairs, (dw, db)):
             if pair and grad is not None:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import normgnorm
 from gns_fixtures import output_grad_loss, sqgradnorm_sums
 from normgnorm import cpu_ext, cuda_ext
+from normgnorm.torch_path import rms_norm_eps
 
 EPS = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,10 +71,28 @@ def make_inputs(shape, dtype, bias, seed, device="cpu"):
     return x, dy, weight, b
 
 
+class _ThroughOps(torch.autograd.Function):
+    """The registered ops alone, forward and backward (what torch.compile runs of the kernels),
+    differentiated as normgnorm's Function does while compiling."""
+
+    @staticmethod
+    def forward(ctx, x, weight, b, sq_w, sq_b, count, eps, backend, rms):
+        y, mean, rstd = normgnorm._norm_fwd(x, weight, b, eps, backend, rms)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bufs, ctx.backend, ctx.rms, ctx.has_bias = (sq_w, sq_b, count), backend, rms, b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        dx, dw, db = normgnorm._norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend, ctx.rms)
+        return dx, dw if need_dw else None, db if need_db else None, None, None, None, None, None, None
+
+
 def through_op(x, weight, b, sq_w, sq_b, count, eps, backend):
-    """The custom op itself (what torch.compile traces), not the autograd Function PEGLayerNorm that
-    normgnorm.layer_norm runs in eager mode."""
-    return normgnorm._layer_norm_fwd(x, weight, b, sq_w, sq_b, count, eps, backend or "")[0]
+    """The registered ops, not the eager call of the implementation that normgnorm.layer_norm makes."""
+    return _ThroughOps.apply(x, weight, b, sq_w, sq_b, count, eps, backend or "", False)
 
 
 def reference_call(x, weight, b, sq_w, sq_b, count, eps, backend):
@@ -93,7 +112,7 @@ def rms_eager(x, weight, b, sq_w, sq_b, count, eps, backend):
 def rms_through_op(x, weight, b, sq_w, sq_b, count, eps, backend):
     """The RMSNorm custom op itself, what torch.compile traces."""
     assert b is None and sq_b is None
-    return normgnorm._rms_norm_fwd(x, weight, sq_w, count, eps, backend or "")[0]
+    return _ThroughOps.apply(x, weight, None, sq_w, None, count, rms_norm_eps(eps, x.dtype), backend or "", True)
 
 
 RMS_ENTRIES = {"rms eager": rms_eager, "rms op": rms_through_op}
@@ -324,7 +343,7 @@ def test_cpu_kernel_entry_points_refuse_sizes_they_would_read_past():
             cpu_ext.per_example_grads(dy[..., :39], x, None, torch.ones(2, 8, 1), True, False, bufs[0], None)
         # the registered op, as torch.compile calls it, with the CPU kernel behind it
         with pytest.raises(ValueError, match="mean has 3 elements, not 16"):
-            torch.ops.normgnorm.layer_norm_bwd(dy, x, weight, short, short, True, True, *bufs, "cpu")
+            torch.ops.normgnorm.norm_bwd(dy, x, weight, short, short, True, True, *bufs, "cpu", False)
 
 
 def test_cpu_kernel_under_create_graph_runs_the_differentiable_path(kernel_calls):
@@ -443,12 +462,19 @@ def test_torch_path_scratch_is_per_thread():
     assert seen["other"] is not mine and seen["other"].data_ptr() != mine.data_ptr()
 
 
-def test_eager_calls_skip_the_custom_op():
+def test_eager_calls_skip_the_custom_op(monkeypatch):
     x, _, weight, b = make_inputs((2, 3, 8), torch.float32, True, seed=2)
     bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
     x.requires_grad_()
-    assert type(normgnorm.layer_norm(x, weight, b, *bufs).grad_fn).__name__ == "_LayerNormFnBackward"  # not the reference adapter
-    assert "layer_norm_fwd" in type(through_op(x, weight, b, *bufs, EPS, "").grad_fn).__name__.lower()
+    ops = []
+    for name in ("_norm_fwd", "_norm_bwd"):  # the registered ops are not called in eager mode
+        op = getattr(normgnorm, name)
+        monkeypatch.setattr(normgnorm, name, lambda *a, op=op: ops.append(1) or op(*a))
+    y = normgnorm.layer_norm(x, weight, b, *bufs)
+    assert type(y.grad_fn).__name__ == "_NormFnBackward"  # not the reference adapter
+    y.sum().backward()
+    through_op(x, weight, b, *bufs, EPS, "").sum().backward()
+    assert len(ops) == 2  # the test's own call of them
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -742,8 +768,8 @@ def test_rms_norm_eager_call_skips_the_custom_op():
     x, _, weight, _ = make_inputs((2, 3, 8), torch.float32, False, seed=2)
     x.requires_grad_()
     y = normgnorm.rms_norm(x, weight, torch.zeros(()), torch.zeros(()))
-    assert type(y.grad_fn).__name__ == "_RMSNormFnBackward"
-    assert "rms_norm_fwd" in type(rms_through_op(x, weight, None, torch.zeros(()), None, torch.zeros(()), EPS,
+    assert type(y.grad_fn).__name__ == "_NormFnBackward"
+    assert "throughops" in type(rms_through_op(x, weight, None, torch.zeros(()), None, torch.zeros(()), EPS,
                                                  "").grad_fn).__name__.lower()
 
 
