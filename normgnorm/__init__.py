@@ -227,7 +227,7 @@ def _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, exam
     x, weight, bias, ctx.autocast = _float32_under_cuda_autocast(x, weight, bias, cast=RMS_NORM_UPCAST or not rms)
     ctx.backend, ctx.rms = backend, rms
     if torch.compiler.is_compiling() and backend != "torch":
-        y, mean, rstd = _norm_fwd(x, weight, bias, eps, backend, rms)
+        y, mean, rstd = _compiled_forward(x, weight, bias, eps, backend, rms)
     else:
         with _autocast_off(ctx):
             y, mean, rstd = _forward(x, weight, bias, eps, backend, rms)
@@ -243,10 +243,34 @@ def _norm_backward(ctx, dy):
     # only parameters that receive a gradient are measured
     need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
     if torch.compiler.is_compiling() and ctx.backend != "torch":
-        dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend, ctx.rms)
+        dx, dw, db = _compiled_backward(dy, x, weight, mean, rstd, need_dw, need_db, ctx.bufs, ctx.backend, ctx.rms)
         return dx, (dw if need_dw else None), (db if need_db else None)
     with _autocast_off(ctx):
         return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+
+
+def _compiled_forward(x, weight, bias, eps, backend, rms):
+    """The forward as torch.compile sees it: on a GPU the Triton kernels through their triton_op (the
+    compiler traces the launches and makes them its own); the CUDA C++ kernels, and the Triton ones
+    under the CPU interpreter (which the tracing cannot run), through the custom op."""
+    if backend != "triton" or not x.is_cuda:
+        return _norm_fwd(x, weight, bias, eps, backend, rms)
+    D = x.shape[-1]
+    y2d, mean, rstd = _implementation("triton").forward_op(x.reshape(-1, D).contiguous(), weight.contiguous(),
+                                                            None if bias is None else bias.contiguous(), eps, rms)
+    return y2d.view(x.shape), mean, rstd
+
+
+def _compiled_backward(dy, x, weight, mean, rstd, need_dw, need_db, bufs, backend, rms):
+    """The backward as torch.compile sees it (see _compiled_forward); dw, db empty where not needed."""
+    num_examples, N = _examples_and_rows(x)
+    if backend != "triton" or not x.is_cuda or N == 0:
+        return _norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *bufs, backend, rms)
+    D = x.shape[-1]
+    dx2d, dw, db = _implementation("triton").backward_op(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(),
+                                                          weight.contiguous(), mean, rstd, num_examples, need_dw,
+                                                          need_db, *bufs, rms)
+    return dx2d.view(x.shape), dw, db
 
 
 class _NormFn(torch.autograd.Function):

@@ -19,10 +19,13 @@ Backward, without any [B, T, D] temporary, rows shared out as normgnorm/plan.py 
 Every sum has a fixed order, so results are deterministic (no atomics).
 """
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
 
 from .plan import MAX_TILE, MIN_ROWS_PER_CHUNK, plan_backward
 
@@ -336,9 +339,14 @@ def _aligned(*tensors):
     return address % 16 == 0
 
 
-def _launch(kernel, grid, args, meta, key):
+def _launch(kernel, grid, args, meta, key, traced=False):
     """kernel[grid](*args, **meta); key: hashable, None where the direct launch must not be used
-    (fixes everything of args but the addresses, which the caller has checked are aligned)."""
+    (fixes everything of args but the addresses, which the caller has checked are aligned).
+    traced: inside the registered ops below, as torch.compile traces them: the launch is
+    wrap_triton's, which the compiler turns into its own (the FMA choice left to it)."""
+    if traced:
+        wrap_triton(kernel)[grid](*args, **{name: value for name, value in meta.items() if name not in LAUNCH})
+        return
     if key is not None:
         found = _compiled.get((kernel, key))
         if found is not None:
@@ -374,8 +382,9 @@ def _forward_plan(N, D, rms, has_bias, max_block_d):
     return plan
 
 
-def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D):
-    """y (x's dtype), float32 mean (None with rms: RMSNorm) and rstd [N], for contiguous x2d [N, D]."""
+def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D, traced=False):
+    """y (x's dtype), float32 mean (None with rms: RMSNorm) and rstd [N], for contiguous x2d [N, D].
+    traced: launched through wrap_triton (forward_op)."""
     N, D = x2d.shape
     y = torch.empty_like(x2d)
     rstd = torch.empty(N, dtype=torch.float32, device=x2d.device)
@@ -385,12 +394,12 @@ def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D):
     mean_arg = rstd if rms else mean  # never written with RMS
     looped, grid, meta = _forward_plan(N, D, rms, has_bias, max_block_d)
     key = None
-    if x2d.is_cuda and _direct_launch_allowed() and _aligned(x2d, weight, bias):
+    if not traced and x2d.is_cuda and _direct_launch_allowed() and _aligned(x2d, weight, bias):
         key = (N, D, rms, has_bias, max_block_d, x2d.dtype, weight.dtype, bias_arg.dtype, x2d.device.index)
     if looped:
-        _launch(_forward_kernel_looped, grid, (x2d, y, weight, bias_arg, mean_arg, rstd, D, eps), meta, key)
+        _launch(_forward_kernel_looped, grid, (x2d, y, weight, bias_arg, mean_arg, rstd, D, eps), meta, key, traced)
     else:
-        _launch(_forward_kernel, grid, (x2d, y, weight, bias_arg, mean_arg, rstd, N, D, eps), meta, key)
+        _launch(_forward_kernel, grid, (x2d, y, weight, bias_arg, mean_arg, rstd, N, D, eps), meta, key, traced)
     return y, mean, rstd
 
 
@@ -449,14 +458,14 @@ def _backward_plan(B, T, D, need_dw, need_db, rms, target_programs, max_block_d,
 
 
 def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count,
-             max_block_d=MAX_BLOCK_D, target_programs=None, min_rows_per_chunk=None):
+             max_block_d=MAX_BLOCK_D, target_programs=None, min_rows_per_chunk=None, traced=False):
     """
     dx, dw, db (None where not needed) for contiguous dy2d, x2d [N, D]; adds Σ_b ||dγ_b||²,
     Σ_b ||dβ_b||² to weight_sq, bias_sq and num_examples to count, all on the device. mean None:
     RMSNorm (need_db False).
     max_block_d, target_programs and min_rows_per_chunk pick the kernel variant and the
     work split (the tests use them to reach every path at small sizes); left out, the work is
-    shared out as BACKWARD_TUNING says.
+    shared out as BACKWARD_TUNING says. traced: launched through wrap_triton (backward_op).
     """
     N, D = x2d.shape
     B = num_examples
@@ -470,22 +479,47 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     # the looped kernel adds into its partial rows: they start at zero
     work = (torch.zeros if plan["looped"] else torch.empty)(plan["workspace"], dtype=torch.float32, device=device)
     key = None
-    if x2d.is_cuda and _direct_launch_allowed() and _aligned(dy2d, x2d, weight, mean, rstd, weight_sq, bias_sq, count):
+    if not traced and x2d.is_cuda and _direct_launch_allowed() and \
+            _aligned(dy2d, x2d, weight, mean, rstd, weight_sq, bias_sq, count):
         key = (*plan["key"], x2d.dtype, dy2d.dtype, weight.dtype, device.index)
     offsets, ints, meta = plan["first"]
     _launch(_backward_kernel_looped if plan["looped"] else _backward_kernel, (plan["n_programs"],),
-            (x2d, dy2d, dx, weight, mean, rstd, work, *offsets, *ints), meta, key)
+            (x2d, dy2d, dx, weight, mean, rstd, work, *offsets, *ints), meta, key, traced)
     if not (need_dw or need_db):
         count.add_(B)
         return dx, None, None
     if "reduce" in plan:
         offsets, ints, meta = plan["reduce"]
-        _launch(_reduce_examples_kernel, (B, plan["n_column_blocks"]), (work, *offsets, *ints), meta, key)
+        _launch(_reduce_examples_kernel, (B, plan["n_column_blocks"]), (work, *offsets, *ints), meta, key, traced)
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty_like(weight) if need_db else None
     placeholder = work  # stands in for what is not needed, never read
     offsets, ints, meta = plan["finish"]
     _launch(_finish_kernel, (plan["n_column_blocks"],),
             (work, *offsets, placeholder if dw is None else dw, placeholder if db is None else db,
-             weight_sq, placeholder if bias_sq is None else bias_sq, count, *ints), meta, key)
+             weight_sq, placeholder if bias_sq is None else bias_sq, count, *ints), meta, key, traced)
     return dx, dw, db
+
+
+# -- the kernels as torch.compile sees them ----------------------------------------------------
+# torch.library.triton_ops: the compiler traces their bodies, the launches through wrap_triton,
+# so the kernels are nodes of its graph that it launches from its own code (and may capture in a
+# CUDA graph) rather than opaque Python ops run on every call. Called eagerly they run as above.
+
+@triton_op("normgnorm::triton_forward", mutates_args=())
+def forward_op(x2d: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
+               rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """forward() for contiguous x2d [N, D]; an RMSNorm's mean, which it has not, is empty."""
+    y, mean, rstd = forward(x2d, weight, bias, eps, rms, traced=True)
+    return y, (rstd.new_empty(0) if mean is None else mean), rstd
+
+
+@triton_op("normgnorm::triton_backward", mutates_args=("weight_sq", "bias_sq", "count"))
+def backward_op(dy2d: Tensor, x2d: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, num_examples: int,
+                need_dw: bool, need_db: bool, weight_sq: Tensor, bias_sq: Optional[Tensor], count: Tensor,
+                rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """backward() for contiguous dy2d, x2d [N, D]: dx, and dw, db (empty where not needed: an op
+    returns tensors), adding to the buffers."""
+    dx, dw, db = backward(dy2d, x2d, weight, None if rms else mean, rstd, num_examples, need_dw, need_db,
+                          weight_sq, bias_sq, count, traced=True)
+    return dx, (weight.new_empty(0) if dw is None else dw), (weight.new_empty(0) if db is None else db)

@@ -221,3 +221,28 @@ def test_triton_peglayernorm_compiles_through_the_registered_ops(no_torch_path):
     """Called directly under torch.compile, PEGLayerNorm must reach the kernels through the
     registered ops: traced as they are, the kernels would run on fake tensors."""
     check_peglayernorm_compiled((2, 4, 40), "triton")
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
+def test_the_triton_ops_called_eagerly_run_the_kernels(rms):
+    """normgnorm::triton_forward and triton_backward (what a GPU's compiled step runs) called
+    outside torch.compile launch the kernels as forward() and backward() do: the same outputs."""
+    from normgnorm import triton_kernels
+    x, dy, weight, b = make_inputs((2, 3, 40), torch.float32, not rms, seed=3)
+    x2d, dy2d, bias = x.reshape(6, 40), dy.reshape(6, 40), None if rms else b
+    y, mean, rstd = triton_kernels.forward(x2d, weight, bias, EPS, rms)
+    op_y, op_mean, op_rstd = triton_kernels.forward_op(x2d, weight, bias, EPS, rms)
+    torch.testing.assert_close(op_y, y)
+    torch.testing.assert_close(op_rstd, rstd)
+    assert op_mean.numel() == 0 if rms else torch.equal(op_mean, mean)
+    results = []
+    for call in (triton_kernels.backward, triton_kernels.backward_op):
+        bufs = [torch.zeros(()), None if rms else torch.zeros(()), torch.zeros(())]
+        if call is triton_kernels.backward:
+            out = call(dy2d, x2d, weight, mean, rstd, 2, True, not rms, *bufs)
+        else:
+            out = call(dy2d, x2d, weight, op_mean, op_rstd, 2, True, not rms, *bufs, rms)
+        results.append([t for t in (*out, *bufs) if t is not None and t.numel()])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want)
+    assert float(results[1][-1]) == 2  # the example count

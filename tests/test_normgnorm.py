@@ -807,15 +807,15 @@ def test_compile_no_graph_breaks(layer):
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
 
 
-def check_layer_compiled(make, backend=None, compiler="aot_eager"):
+def check_layer_compiled(make, backend=None, compiler="aot_eager", device="cpu"):
     """A fused layer eager and under torch.compile (fullgraph: one graph, no break), two
     micro-steps: the same input and parameter gradients, buffers and example count."""
     torch._dynamo.reset()
-    eager, compiled = make(), make()
+    eager, compiled = make().to(device), make().to(device)
     eager.backend = compiled.backend = backend
     step = torch.compile(lambda m, x: m(x).sin().sum(), backend=compiler, fullgraph=True)
     for call in range(2):
-        x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(call))
+        x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(call)).to(device)
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
         eager(x1).sin().sum().backward()
         step(compiled, x2).backward()
@@ -837,6 +837,61 @@ def test_compile_matches_eager(layer):
 @pytest.mark.parametrize("layer", list(LAYERS))
 def test_compile_inductor_matches_eager(layer):
     check_layer_compiled(LAYERS[layer], compiler="inductor")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm"])
+def test_gpu_triton_compiled_matches_eager(layer):
+    """On a GPU the compiled layer runs the Triton kernels through their triton_ops, which the
+    compiler traces and launches itself: the same results as the eager call of the kernels."""
+    pytest.importorskip("triton")
+    check_layer_compiled(LAYERS[layer], "triton", "inductor", device="cuda")
+
+
+def record_graphs(graphs):
+    """A torch.compile backend that keeps each graph and runs nothing (there is no GPU to run it on)."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        return lambda *args: [torch.zeros(()) for _ in outputs]
+    return backend
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
+def test_the_triton_ops_trace_as_one_node_each_with_fake_tensors(rms):
+    """What torch.compile sees of the Triton kernels on a GPU: normgnorm::triton_forward and
+    triton_backward, each one node of a full graph (no break), whose bodies run on fake tensors
+    (plans, workspaces, the launches through wrap_triton) and give the outputs' shapes; the
+    backward declares the buffers it adds to. On the CPU nothing runs: the graphs are only traced."""
+    triton_kernels = pytest.importorskip("normgnorm.triton_kernels")
+    x, dy, weight, b = make_inputs((2, 3, 40), torch.float32, not rms, seed=3)
+    x2d, dy2d = x.reshape(6, 40), dy.reshape(6, 40)
+    bias = None if rms else b
+    bufs = [torch.zeros(()), None if rms else torch.zeros(()), torch.zeros(())]
+    graphs = []
+    torch._dynamo.reset()
+    fwd = torch.compile(lambda x2d: triton_kernels.forward_op(x2d, weight, bias, EPS, rms), fullgraph=True,
+                        backend=record_graphs(graphs))
+    fwd(x2d)
+    mean, rstd = torch.zeros(0 if rms else 6), torch.ones(6)
+    bwd = torch.compile(lambda dy2d: triton_kernels.backward_op(dy2d, x2d, weight, mean, rstd, 2, True, not rms,
+                                                                 *bufs, rms), fullgraph=True, backend=record_graphs(graphs))
+    bwd(dy2d)
+    torch._dynamo.reset()
+    ops = [torch.ops.normgnorm.triton_forward.default, torch.ops.normgnorm.triton_backward.default]
+    for graph, op in zip(graphs, ops):
+        assert [n.target for n in graph.graph.nodes if n.op == "call_function"].count(op) == 1
+    assert not ops[0]._schema.is_mutable and ops[1]._schema.is_mutable
+    from torch.fx.experimental.proxy_tensor import make_fx
+    traced = make_fx(lambda x2d, weight, bias: triton_kernels.forward_op(x2d, weight, bias, EPS, rms),
+                     tracing_mode="fake")(x2d, weight, bias)
+    outputs = [n for n in traced.graph.nodes if n.op == "output"][0].args[0]
+    assert [tuple(o.meta["val"].shape) for o in outputs] == [(6, 40), (0,) if rms else (6,), (6,)]
+    traced = make_fx(lambda dy2d, x2d, weight, mean, rstd, sq_w, sq_b, count: triton_kernels.backward_op(
+        dy2d, x2d, weight, mean, rstd, 2, True, not rms, sq_w, sq_b, count, rms),
+        tracing_mode="fake")(dy2d, x2d, weight, mean, rstd, *bufs)
+    outputs = [n for n in traced.graph.nodes if n.op == "output"][0].args[0]
+    assert [tuple(o.meta["val"].shape) for o in outputs] == [(6, 40), (40,), (0,) if rms else (40,)]
 
 
 # ---------------------------------------------------------------- Triton kernels, interpreted on CPU
