@@ -86,10 +86,14 @@ SETTINGS = {
     'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
     'all-gns-kernel': dict(linearclass='gns', embeddingclass='gns', lnclass='shim'),
     'llama-all-gns-kernel': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
+    'ln-fused-op': dict(lnclass='fused'),
+    'llama-rms-fused-op': dict(LLAMA, lnclass='fused'),
 }
-# settings that differ by their environment alone: the Linears' per-example-norm Triton kernel on a
-# GPU (buffered.LINEAR_KERNEL), asked for until it has been shown exact and fast there
-SETTING_ENV = {'all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'}, 'llama-all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'}}
+# settings that differ by their environment alone, asked for until they have been shown exact and
+# fast on a GPU: the Linears' per-example-norm Triton kernel (buffered.LINEAR_KERNEL), and under
+# --compile the normalisations' Triton kernels as triton_ops (normgnorm.TRITON_OP)
+SETTING_ENV = {'all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'}, 'llama-all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'},
+               'ln-fused-op': {'NORMGNORM_TRITON_OP': '1'}, 'llama-rms-fused-op': {'NORMGNORM_TRITON_OP': '1'}}
 BASELINE = 'nn'
 DTYPES = ('float32', 'bfloat16', 'float16')
 GPT2_VOCAB = 50304  # train.py's vocabulary for a dataset without meta.pkl
@@ -336,8 +340,9 @@ def modes_list(text):
 def parse_args(argv):
     parser = ToolParser(prog='bench/throughput.py', description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--settings', type=settings_list, default=dict(SETTINGS),
-                        help=f"comma-separated settings: any of {','.join(SETTINGS)} (default: all) and "
+    parser.add_argument('--settings', type=settings_list, default=None,
+                        help=f"comma-separated settings: any of {','.join(SETTINGS)} (default: all, those that "
+                             f"differ by their GPU environment alone only on a GPU) and "
                              f"flag=value[+flag=value...] of train.py; {BASELINE} is always run as the baseline")
     parser.add_argument('--repo', action='append', metavar='DIR',
                         help="a checkout whose train.py to time, repeatable, in the same rounds (default: the "
@@ -400,6 +405,9 @@ def parse_args(argv):
     for repo in args.repo:
         if not os.path.isfile(os.path.join(repo, 'train.py')):
             parser.error(f"--repo {repo}: there is no train.py in it")
+    if args.settings is None:  # on the CPU the GPU-only switches change nothing: not timed twice
+        args.settings = {name: flags for name, flags in SETTINGS.items()
+                         if args.device.startswith('cuda') or name not in SETTING_ENV}
     args.settings = {BASELINE: SETTINGS[BASELINE], **args.settings, **(args.profile or {})}
     for name, flags in args.settings.items():
         taken = [k for k in flags if k in train_flags(args, '', '', 1)]

@@ -249,11 +249,17 @@ def _norm_backward(ctx, dy):
         return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
 
 
+# The Triton kernels as triton_ops under torch.compile: asked for with NORMGNORM_TRITON_OP=1 until
+# bench/gpu_check.py has shown them on a GPU; otherwise the custom ops, as before
+TRITON_OP = os.environ.get("NORMGNORM_TRITON_OP") == "1"
+
+
 def _compiled_forward(x, weight, bias, eps, backend, rms):
-    """The forward as torch.compile sees it: on a GPU the Triton kernels through their triton_op (the
-    compiler traces the launches and makes them its own); the CUDA C++ kernels, and the Triton ones
-    under the CPU interpreter (which the tracing cannot run), through the custom op."""
-    if backend != "triton" or not x.is_cuda:
+    """The forward as torch.compile sees it: with TRITON_OP, on a GPU, the Triton kernels through
+    their triton_op (the compiler traces the launches and makes them its own); the CUDA C++
+    kernels, and the Triton ones under the CPU interpreter (which the tracing cannot run), through
+    the custom op."""
+    if backend != "triton" or not x.is_cuda or not TRITON_OP:
         return _norm_fwd(x, weight, bias, eps, backend, rms)
     D = x.shape[-1]
     y2d, mean, rstd = _implementation("triton").forward_op(x.reshape(-1, D).contiguous(), weight.contiguous(),
@@ -264,7 +270,7 @@ def _compiled_forward(x, weight, bias, eps, backend, rms):
 def _compiled_backward(dy, x, weight, mean, rstd, need_dw, need_db, bufs, backend, rms):
     """The backward as torch.compile sees it (see _compiled_forward); dw, db empty where not needed."""
     num_examples, N = _examples_and_rows(x)
-    if backend != "triton" or not x.is_cuda or N == 0:
+    if backend != "triton" or not x.is_cuda or not TRITON_OP or N == 0:
         return _norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *bufs, backend, rms)
     D = x.shape[-1]
     dx2d, dw, db = _implementation("triton").backward_op(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(),

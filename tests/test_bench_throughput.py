@@ -203,3 +203,14 @@ def test_profile_passes_sets_how_many_profiled_runs_each_setting_gets(tmp_path, 
     profiled.clear()
     assert throughput.main([*TINY, "--settings", "ln-shim", "--profile", "ln-shim", "--no_memory"]) == 0
     assert profiled == ["nn", "ln-shim"] * throughput.PROFILE_PASSES
+
+
+def test_settings_that_differ_by_their_gpu_environment_alone_run_by_default_only_on_a_gpu(monkeypatch):
+    throughput = load_bench()
+    on_cpu = throughput.parse_args(["--quick"]).settings
+    monkeypatch.setattr(throughput.torch.cuda, "is_available", lambda: True)  # as on a GPU machine
+    on_gpu = throughput.parse_args(["--quick", "--device", "cuda"]).settings
+    assert set(throughput.SETTING_ENV) <= set(on_gpu) and not set(throughput.SETTING_ENV) & set(on_cpu)
+    assert set(on_gpu) == set(throughput.SETTINGS) and "ln-fused" in on_cpu
+    assert "ln-fused-op" in throughput.parse_args(["--settings", "ln-fused-op"]).settings  # asked for: run
+    assert throughput.SETTING_ENV["ln-fused-op"] == {"NORMGNORM_TRITON_OP": "1"}

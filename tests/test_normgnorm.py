@@ -841,10 +841,13 @@ def test_compile_inductor_matches_eager(layer):
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm"])
-def test_gpu_triton_compiled_matches_eager(layer):
-    """On a GPU the compiled layer runs the Triton kernels through their triton_ops, which the
-    compiler traces and launches itself: the same results as the eager call of the kernels."""
+@pytest.mark.parametrize("triton_op", [False, True], ids=["custom op", "triton_op"])
+def test_gpu_triton_compiled_matches_eager(layer, triton_op, monkeypatch):
+    """On a GPU the compiled layer runs the Triton kernels through their custom ops or (with
+    NORMGNORM_TRITON_OP=1) their triton_ops, which the compiler traces and launches itself: the
+    same results as the eager call of the kernels."""
     pytest.importorskip("triton")
+    monkeypatch.setattr(normgnorm, "TRITON_OP", triton_op)
     check_layer_compiled(LAYERS[layer], "triton", "inductor", device="cuda")
 
 
@@ -1165,3 +1168,14 @@ def test_gpu_backends_agree_with_torch_path(backend, rms):
         results[name] = bufs
     for a, c in zip(results[backend], results["torch"]):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=0)
+
+
+def test_the_triton_ops_are_asked_for_until_a_gpu_has_shown_them():
+    """NORMGNORM_TRITON_OP=1 turns the triton_ops of the compiled path on; without it the custom ops run."""
+    code = "import normgnorm; print(normgnorm.TRITON_OP)"
+    for value, expected in (("", "False"), ("1", "True")):
+        env = {k: v for k, v in os.environ.items() if k != "NORMGNORM_TRITON_OP"}
+        if value:
+            env["NORMGNORM_TRITON_OP"] = value
+        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert run.stdout.strip() == expected, run.stderr
