@@ -839,6 +839,15 @@ def test_compile_inductor_matches_eager(layer):
     check_layer_compiled(LAYERS[layer], compiler="inductor")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which(cpu_ext.compiler_command()[0]) is None, reason="no C compiler")
+@pytest.mark.parametrize("layer", ["LayerNorm without bias", "RMSNorm"])
+def test_compiled_through_the_custom_ops_matches_eager(layer):
+    """The path a GPU's compiled step takes by default, on the CPU: the kernel ("cpu", the C one,
+    asked for) as the registered ops inside the Function, compiled by inductor, against eager."""
+    check_layer_compiled(LAYERS[layer], "cpu", compiler="inductor")
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm"])
 @pytest.mark.parametrize("triton_op", [False, True], ids=["custom op", "triton_op"])
