@@ -3,6 +3,7 @@ buffered.py against brute force: per-example gradients of the plain torch layer 
 oracle (tests/gns_fixtures.py), in float64 sums. A layer that sees the gradient of
 L = (1/N) sum_b l_b over N examples (split into micro-steps) must hold sum_b ||g_b||^2 / N^2.
 """
+import gc
 import os
 import sys
 import warnings
@@ -1203,6 +1204,10 @@ def test_refused_names_leave_ddp_alone(tmp_path):
         ddp = DistributedDataParallel(model)
         got = all_layers_step(ddp, ids, r)
         state = ddp.state_dict()
+        # DDP's reducer released before its process group is destroyed: released after (when the
+        # test returned), gloo's destructor waited for its threads, for ever now and then
+        del ddp
+        gc.collect()
     finally:
         dist.destroy_process_group()
     assert list(state) == [f"module.{k}" for k in twin.state_dict()]
