@@ -9,6 +9,7 @@ import torch
 
 from test_hf_gns import ACCUMULATION, BATCH, STEPS, trainer
 from hf_gns import GNSCallback
+from stopping import leave
 
 torch.set_num_threads(1)
 rows_path, out_dir = sys.argv[1:3]
@@ -16,3 +17,10 @@ world_size = torch.distributed.get_world_size() if torch.distributed.is_initiali
 hf = trainer(out_dir, torch.load(rows_path), [GNSCallback()], batch=BATCH // 2, ddp_backend="gloo")
 assert hf.args.world_size == 2, hf.args.world_size
 hf.train()
+
+# leave as train.py's ranks do (stopping.leave says why): gloo's threads can abort an interpreter that
+# finalises normally ("terminate called without an active exception"), now and then
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+leave(0, distributed=True)

@@ -13,6 +13,7 @@ import lightning
 import torch
 
 from lightning_gns import GNSCallback
+from stopping import leave
 from test_lightning_gns import ACCUMULATION, BATCH, MAX_GRAD_NORM, STEPS, CausalLM
 
 torch.set_num_threads(1)
@@ -24,3 +25,10 @@ trainer = lightning.Trainer(
 rows, rank, share = torch.load(rows_path), int(os.environ["RANK"]), BATCH // 2
 mine = torch.cat([rows[start + rank * share:start + (rank + 1) * share] for start in range(0, len(rows), BATCH)])
 trainer.fit(CausalLM(), torch.utils.data.DataLoader(mine, batch_size=share, shuffle=False))
+
+# leave as train.py's ranks do (stopping.leave says why): gloo's threads can abort an interpreter that
+# finalises normally ("terminate called without an active exception"), now and then
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+leave(0, distributed=True)

@@ -10,6 +10,7 @@ import torch
 
 from gnsmeter import GNSMeter
 from model import GPT, GPTConfig, fully_shard_gpt
+from stopping import leave
 
 ACCUMULATION, BATCH = 2, 4  # micro-steps per optimizer step, examples per micro-batch over all ranks
 
@@ -39,4 +40,6 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo")
     train(torch.load(sys.argv[1]), sys.argv[2], torch.distributed.get_rank(), torch.distributed.get_world_size())
+    torch.distributed.barrier()  # leave together, as train.py's ranks do (stopping.leave says why)
     torch.distributed.destroy_process_group()
+    leave(0, distributed=True)
