@@ -18,6 +18,7 @@ import os
 import pickle
 import stat
 import sys
+import time
 import warnings
 import tokenize
 from ast import literal_eval
@@ -32,7 +33,12 @@ def die(message):
     torchrun every process checks the same values: the first process of each node says it, once."""
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"error: {message}", file=sys.stderr)
+    else:  # torchrun stops every process once one exits: the others leave after the first has said it
+        time.sleep(FIRST_SAYS_IT_SECONDS)
     sys.exit(2)
+
+
+FIRST_SAYS_IT_SECONDS = 5  # a bound on how far behind its peers the first process may reach the same check
 
 
 def check_number(config, key, low, high=math.inf, whole=False, low_ok=True):

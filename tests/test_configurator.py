@@ -316,3 +316,17 @@ def test_a_meta_pkl_that_is_not_a_small_regular_file_is_refused_before_it_is_rea
     os.mkfifo(tmp_path / "fifo.pkl")  # opened for reading, it would wait for a writer
     with pytest.raises(ValueError, match="not a regular file"):
         read_meta(str(tmp_path / "fifo.pkl"))
+
+
+def test_under_torchrun_the_first_process_says_it_and_the_others_leave_after_it(monkeypatch, capsys):
+    """torchrun stops every process as soon as one exits: a process other than the node's first
+    waits (a bounded time) before its exit 2, so the first one's line is not cut off."""
+    import configurator
+    slept = []
+    monkeypatch.setattr(configurator.time, "sleep", slept.append)
+    for local_rank, said, waited in (("0", "error: bad\n", []), ("1", "", [configurator.FIRST_SAYS_IT_SECONDS])):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        slept.clear()
+        with pytest.raises(SystemExit) as stop:
+            configurator.die("bad")
+        assert stop.value.code == 2 and capsys.readouterr().err == said and slept == waited
