@@ -145,14 +145,28 @@ def load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=None):
     """A resumed run's AdamW (and GradScaler) state; CheckpointError if it does not fit the model.
     fsdp_model: the sharded model the optimizer steps (each rank shards the full state it read)."""
     try:
+        saved = _with_this_runs_kernel(checkpoint['optimizer'], optimizer)
         if fsdp_model is None:
-            optimizer.load_state_dict(checkpoint['optimizer'])
+            optimizer.load_state_dict(saved)
         else:
-            _load_fsdp_optimizer_state(checkpoint['optimizer'], fsdp_model, optimizer)
+            _load_fsdp_optimizer_state(saved, fsdp_model, optimizer)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"the optimizer state does not fit this model ({why(e, 120)})") from None
     if 'scaler' in checkpoint:
         scaler.load_state_dict(checkpoint['scaler'])
+
+
+def _with_this_runs_kernel(saved, optimizer):
+    """The saved optimizer state with each param group's implementation (fused, foreach) set to the
+    one this run built: load_state_dict takes them from the checkpoint like the hyperparameters, so
+    a checkpoint of an unfused AdamW (nanoGPT's, the reference's, this project's on a CPU before it
+    fused there) would switch off the fused step that step_unless_nonfinite skips on the device.
+    torch places each state's step count for the group's implementation as it loads it."""
+    kernel = {key: optimizer.defaults.get(key) for key in ('fused', 'foreach')}
+    groups = saved.get('param_groups') if isinstance(saved, dict) else None
+    if not isinstance(groups, list):
+        return saved  # load_state_dict says what is wrong
+    return {**saved, 'param_groups': [{**group, **kernel} if isinstance(group, dict) else group for group in groups]}
 
 
 # the architecture of a resumed run is the checkpoint's; other settings may change on the command line

@@ -428,7 +428,8 @@ def step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_steps):
         scaler.step(optimizer)
         return torch.zeros((), device=norm.device)
     found_inf = (~torch.isfinite(norm)).float()
-    if optimizer.defaults.get('fused'):
+    # the groups decide, not optimizer.defaults: a loaded state brings its groups' own settings
+    if all(group.get('fused') for group in optimizer.param_groups):
         optimizer.found_inf = found_inf  # fused AdamW leaves parameters, moments and step count as they were
         try:
             optimizer.step()

@@ -182,3 +182,61 @@ def test_an_errors_sentence_is_cut_after_a_whole_word():
     assert len(text) <= 104 and text.endswith(" ...") and str(long).startswith(text[:-4])
     assert text[:-4].split(" ")[-1] in str(long).split(" ")  # a whole word before the mark
     assert why(ValueError("short one\nsecond line")) == "short one" and why(KeyError()) == "KeyError"
+
+
+def _adamw_after(steps, grads, fused):
+    """A GPT's AdamW (model.configure_optimizers, fused or not) after `steps` steps on `grads`."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), 'cpu', fused=fused)
+    for _ in range(steps):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_an_unfused_optimizers_state_loads_into_the_fused_step_and_steps_as_it_would_have(nonfinite):
+    """nanoGPT's, the reference's and this project's older CPU checkpoints hold an AdamW whose param
+    groups say fused=None: the resumed run keeps its own fused AdamW (which skips a non-finite step on
+    the device) and takes the step the unfused one would have taken."""
+    from checkpoint import load_optimizer_state
+    from model import step_unless_nonfinite
+    torch.manual_seed(1)
+    grads = [torch.randn_like(p) for p in GPT(GPTConfig(**CFG)).parameters()]
+    old_model, old_optimizer = _adamw_after(2, grads, fused=False)
+    assert {g['fused'] for g in old_optimizer.state_dict()['param_groups']} == {None}
+    checkpoint = {'optimizer': old_optimizer.state_dict()}
+    model, optimizer = _adamw_after(0, grads, fused=True)
+    model.load_state_dict(old_model.state_dict())
+    load_optimizer_state(checkpoint, optimizer, torch.amp.GradScaler('cpu', enabled=False))
+    assert all(g['fused'] for g in optimizer.param_groups)
+    for m in (old_model, model):
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g * (float('inf') if nonfinite else 1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float('inf'))
+    count = step_unless_nonfinite(optimizer, torch.amp.GradScaler('cpu', enabled=False), norm, 0)
+    assert float(count) == float(nonfinite)
+    if nonfinite:
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    else:
+        old_optimizer.step()
+        for p, q in zip(model.parameters(), old_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_the_step_never_hands_found_inf_to_an_optimizer_that_cannot_take_it():
+    """An optimizer whose loaded groups are not fused (whatever its defaults say) reads the norm instead."""
+    from model import step_unless_nonfinite
+    torch.manual_seed(1)
+    grads = [torch.randn_like(p) for p in GPT(GPTConfig(**CFG)).parameters()]
+    model, optimizer = _adamw_after(0, grads, fused=True)
+    unfused = _adamw_after(1, grads, fused=False)[1].state_dict()
+    optimizer.load_state_dict(unfused)  # torch's own load: the groups now say fused=None
+    assert optimizer.defaults['fused'] and not optimizer.param_groups[0]['fused']
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float('inf'))
+    step_unless_nonfinite(optimizer, torch.amp.GradScaler('cpu', enabled=False), norm, 0)  # raised before

@@ -6,6 +6,8 @@ import hashlib
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -279,3 +281,36 @@ def test_a_checkpoint_from_before_saved_data_orders_resumes_saying_the_order_res
     assert notes == ["note: ckpt.pt holds no data order (it predates them): the train batches' order restarts at "
                      "iter 6, so the run does not continue as the interrupted one would have"]
     assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == 7
+
+
+# -- checkpoints written by other versions ------------------------------------------------------------
+# tests/fixtures/checkpoints/<writer>/: out_dirs of 4 (nanoGPT: 5, the reference: 6) CPU float32 steps of a
+# 1-layer GPT on the tiny dataset, written by each program as it was shipped (see the README there)
+FIXTURE_CHECKPOINTS = os.path.join(REPO, "tests", "fixtures", "checkpoints")
+WRITERS = {  # writer: (the steps its checkpoint holds, its AdamW's param groups' 'fused')
+    "nanogpt": (4, None), "reference": (5, None), "main-6145093": (4, None), "main-a92b74b": (4, True)}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_checkpoint_of_an_earlier_version_or_of_the_reference_resumes_on_the_fused_step(tiny_dataset, tmp_path,
+                                                                                          writer):
+    out = tmp_path / "out"
+    shutil.copytree(os.path.join(FIXTURE_CHECKPOINTS, writer), out)
+    steps, fused = WRITERS[writer]
+    saved = torch.load(out / "ckpt.pt", weights_only=False)
+    assert saved["iter_num"] == steps and {g["fused"] for g in saved["optimizer"]["param_groups"]} == {fused}
+    data = tmp_path / "tinydata"  # the folder's name: what the checkpoints without a fingerprint compare
+    shutil.copytree(tiny_dataset, data)
+    flags = ["--device=cpu", "--dtype=float32", "--compile=False", "--eval_iters=2", "--log_interval=1",
+             "--device_name='M1_eflops'", "--batch_size=4", "--block_size=16", "--gradient_accumulation_steps=2",
+             "--eval_interval=100",
+             f"--dataset={data}", f"--out_dir={out}", "--init_from=resume", f"--max_iters={steps + 2}",
+             *([] if writer == "nanogpt" else ["--lnclass=shim"])]
+    p = run_train(*flags, check=False)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert re.findall(r"^iter (\d+):", p.stdout, re.M) == [str(steps), str(steps + 1)]
+    resumed = torch.load(out / "ckpt.pt", weights_only=False)
+    assert resumed["iter_num"] == steps + 2
+    assert all(g["fused"] for g in resumed["optimizer"]["param_groups"])  # this run's AdamW, fused
+    # the moments went on from the checkpoint's: a fresh AdamW would have stepped 2 times, not steps + 2
+    assert {int(s["step"]) for s in resumed["optimizer"]["state"].values()} == {steps + 2}
