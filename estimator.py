@@ -38,10 +38,12 @@ class Estimator:
     def measure(self, step, examples, scaler):
         raise NotImplementedError
 
-    def collect(self, step, examples, scaler):
+    def collect(self, step, examples, scaler, skipped=None):
         """measure() with its reads of the device deferred: (values, finish), values a 1-D float32
         device tensor (or None) and finish(host) measure()'s row, given values.tolist(), called in
-        step order, before the next state_dict() or status(). By default measure() reads now."""
+        step order, before the next state_dict() or status(). skipped: the optimizer's decision for
+        the step (a 0-dim device tensor, non-zero when it skips it), for an estimator to follow. By
+        default measure() reads now, and its own test of what it measured decides."""
         row = self.measure(step, examples, scaler)
         return None, lambda host: row
 

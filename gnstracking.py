@@ -157,11 +157,14 @@ class MeasurementTracker:
         return finish(values.tolist() if values is not None else [])
 
     @torch.no_grad()
-    def collect(self, batch_size=None, step=None):
+    def collect(self, batch_size=None, step=None, skipped=None):
         """step()'s reads, kept on the device: (values, finish), where values is one float32 device
         tensor of everything step() reads (None when no parameter has a gradient) and finish(host),
         given values.tolist(), returns step()'s Measurements. The buffers are zeroed now, so a
-        training loop may read the values of several steps at once, later, and finish them in order."""
+        training loop may read the values of several steps at once, later, and finish them in order.
+        skipped: the optimizer's decision, a 0-dim device tensor (non-zero: it skips this step), so
+        that a step it skips is skipped here too, whatever made its gradient non-finite (a
+        parameter this tracker does not measure, say)."""
         step = self.step_count if step is None else step
         self.step_count += 1
         live = [(n, p, sq, count) for n, p, sq, count in self.entries if p.grad is not None]
@@ -176,17 +179,22 @@ class MeasurementTracker:
         values += [count.to(device) for _, _, _, count in live]
         if isinstance(scale, torch.Tensor):
             values.append(scale.to(device=device, dtype=torch.float32).reshape(()))
+        if skipped is not None:
+            local = skipped.to_local() if hasattr(skipped, "to_local") else skipped  # FSDP: a replicated DTensor
+            values.append(local.to(device=device, dtype=torch.float32).reshape(()))
         values = torch.stack(values)
         self._zero_buffers()
         names = [name for name, _, _, _ in live]
-        return values, lambda host: self._finish(names, host, scale, batch_size, step)
+        return values, lambda host: self._finish(names, host, scale, batch_size, step, skipped is not None)
 
-    def _finish(self, names, host, scale, batch_size, step):
+    def _finish(self, names, host, scale, batch_size, step, decided):
         n = len(names)
         grad_sqnorms, sq_sums, counts = host[:n], host[n:2 * n], host[2 * n:3 * n]
         if isinstance(scale, torch.Tensor):
             scale = host[3 * n]
-        finite = all(math.isfinite(v) for v in grad_sqnorms + sq_sums) and math.isfinite(scale) and scale > 0
+        skipped = decided and host[-1] != 0
+        finite = (all(math.isfinite(v) for v in grad_sqnorms + sq_sums) and math.isfinite(scale) and scale > 0
+                  and not skipped)
         if not finite:
             self.skipped_steps += 1
 
@@ -327,7 +335,7 @@ class ExactGNS(Estimator):
         values, finish = self.collect(step, examples, scaler)
         return finish(values.tolist() if values is not None else [])
 
-    def collect(self, step, examples, scaler):
+    def collect(self, step, examples, scaler, skipped=None):
         if self.tracker.world_size > 1:
             allreduce_buffers(self.buffers)  # the global batch's sums, not one rank's
             methods = sum(layer.norm_method is not None for layer in self.linears)
@@ -335,7 +343,7 @@ class ExactGNS(Estimator):
                 agree_linear_norm_methods(self.model)
                 self.agreed_methods = sum(layer.norm_method is not None for layer in self.linears)
         self.tracker.scaler = scaler
-        values, finish = self.tracker.collect(batch_size=examples, step=step)
+        values, finish = self.tracker.collect(batch_size=examples, step=step, skipped=skipped)
         return values, lambda host: self._finish(finish(host), examples)
 
     def _finish(self, measurements, examples):
@@ -358,6 +366,14 @@ class ExactGNS(Estimator):
 
     def reset(self):
         torch._foreach_zero_(self.buffers)
+
+    def state_dict(self):
+        return {**self.gns.state_dict(), "skipped_steps": self.tracker.skipped_steps}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        self.tracker.skipped_steps = int(state.pop("skipped_steps", 0))  # older checkpoints: none counted
+        self.gns.load_state_dict(state)
 
 
 def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None, fsdp=False,
@@ -405,10 +421,12 @@ def measure_all(estimators, step, examples, scaler):
     return row
 
 
-def collect_all(estimators, step, examples, scaler):
+def collect_all(estimators, step, examples, scaler, skipped=None):
     """measure_all() with the reads left on the device: every estimator's collect() (see Estimator),
-    for a pending.PendingSteps that reads them with the loop's other values when it logs."""
-    return [e.collect(step, examples, scaler) for e in estimators]
+    for a pending.PendingSteps that reads them with the loop's other values when it logs. skipped:
+    the optimizer's decision for this step (a 0-dim device tensor, non-zero when it skips), which
+    the exact estimator follows: a step the optimizer skips never enters its live GNS."""
+    return [e.collect(step, examples, scaler, skipped) for e in estimators]
 
 
 def reset_all(estimators):

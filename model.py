@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from estimator import current_scale
 from layer_config import get_contextual_config, tie_weights
 
 # Peak dense FLOP/s used as the MFU denominator. The first entries are datasheet bfloat16
@@ -417,17 +418,42 @@ def grad_scaler(device_type, enabled, fsdp=False):
     return torch.amp.GradScaler(device_type, enabled=enabled)
 
 
-def step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_steps):
+def gradient_norm(params):
+    """(the norm of the parameters' gradients, step_skipped of it): the step's norm, taken once, before
+    GradScaler unscales (clip_unscaled divides its scale out), so that the GNS estimators, which read
+    the gradients before unscaling, are handed the optimizer's decision."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return norm, step_skipped(norm)
+
+
+def clip_unscaled(params, max_norm, norm, scaler):
+    """Clip the unscaled gradients to max_norm (none when 0) with gradient_norm's norm, the loss scale (a
+    power of 2, which divides exactly) divided out on the device; returns the unscaled norm."""
+    if scaler.is_enabled():
+        norm = norm / current_scale(scaler)
+    if max_norm > 0.0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def step_skipped(grad_norm):
+    """The step's one decision, on the device: 1.0 when the gradients' norm is not finite (the
+    optimizer skips the step, and the GNS estimators leave it out), else 0.0; a 0-dim float32 tensor."""
+    norm = grad_norm.to_local() if hasattr(grad_norm, 'to_local') else grad_norm  # FSDP: a replicated DTensor
+    return (~torch.isfinite(norm)).float()
+
+
+def step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_steps, skipped=None):
     """scaler.step(optimizer), unless the gradients' norm is not finite: GradScaler skips a float16
     overflow itself; in float32/bfloat16 a fused AdamW is told to skip through its found_inf, as
     GradScaler tells it, so the decision stays on the device and the step reads nothing (an optimizer
-    that cannot skip on the device reads the norm). Returns the non-finite steps in a row, a 0-dim
-    float32 tensor on the norm's device, given the count before this step (a number or that tensor)."""
-    norm = grad_norm.to_local() if hasattr(grad_norm, 'to_local') else grad_norm  # FSDP: a replicated DTensor
+    that cannot skip on the device reads the norm). skipped: step_skipped(grad_norm), if already
+    made. Returns the non-finite steps in a row, a 0-dim float32 tensor on the norm's device, given
+    the count before this step (a number or that tensor)."""
+    found_inf = step_skipped(grad_norm) if skipped is None else skipped
     if scaler.is_enabled():
         scaler.step(optimizer)
-        return torch.zeros((), device=norm.device)
-    found_inf = (~torch.isfinite(norm)).float()
+        return torch.zeros((), device=found_inf.device)
     # the groups decide, not optimizer.defaults: a loaded state brings its groups' own settings
     if all(group.get('fused') for group in optimizer.param_groups):
         optimizer.found_inf = found_inf  # fused AdamW leaves parameters, moments and step count as they were
@@ -435,6 +461,6 @@ def step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_steps):
             optimizer.step()
         finally:
             del optimizer.found_inf
-    elif math.isfinite(norm.item()):
+    elif found_inf.item() == 0:
         optimizer.step()
     return (nonfinite_steps + 1) * found_inf

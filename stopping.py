@@ -110,10 +110,16 @@ def stopped_message(signum, iter_num, tokens, checkpoint_held, distributed):
             f"ckpt.pt holds {checkpoint_held}; to go on: {go_on}")
 
 
-def diverged_message(iter_num, nonfinite_steps, checkpoint_held):
-    """The one line a run that diverged ends with: --max_nonfinite_steps skipped steps in a row."""
-    return (f"stopping at iter {iter_num}: the last {nonfinite_steps} steps had a non-finite loss or gradient and "
-            f"were skipped (the run diverged: try a lower --learning_rate); ckpt.pt keeps {checkpoint_held}")
+def diverged_message(last_iter, diverged_iter, nonfinite_steps, limit, checkpoint_held):
+    """The one line a run that diverged ends with: `limit` (--max_nonfinite_steps) skipped steps in a
+    row by diverged_iter, read by the loop at last_iter (the steps between ran, and are logged)."""
+    if last_iter == diverged_iter:
+        what = f"the last {nonfinite_steps} steps had a non-finite loss or gradient and were skipped"
+    else:
+        what = (f"by iter {diverged_iter}, {limit} steps in a row had a non-finite loss or gradient and were skipped "
+                f"(the steps up to iter {last_iter} ran before the device was read, and are logged)")
+    return (f"stopping after iter {last_iter}: {what}; the run diverged: try a lower --learning_rate; "
+            f"ckpt.pt keeps {checkpoint_held}")
 
 
 def stop_early(message, code, logger=None, distributed=False):

@@ -25,7 +25,7 @@ from checkpoint import (CheckpointError, data_order, eval_generator, init_model,
 from configurator import check_resources, configure_train, dataset_vocab_size, die
 from buffered import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
 from layer_config import classes_for_flags, set_contextual_config
-from model import fully_shard_gpt, grad_scaler, step_unless_nonfinite
+from model import clip_unscaled, fully_shard_gpt, grad_scaler, gradient_norm, step_unless_nonfinite
 from pending import PendingSteps
 from schedules import lr_at, step_sizes_for_run
 from stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
@@ -247,14 +247,17 @@ def estimate_loss():
 
 
 def flush_steps():
-    """Read the pending steps' device values into their rows: the master logs them; a run that diverged stops here."""
+    """Read the pending steps' device values into their rows (the master logs each); a diverged run stops after the last."""
     global nonfinite_steps
+    diverged = None
     for row in pending.read():
         step, nonfinite_steps = row['iter_num'], int(row.pop('nonfinite_steps'))
         if master_process:  # with the first row of this process, the method each measured Linear chose
             log_step_or_stop(logger, ddp, linear_norm_methods(raw_model) if step == first_iter else None, row)
-        if nonfinite_steps >= max_nonfinite_steps and not (last_step and row is step_row):
-            stop_early(diverged_message(step + 1, nonfinite_steps, last_checkpoint), 1, logger, ddp)
+        if nonfinite_steps >= max_nonfinite_steps and diverged is None and not (last_step and row is step_row):
+            diverged = step
+    if diverged is not None:
+        stop_early(diverged_message(step, diverged, nonfinite_steps, max_nonfinite_steps, last_checkpoint), 1, logger, ddp)
 
 
 def save_checkpoint():
@@ -298,8 +301,7 @@ while eval_only or not finished(tokens_processed, iter_num):
     if schedule is not None:
         gradient_accumulation_steps = schedule.steps_at(tokens_processed, ddp_world_size)
     tokens_this_step = gradient_accumulation_steps * tokens_per_micro_step
-    lr = lr_at(tokens_processed + tokens_this_step, learning_rate, min_lr,
-               warmup_tokens, lr_decay_tokens, decay_lr, lr_decay_shape)
+    lr = lr_at(tokens_processed + tokens_this_step, learning_rate, min_lr, warmup_tokens, lr_decay_tokens, decay_lr, lr_decay_shape)
     for param_group in optimizer.param_groups:
         param_group['lr'] = lr
     last_step = finished(tokens_processed + tokens_this_step, iter_num + 1)
@@ -324,14 +326,15 @@ while eval_only or not finished(tokens_processed, iter_num):
         X, Y = get_batch('train')  # prefetch the next batch while the GPU works
         scaler.scale(loss).backward()
 
+    # the norm (logged whether or not it clips, the same on every rank); a step from non-finite gradients (they would
+    # ruin the weights) is skipped by the optimizer and the GNS estimators alike, decided on the device
+    grad_norm, skipped = gradient_norm(params)
     # GNS: after the last micro-step (and DDP's all-reduce), before unscaling (the estimators divide it out)
     examples_this_step = gradient_accumulation_steps * batch_size * ddp_world_size  # their values read when logged
-    gns_collected = gnstracking.collect_all(estimators, iter_num, examples_this_step, scaler)
+    gns_collected = gnstracking.collect_all(estimators, iter_num, examples_this_step, scaler, skipped)
     scaler.unscale_(optimizer)
-    # the norm is computed (and logged) whether or not it clips; a step from non-finite gradients (they would
-    # ruin the weights) is skipped, decided on the device. The norm is the same on every rank (DDP averaged them)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0.0 else float('inf'))
-    nonfinite_on_device = step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_on_device)
+    grad_norm = clip_unscaled(params, grad_clip, grad_norm, scaler)
+    nonfinite_on_device = step_unless_nonfinite(optimizer, scaler, grad_norm, nonfinite_on_device, skipped)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     gnstracking.reset_all(estimators)
@@ -346,8 +349,8 @@ while eval_only or not finished(tokens_processed, iter_num):
         running_mfu = mfu if running_mfu == -1.0 else 0.9 * running_mfu + 0.1 * mfu
     step_row.update({'iter_num': iter_num, 'tokens_processed': tokens_processed, 'dt': dt, 'tokens_per_sec': tokens_this_step / dt,
                      'mfu': running_mfu, 'lr': lr, 'grad_norm': grad_norm, 'gradient_accumulation_steps': gradient_accumulation_steps,
-                     'train/lossf': loss.detach() * gradient_accumulation_steps, 'nonfinite_steps': nonfinite_on_device,
-                     **(schedule.row() if schedule else {})})
+                     'train/lossf': loss.detach() * gradient_accumulation_steps, 'step_skipped': skipped,
+                     'nonfinite_steps': nonfinite_on_device, **(schedule.row() if schedule else {})})
     pending.add(step_row, gns_collected)  # its device values (loss, norm, GNS sums) read when logged
     logs = iter_num % log_interval == 0  # nanoGPT's: the iteration just done, log.csv's step
     iter_num += 1
@@ -367,8 +370,7 @@ while eval_only or not finished(tokens_processed, iter_num):
             save_checkpoint()
         if ddp:  # torchrun stops the other ranks once one exits: none leaves before ckpt.pt is written
             torch.distributed.barrier()
-        stop_early(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp),
-                   128 + signals.received, logger, ddp)
+        stop_early(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp), 128 + signals.received, logger, ddp)
 
 if master_process:
     logger.close()

@@ -681,7 +681,7 @@ def test_the_interface_logs_what_todays_functions_log(hooks, scale):
         assert {c.split("/")[1] for c in got_row} == {"gns", "microbatch_gns", "hooks_gns" if hooks == "exact" else "sogns"}
         assert got_row == want_row
         assert got_status == want_status and got_status.startswith("gns ")
-    assert estimators[0].state_dict() == live_state
+    assert estimators[0].state_dict() == {**live_state, "skipped_steps": 0}
 
 
 def test_the_interface_reads_p_grad_before_unscale_and_divides_the_scale_out():
@@ -858,3 +858,50 @@ def test_the_gradients_squared_norms_from_one_multi_tensor_kernel_are_the_dots()
     assert len(fused) == len(grads) and all(f.dim() == 0 and f.dtype == torch.float32 for f in fused)
     torch.testing.assert_close(torch.stack(fused), torch.stack(dots), rtol=1e-6, atol=0)
     assert fused[-1].item() == 0.0
+
+
+def test_a_step_the_optimizer_skips_is_skipped_by_the_estimator_too():
+    """One decision: the optimizer's (from the norm of every gradient, measured or not). A step it skips,
+    here for a non-finite gradient of a parameter no layer measures, neither enters the live GNS nor
+    gives finite cells; a step it takes does both."""
+    from pending import PendingSteps
+    model = make_model()
+    estimator, = gnstracking.estimators_for(model)
+    pending = PendingSteps()
+    for step, skipped in enumerate([0.0, 1.0, 0.0]):
+        x, y = make_batch(6, seed=step)
+        train_step(model, [(x, y)])  # every measured gradient finite
+        pending.add({"iter_num": step}, gnstracking.collect_all([estimator], step, 6, None, torch.tensor(skipped)))
+        model.zero_grad()
+        estimator.reset()
+    rows = list(pending.read())
+    assert estimator.skipped_steps == 1
+    norms = [row["train/gns/head.weight/norm"] for row in rows]
+    assert math.isfinite(norms[0]) and math.isinf(norms[1]) and math.isfinite(norms[2])
+    # the live GNS is that of steps 0 and 2 alone
+    alone = make_model()
+    reference, = gnstracking.estimators_for(alone)
+    for step in (0, 2):
+        x, y = make_batch(6, seed=step)
+        train_step(alone, [(x, y)])
+        gnstracking.measure_all([reference], step, 6, None)
+        alone.zero_grad()
+        reference.reset()
+    assert estimator.gns.state_dict() == pytest.approx(reference.gns.state_dict())
+
+
+def test_the_count_of_skipped_steps_goes_into_the_checkpoint_and_comes_back():
+    model = make_model()
+    estimator, = gnstracking.estimators_for(model)
+    x, y = make_batch(4)
+    train_step(model, [(x, y)])
+    next(model.parameters()).grad.fill_(math.inf)
+    gnstracking.measure_all([estimator], 0, 4, None)
+    assert estimator.skipped_steps == 1
+    checkpoint = {}
+    gnstracking.save_states([estimator], checkpoint)
+    resumed, = gnstracking.estimators_for(make_model(), checkpoint=checkpoint)
+    assert resumed.skipped_steps == 1 and resumed.gns.state_dict() == estimator.gns.state_dict()
+    # a checkpoint from before the count was kept resumes with none counted
+    older = {gnstracking.CHECKPOINT_KEY: {"train/gns/": estimator.gns.state_dict()}}
+    assert gnstracking.estimators_for(make_model(), checkpoint=older)[0].skipped_steps == 0

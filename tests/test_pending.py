@@ -11,15 +11,18 @@ from pending import PendingSteps
 from test_gnstracking import make_batch, make_model
 
 
-def count_tolist(monkeypatch):
+def count_copies(monkeypatch):
+    """The bytes of each copy to the host (Tensor.cpu) and each read of values (item, tolist), as they come."""
     calls = []
-    tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(self.numel()) or tolist(self))
+    for name in ("cpu", "tolist", "item"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, method=method, name=name, *a, **k:
+                            calls.append((name, self.numel() * self.element_size())) or method(self, *a, **k))
     return calls
 
 
 def test_every_pending_step_is_read_in_one_copy_into_its_own_row(monkeypatch):
-    calls = count_tolist(monkeypatch)
+    calls = count_copies(monkeypatch)
     pending = PendingSteps()
     rows, finished = [], []
     for step in range(4):
@@ -30,13 +33,13 @@ def test_every_pending_step_is_read_in_one_copy_into_its_own_row(monkeypatch):
         pending.add(row, collected)
         rows.append(row)
     assert len(pending) == 4 and calls == []  # nothing read while the steps go
-    read = pending.read()
-    assert calls == [4 * (2 + 3)]  # one copy of all of them
+    read = list(pending.read())
+    assert calls == [("cpu", 4 * (2 + 4 + 3 * 4))]  # one copy of all of them, each in its own dtype
     assert read == rows and read[2] is rows[2]  # the rows themselves, filled in where they stand
     assert read[2] == {"iter_num": 2, "loss": 2.5, "dt": 0.25, "norm": 4.0, "sums": 63.0, "read": 0}
     assert list(read[0]) == ["iter_num", "loss", "dt", "norm", "sums", "read"]
     assert finished == [0, 1, 2, 3] and len(pending) == 0
-    assert pending.read() == [] and calls == [20]  # nothing pending: no copy
+    assert list(pending.read()) == [] and len(calls) == 1  # nothing pending: no copy
 
 
 def test_the_exact_estimator_read_later_gives_what_it_gives_read_each_step():
@@ -64,7 +67,7 @@ def test_the_exact_estimator_read_later_gives_what_it_gives_read_each_step():
             model.zero_grad()
             e.reset()
     assert later.skipped_steps == 0 and later.gns.state_dict() != now.gns.state_dict()  # not yet read
-    rows = pending.read()
+    rows = list(pending.read())
     assert [{k: v for k, v in row.items() if k != "iter_num"} for row in rows] == expected
     assert math.isinf(rows[1]["train/gns/head.weight/norm"]) and later.skipped_steps == now.skipped_steps == 1
     assert later.gns.state_dict() == now.gns.state_dict() and later.status() == now.status()
@@ -77,3 +80,32 @@ def test_an_estimator_without_a_device_part_measures_when_collected():
             return {"step": step, "examples": examples}
     values, finish = Reads().collect(3, 8, None)
     assert values is None and finish([]) == {"step": 3, "examples": 8}
+
+
+def test_each_value_keeps_its_dtype_and_an_int64_stays_exact():
+    pending = PendingSteps()
+    pending.add({"tokens": torch.tensor(123_456_789, dtype=torch.int64), "big": torch.tensor(2**53 - 1),
+                 "flag": torch.tensor(True), "half": torch.tensor(0.1, dtype=torch.float16),
+                 "bf16": torch.tensor(-3.140625, dtype=torch.bfloat16), "f64": torch.tensor(0.1, dtype=torch.float64),
+                 "f32": torch.tensor(0.1), "i8": torch.tensor(-7, dtype=torch.int8), "plain": 5})
+    row, = pending.read()
+    assert row == {"tokens": 123_456_789, "big": 2**53 - 1, "flag": True, "half": float(torch.tensor(0.1).half()),
+                   "bf16": -3.140625, "f64": 0.1, "f32": float(torch.tensor(0.1)), "i8": -7, "plain": 5}
+    assert type(row["tokens"]) is int and type(row["flag"]) is bool and type(row["f32"]) is float
+
+
+def test_a_finish_that_raises_keeps_the_rows_before_it():
+    """A loop that logs each row as it comes keeps every good step before the one whose finish raises."""
+    pending, logged = PendingSteps(), []
+    def finish(host, step):
+        if step == 2:
+            raise ValueError("step 2's buffers counted 12 examples but batch_size=8")
+        return {"sum": sum(host)}
+    for step in range(4):
+        pending.add({"iter_num": step, "loss": torch.tensor(float(step))},
+                    [(torch.tensor([1.0, step]), lambda host, step=step: finish(host, step))])
+    with pytest.raises(ValueError, match="step 2"):
+        for row in pending.read():
+            logged.append(row)
+    assert logged == [{"iter_num": 0, "loss": 0.0, "sum": 1.0}, {"iter_num": 1, "loss": 1.0, "sum": 2.0}]
+    assert len(pending) == 0

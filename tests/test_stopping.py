@@ -57,9 +57,14 @@ def test_the_stopped_message_gives_the_resume_command(monkeypatch):
 
 
 def test_the_diverged_message_says_what_was_skipped_and_what_ckpt_pt_keeps():
-    assert diverged_message(9, 5, "iter 4") == (
-        "stopping at iter 9: the last 5 steps had a non-finite loss or gradient and were skipped (the run diverged: "
-        "try a lower --learning_rate); ckpt.pt keeps iter 4")
+    assert diverged_message(9, 9, 5, 5, "iter 4") == (
+        "stopping after iter 9: the last 5 steps had a non-finite loss or gradient and were skipped; the run "
+        "diverged: try a lower --learning_rate; ckpt.pt keeps iter 4")
+    # read late (--log_interval): the step the limit was reached at, and the last one run and logged
+    assert diverged_message(10, 2, 10, 2, "nothing (none was written)") == (
+        "stopping after iter 10: by iter 2, 2 steps in a row had a non-finite loss or gradient and were skipped (the "
+        "steps up to iter 10 ran before the device was read, and are logged); the run diverged: try a lower "
+        "--learning_rate; ckpt.pt keeps nothing (none was written)")
 
 
 def test_a_failed_log_write_stops_the_run_with_code_1_and_its_row_dropped(tmp_path, capsys):
