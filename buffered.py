@@ -1499,22 +1499,27 @@ def _rebound(value, old, new):
     return value
 
 
-def _batch_of(args, kwargs):
-    """(B, T) of a model's input: its first tensor argument (or input_ids, inputs_embeds), [B, T, ...]."""
+def _batch_of(args, kwargs, batch_dim=0):
+    """(B, T) of a model's input: its first tensor argument (or input_ids, inputs_embeds), [B, T, ...],
+    or with batch_dim=1 [T, B, ...]: B its size there, T the size of the first other dimension."""
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     if first is None:
         first = next((kwargs[k] for k in ("input_ids", "inputs_embeds", "x", "idx") if isinstance(kwargs.get(k), torch.Tensor)),
                      next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None))
     if first is None or first.dim() == 0:
         return None, None
-    return first.shape[0], first.shape[1] if first.dim() > 1 else None
+    if first.dim() <= batch_dim:
+        raise ValueError(f"the model's input {tuple(first.shape)} has no dimension {batch_dim} to hold the examples "
+                         f"(measured with batch_dim={batch_dim}): measure it with the batch_dim of its input")
+    others = [size for dim, size in enumerate(first.shape) if dim != batch_dim]
+    return first.shape[batch_dim], others[0] if others else None
 
 
 # measure()'s hooks on the model: module-level, reaching the state through the module, so that a
 # copy.deepcopy or a pickle of a measured model keeps its own state with its own layers
 def _learn_batch(model, args, kwargs):
     state = model._gns_forward_state
-    state["B"], state["T"] = _batch_of(args, kwargs)
+    state["B"], state["T"] = _batch_of(args, kwargs, state.get("batch_dim", 0))
     state["count"] += 1
     state["forward"] = state["count"]
 
@@ -1524,7 +1529,40 @@ def _forget_batch(model, args, kwargs, output):
     state["B"] = state["T"] = state["forward"] = None
 
 
-def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False):
+# a measured layer's hooks in a model whose examples are not its input's first dimension
+# (measure(batch_dim=1)): the layer computes on the view with the examples first, so that its
+# per-example sums are over examples, and its output goes back to the model's layout
+def _moves_examples(layer):
+    state = layer._forward_state
+    return (state is not None and state.get("batch_dim", 0) != 0 and torch.is_grad_enabled()
+            and any(p is not None and p.requires_grad for p in layer._parameters.values()))
+
+
+def _examples_first(layer, args):
+    layer._examples_moved = bool(args) and isinstance(args[0], torch.Tensor) and _moves_examples(layer)
+    if not layer._examples_moved:
+        return None
+    dim, x = layer._forward_state["batch_dim"], args[0]
+    if x.dim() <= dim:
+        raise RuntimeError(f"{layer._measured_name}: its input {tuple(x.shape)} has no dimension {dim}, where the "
+                           f"model's examples are (batch_dim={dim}): per-position input, not measured; give it the "
+                           f"batch dimension (size 1 is expanded), or leave it out (measure(model, kinds=...))")
+    return (x.movedim(dim, 0), *args[1:])
+
+
+def _examples_back(layer, args, output):
+    if not getattr(layer, "_examples_moved", False):
+        return None
+    layer._examples_moved = False
+    return output.movedim(0, layer._forward_state["batch_dim"]).contiguous()  # the layout the layer gives itself
+
+
+def measured_batch_dim(model):
+    """The dimension of the model's input that holds the examples, as measure() was told: 0 by default."""
+    return getattr(model, "_gns_forward_state", {}).get("batch_dim", 0)
+
+
+def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False, batch_dim=0):
     """
     Convert `model` in place so that its backward also measures exact per-example gradient
     norms, and return it. Every nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm (and
@@ -1555,6 +1593,13 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     RuntimeError naming it (leave its block out with kinds={Block: None}), and so does a measured
     layer applied twice in one forward.
 
+    batch_dim: the dimension of the model's input, and of every measured layer's input, that
+    holds the examples: 0 ([B, T, ...]), or 1 for sequence-first input ([T, B, ...], the default
+    of nn.Transformer and nn.MultiheadAttention, batch_first=False). With batch_dim=1 each measured
+    layer computes on the view of its input with the examples first and hands its output back in
+    the model's layout (a copy), so outputs and gradients are the same up to float rounding. A
+    module whose batch_first says the other layout than batch_dim is named in one warning.
+
     Trainable parameters left unmeasured are listed with their module classes and the reasons in
     one warning; strict=True raises a ValueError with that list instead.
     """
@@ -1572,6 +1617,20 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     if isinstance(model, MeasuredLayer) or source_kind(type(model), kinds):
         raise ValueError("measure converts the layers inside a model, not a single layer: "
                          f"build the measured class (MEASURED_CLASSES) in place of {type(model).__name__}")
+    if batch_dim not in (0, 1) or isinstance(batch_dim, bool):
+        raise ValueError(f"measure: batch_dim={batch_dim!r}: the examples are dimension 0 ([B, T, ...]) or 1 "
+                         f"([T, B, ...]) of the model's input")
+    if hasattr(model, "_gns_forward_state") and measured_batch_dim(model) != batch_dim:
+        raise ValueError(f"measure: the model was measured with batch_dim={measured_batch_dim(model)}, not "
+                         f"{batch_dim}: build it afresh to measure it with another")
+    other_layout = [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+                    if isinstance(getattr(m, "batch_first", None), bool) and m.batch_first != (batch_dim == 0)]
+    if other_layout:
+        first = "batch_first=False" if batch_dim == 0 else "batch_first=True"
+        more = f" and {len(other_layout) - 1} more take" if len(other_layout) > 1 else " takes"
+        warnings.warn(f"measure: {other_layout[0]}{more} {first} input while the examples are taken to be "
+                      f"dimension {batch_dim} of every layer's input: for a model whose input is {'[T, B, ...]' if batch_dim == 0 else '[B, T, ...]'} "
+                      f"measure with batch_dim={1 - batch_dim}", stacklevel=2)
     value_of = {"linear": linear, "embedding": embedding, "layernorm": norm, "rmsnorm": norm}
 
     # swap each module for its measured class; one held under two names is left as it is (it
@@ -1601,7 +1660,7 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     # the forward state the measured layers read: B and T of the model's input, a forward count
     state = getattr(model, "_gns_forward_state", None)
     if state is None:
-        state = model._gns_forward_state = {"B": None, "T": None, "forward": None, "count": 0}
+        state = model._gns_forward_state = {"B": None, "T": None, "forward": None, "count": 0, "batch_dim": batch_dim}
         model.register_forward_pre_hook(_learn_batch, with_kwargs=True)
         model.register_forward_hook(_forget_batch, with_kwargs=True, always_call=True)
     for name, module in model.named_modules():
@@ -1611,6 +1670,10 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
             module._forward_state = None
         elif isinstance(module, MeasuredLayer):
             module._forward_state, module._measured_name = state, name
+            if batch_dim != 0 and not hasattr(module, "_examples_moved"):  # hooked once; after the user's own
+                module._examples_moved = False
+                module.register_forward_pre_hook(_examples_first)
+                module.register_forward_hook(_examples_back, prepend=True)
 
     # shared parameters, by identity: an embedding and a head sharing their weight are linked;
     # any other sharing is left out (its Linear/Embedding buffers removed; find_sqgradnorm_buffers warns)

@@ -630,15 +630,21 @@ def log_for_run(config, resume_step, kinds):
 
 
 class OutDirInUse(Exception):
-    """out_dir cannot be this run's: another live process holds its lock (the message, one line,
-    names it), or it cannot be created or written."""
+    """out_dir cannot be this run's: a live holder has its lock (another process, or an earlier
+    GNSMeter of this process not closed), it holds another run's log (OutDirTaken), or it cannot
+    be created or written. The message, one line, names the holder and the way out."""
+
+
+class OutDirTaken(OutDirInUse, FileExistsError):
+    """out_dir holds another run's log, which a fresh GNSMeter does not write over: an OutDirInUse,
+    and a FileExistsError for callers that catch that."""
 
 
 # what a run of train.py leaves in its out_dir (grad_accum_schedule.txt stays: the user edits it)
 RUN_FILES = ("log.csv", "log.csv.rejected", "ckpt.pt", "config.json", "layer_kinds.json", "linear_norm_methods.json")
 
 
-def lock_out_dir(out_dir, set_aside=False):
+def lock_out_dir(out_dir, set_aside=False, holder="train.py"):
     """
     Hold out_dir/train.lock while the run lives, so that a second run on the same out_dir (a
     relaunch while this one still runs, a typo in a sweep) stops at once instead of writing over
@@ -649,6 +655,9 @@ def lock_out_dir(out_dir, set_aside=False):
     saying which holder it takes over, or raises OutDirInUse, whose message is one line.
     set_aside (a fresh run): an earlier run's files are moved into out_dir/previous-run-<time>/
     first, with a note, rather than written over (set_aside_previous_run).
+    holder: what holds the lock, named to whoever finds it taken ("train.py", "GNSMeter"). The
+    lock is per open file, so a second lock in one process is refused too: that message names
+    the earlier holder in this process, which must release it (a GNSMeter's close()).
     """
     import fcntl
     import socket
@@ -664,17 +673,21 @@ def lock_out_dir(out_dir, set_aside=False):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        holder = f.read().strip() or "process unknown"
+        where, kind = _lock_holder(f.read())
         f.close()
-        raise OutDirInUse(f"{out_dir} is in use by another train.py ({holder}); wait for it to end, "
-                          f"or use another out_dir") from None
+        if where == f"pid {os.getpid()} on {socket.gethostname()}":  # flock is per open file: ours, not closed
+            raise OutDirInUse(f"{out_dir} is held by an earlier {kind} in this process ({where}), not released: "
+                              f"{'close() that meter' if kind == 'GNSMeter' else 'release its lock'} first "
+                              f"(an interrupted run leaves it open), or use another out_dir") from None
+        raise OutDirInUse(f"{out_dir} is in use by another {kind} ({where or 'process unknown'}); wait for it to "
+                          f"end, or use another out_dir") from None
     f.seek(0)
-    previous = f.read().strip()
-    if previous:  # a clean end empties the file: this holder was killed
-        print(f"note: taking over {out_dir}/train.lock from {previous}, which is no longer running")
+    where, kind = _lock_holder(f.read())
+    if where:  # a clean end empties the file: this holder was killed
+        print(f"note: taking over {out_dir}/train.lock from {where} ({kind}), which is no longer running")
     try:
         f.truncate(0)
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n{holder}\n")
         f.flush()
     except OSError as e:  # a full disk: the name of its holder cannot be written
         try:
@@ -692,6 +705,13 @@ def lock_out_dir(out_dir, set_aside=False):
             raise OutDirInUse(f"{out_dir} holds an earlier run that could not be moved aside "
                               f"({e.strerror or e}); resume it with --init_from=resume, or use another out_dir") from None
     return f
+
+
+def _lock_holder(text):
+    """(where, what) of a lock file's holder: 'pid N on host' and what it is ('train.py' for a file
+    that names no kind); where is '' for an empty file (no live holder)."""
+    lines = text.strip().splitlines()
+    return (lines[0] if lines else ""), (lines[1] if len(lines) > 1 else "train.py")
 
 
 def directory_problem(path):

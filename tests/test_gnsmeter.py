@@ -121,14 +121,15 @@ def test_refusals_are_one_line(tmp_path):
         meter.open_log()
     assert "\n" not in str(error.value)
     assert (out / "log.csv").read_bytes() == before  # never written over
+    meter.close()
 
     x = token_rows(2)
     model(input_ids=x, labels=x).loss.backward()
-    GNSMeter(model).step()  # a meter that steps...
     meter = GNSMeter(model)
-    meter.step()
+    meter.step()  # a meter that steps...
     with pytest.raises(ValueError, match="before the first step"):
         meter.load_state_dict({"step": 3, "gns_estimators": {}})  # ...cannot be resumed after
+    meter.close()
     with pytest.raises(ValueError, match="state_dict"):
         GNSMeter(model).load_state_dict({"ema": 1.0})
 
@@ -172,9 +173,18 @@ def test_the_training_code_never_imports_the_frameworks():
     assert result.stdout.strip() == "[]"
 
 
-def test_the_readme_example_runs_as_written(tmp_path):
+def test_the_readme_example_runs_as_written_and_a_second_run_stops_as_the_readme_says(tmp_path):
     output = run_readme_example(0, tmp_path, "out-my-loop")
     assert output.count("step ") == 20 and "gns " in output
+    from loop_fixtures import readme_examples
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    again = subprocess.run([sys.executable, "-c", readme_examples()[0]], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    last = again.stderr.strip().splitlines()[-1]
+    assert again.returncode == 1 and "step " not in again.stdout
+    assert last.startswith("tracker.OutDirTaken: GNSMeter: out-my-loop/log.csv holds another run's log"), last
+    with open(os.path.join(REPO, "README.md")) as f:
+        assert "`tracker.OutDirTaken`" in f.read()  # what the README says happens
 
 
 def one_step(model, chunks, scaler=None, autocast=False):
@@ -214,3 +224,271 @@ def test_two_fsdp2_ranks_give_one_process_with_the_doubled_batch(tmp_path):
     assert sorted(two) == [0, 1, 2]
     # the first step on the same weights; later ones on weights rounded apart by the ranks' averaged gradients
     assert largest_difference({0: one[0]}, {0: two[0]}) < 1e-5 and largest_difference(one, two) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# What a loop can get wrong, and what the meter then says
+
+def micro_steps(model, chunks):
+    for x in chunks:
+        (model(input_ids=x, labels=x).loss / len(chunks)).backward()
+
+
+def abandoned_micro_step(model):
+    """A micro-step whose backward ran, then given up as a loop gives up an out-of-memory step: zero_grad()."""
+    x = token_rows(4, seed=9)
+    model(input_ids=x, labels=x).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def test_discard_drops_an_abandoned_micro_step_and_a_count_other_than_examples_is_named():
+    model = tiny_hf("gpt2").train()
+    chunks = [token_rows(4, seed=7), token_rows(4, seed=8)]
+    expected = brute_force(model, chunks)
+    meter = GNSMeter(model)
+    abandoned_micro_step(model)
+    meter.discard()
+    micro_steps(model, chunks)
+    values = meter.step(examples=8)
+    for name, (big, small) in expected.items():
+        assert values[f"train/gns/{name}/batch_size"] == 8
+        assert values[f"train/gns/{name}/pegn"] ** 2 == pytest.approx(small, rel=1e-4, abs=1e-12), name
+    model.zero_grad(set_to_none=True)
+    live = meter.live()
+
+    # the same step without discard(): the layers counted 12 examples, the step says 8
+    abandoned_micro_step(model)
+    micro_steps(model, chunks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = meter.step(examples=8)
+    said = [str(w.message) for w in caught if "discard()" in str(w.message)]
+    assert len(said) == 1 and "\n" not in said[0] and "12" in said[0] and "8" in said[0], said
+    assert not any(k.startswith("train/gns/") for k in values)  # not measured: no invented row
+    assert meter.live() == live  # nor averaged into the live GNS
+    assert all(sq.item() == 0 for _, _, sq, _ in __import__("buffered").find_sqgradnorm_buffers(model))
+
+
+def test_the_readme_example_names_discard():
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    start = text.index("**Any loop: `gnsmeter.GNSMeter`.**")
+    assert "meter.discard()" in text[start:text.index("```python", start)]
+
+
+def two_linears():
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+
+def test_a_meter_on_another_model_or_before_backward_is_refused():
+    measured, trained = two_linears(), two_linears()
+    meter = GNSMeter(measured)
+    for _ in range(2):  # every step: the meter measures one model, the loop trains another
+        trained(torch.randn(4, 4)).sum().backward()
+        with pytest.raises(ValueError, match="counted no examples") as error:
+            meter.step()
+        assert "\n" not in str(error.value) and "another model" in str(error.value)
+    assert meter.live() == {} or all(v != v for v in meter.live().values())
+
+
+def test_a_second_live_meter_on_one_model_is_refused_until_the_first_is_closed(tmp_path):
+    model = two_linears()
+    first = GNSMeter(model, out_dir=str(tmp_path / "first"))
+    with pytest.raises(ValueError, match="already measured by a GNSMeter") as error:
+        GNSMeter(model)
+    assert str(tmp_path / "first") in str(error.value) and "\n" not in str(error.value)
+    model(torch.randn(4, 4)).sum().backward()
+    first.step()
+    first.close()
+    second = GNSMeter(model)
+    for _ in range(2):
+        model(torch.randn(4, 4)).sum().backward()
+        values = second.step()
+        assert values["gns/total"] == values["gns/total"] and values["train/gns/0.weight/batch_size"] == 4
+    model(torch.randn(4, 4)).sum().backward()
+    with pytest.raises(ValueError, match="another GNSMeter"):  # the closed one would take the new one's sums
+        first.step()
+
+
+def test_nn_data_parallel_is_refused():
+    with pytest.raises(ValueError, match="DataParallel") as error:
+        GNSMeter(nn.DataParallel(two_linears()))  # a wrapper without GPUs: device_ids []
+    assert "\n" not in str(error.value) and "DistributedDataParallel" in str(error.value)
+    assert type(error.value).__name__ == "GNSMeterError"  # the project's own (a ValueError)
+    inside = nn.Sequential(nn.DataParallel(two_linears()))
+    with pytest.raises(ValueError, match="DataParallel"):
+        GNSMeter(inside)
+
+
+def test_the_state_is_strict_json_after_a_non_finite_step_and_keeps_the_skipped_steps():
+    import copy
+    model = tiny_hf("gpt2").train()
+    meter = GNSMeter(model)
+    x = token_rows(3)
+    model(input_ids=x, labels=x).loss.backward()
+    next(model.parameters()).grad[0, 0] = float("inf")  # a diverged step
+    meter.step()
+    model.zero_grad(set_to_none=True)
+    assert meter.skipped_steps == 1
+    state = meter.state_dict()
+    text = json.dumps(state, allow_nan=False)  # strict JSON parsers take it
+    twin = copy.deepcopy(model)
+    resumed = GNSMeter(twin)
+    resumed.load_state_dict(json.loads(text))
+    assert resumed.skipped_steps == 1 and json.dumps(resumed.state_dict(), allow_nan=False) == text
+    for m, meter_of in ((model, meter), (twin, resumed)):
+        m(input_ids=x, labels=x).loss.backward()
+        meter_of.step()
+    assert resumed.live() == meter.live() and resumed.skipped_steps == meter.skipped_steps == 1
+    assert json.dumps(resumed.state_dict(), allow_nan=False) == json.dumps(meter.state_dict(), allow_nan=False)
+
+
+def test_a_used_out_dir_is_refused_with_the_projects_exception(tmp_path):
+    from tracker import OutDirInUse
+    out = tmp_path / "taken"
+    own_loop(str(out), token_rows(8), batch=4, accumulation=1, steps=1, max_grad_norm=1.0)
+    meter = GNSMeter(tiny_hf("gpt2").train(), out_dir=str(out))
+    with pytest.raises(OutDirInUse, match="holds another run's log") as error:
+        meter.open_log()
+    assert isinstance(error.value, FileExistsError)  # for callers that catch that
+    assert "\n" not in str(error.value) and "another out_dir" in str(error.value)
+
+
+def test_a_resume_while_an_earlier_meter_of_this_process_holds_the_out_dir_says_to_close_it(tmp_path):
+    from tracker import OutDirInUse
+    out = str(tmp_path / "run")
+    model = tiny_hf("gpt2").train()
+    interrupted = GNSMeter(model, out_dir=out)
+    x = token_rows(2)
+    model(input_ids=x, labels=x).loss.backward()
+    interrupted.step()  # and never closed: the run stopped by an exception
+    resumed = GNSMeter(tiny_hf("gpt2").train(), out_dir=out)
+    resumed.load_state_dict(interrupted.state_dict())
+    with pytest.raises(OutDirInUse) as error:
+        resumed.open_log()
+    message = str(error.value)
+    assert "train.py" not in message and "an earlier GNSMeter in this process" in message and "close()" in message
+    interrupted.close()
+    resumed.open_log()
+    resumed.close()
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_that_broadcast_buffers_give_one_process_with_the_doubled_batch(tmp_path):
+    """DDP's default broadcast_buffers=True copied rank 0's partial sums into rank 1 at every forward."""
+    from meter_fsdp_worker import train
+    rows = torch.randint(0, 64, (24, 17), generator=torch.Generator().manual_seed(3))  # 3 steps of 2 x 4 rows
+    torch.save(rows, tmp_path / "rows.pt")
+    train(rows, str(tmp_path / "one"))
+    torchrun_two_ranks("meter_fsdp_worker.py", tmp_path / "rows.pt", tmp_path / "two", "ddp", cwd=tmp_path)
+    one, two = gns_columns(str(tmp_path / "one")), gns_columns(str(tmp_path / "two"))
+    assert sorted(two) == [0, 1, 2]
+    assert largest_difference({0: one[0]}, {0: two[0]}) < 1e-5 and largest_difference(one, two) < 1e-4
+
+
+def test_the_buffers_stay_out_of_ddps_broadcast_and_a_broadcasting_wrapper_is_refused(tmp_path):
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import buffered
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = tiny_hf("gpt2").train()
+        GNSMeter(model)  # on the plain model, before the wrapper
+        wrapped = DistributedDataParallel(model)  # broadcast_buffers=True: DDP's default
+        ours = {name for name, buf in model.named_buffers()
+                if any(buf is b for b in buffered.all_sqgradnorm_buffers(model))}
+        assert len(ours) > 28 and not ours & set(wrapped.named_module_buffers)
+        GNSMeter(wrapped)  # a wrapper that leaves them alone is taken
+
+        measured = buffered.measure(tiny_hf("gpt2").train())  # measured, then wrapped without the meter
+        with pytest.raises(ValueError, match="broadcast_buffers") as error:
+            GNSMeter(DistributedDataParallel(measured))
+        assert "\n" not in str(error.value)
+        del error
+        GNSMeter(DistributedDataParallel(measured, broadcast_buffers=False))
+        del wrapped
+        gc.collect()  # DDP's reducers released before the process group (see test_buffered.py)
+    finally:
+        dist.destroy_process_group()
+
+
+class SequenceFirst(nn.Module):
+    """Token ids [T, B] in, logits [T, B, V] out: nn.Transformer's default layout (batch_first=False)."""
+
+    def __init__(self, vocab=11, width=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.block = nn.TransformerEncoderLayer(width, 2, dim_feedforward=16, dropout=0.0)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.block(self.embed(ids))))
+
+
+def sequence_first_loss(model, ids):
+    logits = model(ids)
+    return nn.functional.cross_entropy(logits.flatten(0, 1), ((ids + 1) % logits.shape[-1]).flatten())
+
+
+def test_sequence_first_input_is_named_and_batch_dim_1_measures_each_example():
+    torch.manual_seed(5)
+    ids = torch.randint(0, 11, (6, 3))  # T = 6 positions of B = 3 examples
+    model = SequenceFirst()
+    params = {n: p for n, p in model.named_parameters()}
+    per_example = []
+    for b in range(3):
+        model.zero_grad(set_to_none=True)
+        sequence_first_loss(model, ids[:, b:b + 1]).backward()
+        per_example.append({n: p.grad.double().clone() for n, p in params.items()})
+    model.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        GNSMeter(SequenceFirst())
+    named = [str(w.message) for w in caught if "batch_first=False" in str(w.message)]
+    assert len(named) == 1 and "batch_dim=1" in named[0] and "\n" not in named[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the attention's in_proj is no Linear: unmeasured, named in a warning
+        meter = GNSMeter(model, batch_dim=1)
+    sequence_first_loss(model, ids).backward()
+    values = meter.step()
+    checked = 0
+    for name in params:
+        if f"train/gns/{name}/pegn" not in values:
+            continue
+        small = sum(g[name].square().sum().item() for g in per_example) / 3
+        big = (sum(g[name] for g in per_example) / 3).square().sum().item()
+        assert values[f"train/gns/{name}/batch_size"] == 3
+        assert values[f"train/gns/{name}/pegn"] ** 2 == pytest.approx(small, rel=1e-4, abs=1e-12), name
+        assert values[f"train/gns/{name}/norm"] ** 2 == pytest.approx(big, rel=1e-4, abs=1e-12), name
+        checked += 1
+    assert checked == 13  # the embedding, the block's two Linears and two LayerNorms, the last norm, the head
+
+
+class SequenceFirstWithPositions(SequenceFirst):
+    def forward(self, ids):  # positions [T]: no dimension for the examples
+        return self.head(self.norm(self.embed(ids) + self.position(torch.arange(ids.shape[0]))[:, None]))
+
+
+def test_batch_dim_refusals_are_one_line():
+    import buffered
+    measured = buffered.measure(two_linears())
+    with pytest.raises(ValueError, match="measured with batch_dim=0, not 1") as error:
+        GNSMeter(measured, batch_dim=1)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="batch_dim=2"):
+        GNSMeter(two_linears(), batch_dim=2)
+    model = SequenceFirstWithPositions()
+    model.position = nn.Embedding(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        GNSMeter(model, batch_dim=1)
+    with pytest.raises(RuntimeError, match=r"position: its input \(6,\) has no dimension 1") as error:
+        model(torch.randint(0, 11, (6, 3)))
+    assert "\n" not in str(error.value)

@@ -932,6 +932,41 @@ def test_a_full_disk_when_the_lock_names_its_holder_is_one_line_and_leaves_the_l
     tracker_module.release_out_dir(tracker_module.lock_out_dir(str(out)))
 
 
+def test_a_lock_this_process_still_holds_is_said_to_be_its_own(tmp_path):
+    """A second lock in the process holding the first (an interrupted run's meter, never closed) was
+    refused as 'in use by another train.py (pid <this process>)'."""
+    out = str(tmp_path / "out")
+    for holder, way_out in (({}, "release its lock"), ({"holder": "GNSMeter"}, "close() that meter")):
+        lock = tracker_module.lock_out_dir(out, **holder)
+        try:
+            with pytest.raises(tracker_module.OutDirInUse) as e:
+                tracker_module.lock_out_dir(out, **holder)
+        finally:
+            tracker_module.release_out_dir(lock)
+        message = str(e.value)
+        assert "another train.py" not in message and "\n" not in message
+        assert f"held by an earlier {holder.get('holder', 'train.py')} in this process (pid {os.getpid()} on" in message
+        assert way_out in message
+    tracker_module.release_out_dir(tracker_module.lock_out_dir(out))  # released: free again
+
+
+def test_a_lock_another_process_holds_names_what_holds_it(tmp_path):
+    out = str(tmp_path / "out")
+    code = "import sys, tracker; tracker.lock_out_dir(sys.argv[1], holder='GNSMeter'); print('held', flush=True); " \
+           "sys.stdin.read()"
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.Popen([sys.executable, "-c", code, out], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        assert child.stdout.readline() == "held\n"
+        with pytest.raises(tracker_module.OutDirInUse) as e:
+            tracker_module.lock_out_dir(out)
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+    assert f"{out} is in use by another GNSMeter (pid {child.pid} on" in str(e.value)
+
+
 @pytest.mark.parametrize("raw, why", [(b"1,1,2,\r3", "2 rows in one line (a stray carriage return?)"),
                                       (b"1,\xff\xfe", "not UTF-8 text (byte 2)"),
                                       (b"1,a\x00b", "binary (a NUL byte)")])
