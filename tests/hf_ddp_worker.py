@@ -14,7 +14,7 @@ from stopping import leave
 torch.set_num_threads(1)
 rows_path, out_dir = sys.argv[1:3]
 world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 2
-hf = trainer(out_dir, torch.load(rows_path), [GNSCallback()], batch=BATCH // 2, ddp_backend="gloo")
+hf = trainer(out_dir, torch.load(rows_path), GNSCallback(), batch=BATCH // 2, ddp_backend="gloo")
 assert hf.args.world_size == 2, hf.args.world_size
 hf.train()
 
