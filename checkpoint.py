@@ -6,6 +6,7 @@ weights, and reading this fork's, nanoGPT's and the reference implementation's
 the shards, and saved in the single-process format, so a checkpoint loads anywhere.
 """
 import errno
+import hashlib
 import json
 import os
 import re
@@ -220,30 +221,70 @@ def _plain(value):
 ROOT = os.path.dirname(os.path.abspath(__file__))  # where train.py resolves a --dataset name (data/<name>)
 
 
+# a split's content is compared by this many blocks of this many bytes, spread evenly from the file's
+# first byte to its last: 1 MiB read per split however large it is (OpenWebText's train.bin is 17 GB)
+SAMPLED_BLOCKS, SAMPLED_BLOCK_BYTES = 16, 1 << 16
+
+
+def sampled_digest(path):
+    """sha256 of a file's size and of SAMPLED_BLOCKS blocks at fixed offsets spread over it, the first at
+    its start and the last at its end (a file of at most that many blocks: all of it)."""
+    with open(path, 'rb') as f:
+        size = os.fstat(f.fileno()).st_size
+        digest = hashlib.sha256(f"{size} bytes".encode())
+        if size <= SAMPLED_BLOCKS * SAMPLED_BLOCK_BYTES:
+            offsets = range(0, size, SAMPLED_BLOCK_BYTES)
+        else:
+            offsets = [k * (size - SAMPLED_BLOCK_BYTES) // (SAMPLED_BLOCKS - 1) for k in range(SAMPLED_BLOCKS)]
+        for offset in offsets:
+            f.seek(offset)
+            digest.update(f.read(SAMPLED_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
 def dataset_fingerprint(dataset):
-    """What tells one prepared dataset from another, kept in ckpt.pt: the sizes of its train.bin
-    and val.bin (a folder moved or renamed keeps them); None where they cannot be read."""
+    """What tells one prepared dataset from another, kept in ckpt.pt: the size of its train.bin and
+    val.bin and a hash of each one's sampled blocks (sampled_digest), so that the same data moved or
+    renamed is the same dataset and another one of the same size is not; None where they cannot be read."""
     try:
-        return {f'{split}_bytes': os.path.getsize(os.path.join(dataset_folder(dataset, ROOT), f'{split}.bin'))
-                for split in ('train', 'val')}
+        folder = dataset_folder(dataset, ROOT)
+        fingerprint = {}
+        for split in ('train', 'val'):
+            path = os.path.join(folder, f'{split}.bin')
+            fingerprint[f'{split}_bytes'] = os.path.getsize(path)
+            fingerprint[f'{split}_sampled_sha256'] = sampled_digest(path)
+        return fingerprint
     except (OSError, TypeError):
         return None
 
 
-def check_same_dataset(out_dir, checkpoint, dataset):
+def dataset_difference(checkpoint, dataset):
     """
-    CheckpointError unless this run's --dataset is the one ckpt.pt was trained on: a checkpoint of
-    the same shapes resumes on another dataset without a word otherwise. By the sizes of its token
-    files where ckpt.pt keeps them (dataset_fingerprint), else (older checkpoints) by the folder's name.
+    None where `dataset` is the one ckpt.pt was trained on, else what tells them apart, for a message
+    ('' where only the folders' names do). Compared by what ckpt.pt keeps: its dataset_fingerprint (from
+    older versions: the sizes alone, so they are all that is compared), else (older still) the folder's name.
     """
     then = (checkpoint.get('config') or {}).get('dataset')
     saved, now = checkpoint.get('dataset_fingerprint'), dataset_fingerprint(dataset)
-    if saved is not None and now is not None:
-        differs, what = saved != now, f" (train.bin of {saved['train_bytes']:,} bytes, now {now['train_bytes']:,})"
-    else:
-        name = lambda d: os.path.basename(os.path.normpath(str(d)))  # noqa: E731
-        differs, what = then is not None and name(then) != name(dataset), ""
-    if differs:
+    if isinstance(saved, dict) and now is not None:
+        for split in ('train', 'val'):
+            size = f'{split}_bytes'
+            if size in saved and saved[size] != now[size]:
+                return f" ({split}.bin of {saved[size]:,} bytes, now {now[size]:,})"
+            content = f'{split}_sampled_sha256'
+            if content in saved and saved[content] != now[content]:
+                return f" ({split}.bin of the same size, other content in the blocks compared)"
+        return None
+    name = lambda d: os.path.basename(os.path.normpath(str(d)))  # noqa: E731
+    return "" if then is not None and name(then) != name(dataset) else None
+
+
+def check_same_dataset(out_dir, checkpoint, dataset):
+    """CheckpointError unless this run's --dataset is the one ckpt.pt was trained on (dataset_difference):
+    a checkpoint of the same shapes resumes on another dataset without a word otherwise."""
+    what = dataset_difference(checkpoint, dataset)
+    if what is not None:
+        then = (checkpoint.get('config') or {}).get('dataset')
         raise CheckpointError(f"{out_dir}/ckpt.pt was trained on --dataset={then!r}, this run reads "
                               f"--dataset={dataset!r}{what}; nothing was changed: resume with the dataset it was "
                               f"trained on, or use another out_dir")

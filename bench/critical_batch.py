@@ -25,10 +25,13 @@ e_min, b_crit, b_simple_total, b_simple_norm, b_simple_norm_adam, b_crit_low, b_
 fit_points, censored, setting: one row per branch point) and OUT_DIR/gns_<family>-s<seed>.csv (each
 B_simple of the base run over its tokens, for the figure), with a line per base run and per branch
 as each starts. A finished branch is kept: run it again and it goes on where it stopped. Nothing
-finished is ever deleted: OUT_DIR holds one setting (delta, max_steps, the evaluation batches; each
-branch point's is in OUT_DIR/checkpoints.csv beside its checkpoint's fingerprint), and a run for
-another setting, or from a checkpoint that is not the one a branch started from, is refused before
-it changes anything (use another --out_dir). Base runs and their checkpoints go to --work_dir. Any
+finished is ever deleted: OUT_DIR holds one setting (delta, max_steps, the evaluation batches, a
+fingerprint of the dataset's content, and the train.py values given that the script does not set
+itself; each branch point's is in OUT_DIR/checkpoints.csv beside its checkpoint's fingerprint), and
+a run for another setting, or from a checkpoint that is not the one a branch started from, is
+refused before it changes anything (use another --out_dir). Base runs and their checkpoints go to
+--work_dir, and are reused as they are: a run whose train.py values or data differ from those a
+kept checkpoint was trained with is refused before anything runs (use another --work_dir). Any
 other --key=value goes to train.py for the base runs (e.g. --dataset=PATH), checked before anything
 runs. --report trains nothing: it fits the branches as they stand, rewrites summary.csv, and prints
 the results as Markdown tables (the README's), each ratio B_crit / B_simple with its spread over
@@ -38,6 +41,7 @@ import argparse
 import contextlib
 import hashlib
 import io
+import json
 import math
 import os
 import shutil
@@ -53,7 +57,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.norm_vs_total import FAMILIES, gns_analysis  # noqa: E402
 from bench.runs import check_train_flags, train_once  # noqa: E402
-from checkpoint import config_from_checkpoint, load_weights, read_checkpoint  # noqa: E402
+from checkpoint import (CheckpointError, config_from_checkpoint, dataset_difference, dataset_fingerprint,  # noqa: E402
+                        load_weights, read_checkpoint)
 from configurator import ConfigError, check_dataset, check_device, check_train_config, configure  # noqa: E402
 from csv_tools import ToolParser  # noqa: E402
 from gnsmath import PREFIXES, critical_batch_interval, fit_critical_batch  # noqa: E402
@@ -88,6 +93,10 @@ QUICK = dict(points=(20, 40, 60), batch_sizes=(2, 4, 8, 16, 32), learning_rates=
 # experiment (another seed, checkpoints at other steps, nothing measured)
 OWN_KEYS = ('seed', 'out_dir', 'init_from', 'max_tokens', 'max_iters', 'always_save_checkpoint', 'eval_interval',
             'linearclass', 'embeddingclass', 'lnclass', 'gns_adam')
+# train.py's keys that change nothing a base run or a branch computes, only what is printed or logged elsewhere
+NOT_SHAPING = ('log_interval', 'wandb_log', 'wandb_project', 'wandb_run_name', 'device_name')
+# what each stage of a base run sets for itself: its folder, where it stops, whether it resumes
+STAGE_KEYS = ('out_dir', 'init_from', 'max_tokens', 'max_iters')
 
 
 def base_flags(work_dir, family, seed, setup):
@@ -116,28 +125,86 @@ def train_defaults():
     return defaults
 
 
+def train_config(parser, flags, extra=()):
+    """train.py's config (CONFIG, then `flags`, then the command line's `extra`) as train.py checks and
+    completes it (its lengths in tokens), before anything runs: bad input is one line and exit 2 here, not
+    a failed run minutes later."""
+    config, places = train_defaults(), {}
+    argv = [CONFIG, *(f"--{k}={v!r}" for k, v in flags.items()), *extra]
+    with contextlib.redirect_stdout(io.StringIO()):  # configure()'s echo of each setting, and the checks' notes
+        try:
+            configure(argv, config, places=places)
+        except ConfigError as e:  # train.py's keys, not this script's: its --help lists them
+            parser.exit(2, f"{parser.prog}: error: {str(e).removesuffix('; see --help')} "
+                           f"(python train.py --help lists its keys)\n")
+        check_train_config(config, places)  # exits with one line at a bad value
+    return config
+
+
 def check_base_runs(parser, work_dir, families, setup, extra):
-    """Every base run's train.py command line checked as train.py checks it, before anything runs: bad
-    input is one line and exit 2 here, not a failed run minutes later. Returns {family: tokens per step}."""
+    """Every base run's train.py command line checked as train.py checks it, before anything runs.
+    Returns {family: the config its base runs train with (seed 1's)}."""
     own = [a for a in extra if a[2:].split('=', 1)[0] in OWN_KEYS]
     if own:
         parser.error(f"{own[0].split('=', 1)[0]} is set by bench/critical_batch.py itself for every base run "
                      f"(the seeds: --seeds; the folders: --out_dir, --work_dir)")
-    tokens_per_step = {}
+    configs = {}
     for family in families:
-        config, places = train_defaults(), {}
-        argv = [CONFIG, *(f"--{k}={v!r}" for k, v in base_flags(work_dir, family, 1, setup).items()), *extra]
-        with contextlib.redirect_stdout(io.StringIO()):  # configure()'s echo of each setting
-            try:
-                configure(argv, config, places=places)
-            except ConfigError as e:  # train.py's keys, not this script's: its --help lists them
-                parser.exit(2, f"{parser.prog}: error: {str(e).removesuffix('; see --help')} "
-                               f"(python train.py --help lists its keys)\n")
-            check_train_config(config, places)  # exits with one line at a bad value
+        config = train_config(parser, base_flags(work_dir, family, 1, setup), extra)
+        with contextlib.redirect_stdout(io.StringIO()):
             check_device(config['device'])
             check_dataset(config['dataset'], ROOT)
-        tokens_per_step[family] = config['batch_size'] * config['block_size'] * config['gradient_accumulation_steps']
-    return tokens_per_step
+        configs[family] = config
+    return configs
+
+
+def word(value):
+    """A train.py value as one word of a setting: a string as it is, anything else as compact JSON."""
+    return value if isinstance(value, str) else json.dumps(value, separators=(',', ':'))
+
+
+def dataset_content(dataset):
+    """A short hash of checkpoint.dataset_fingerprint: the dataset's content, wherever it lies."""
+    return hashlib.sha256(json.dumps(dataset_fingerprint(dataset), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def base_setting(parser, work_dir, setup, extra, configs):
+    """The base runs' part of the setting checkpoints.csv records: 'dataset_content <hash>' (the data, not
+    its place), then 'key value' for each train.py key given on the command line (NOT_SHAPING ones aside)
+    whose value is not the script's own for every family."""
+    given = dict.fromkeys(a[2:].split('=', 1)[0] for a in extra)
+    given = [k for k in given if k != 'dataset' and k not in NOT_SHAPING]
+    config = next(iter(configs.values()))  # a key given is given to every family alike
+    owns = [train_config(parser, base_flags(work_dir, family, 1, setup)) for family in FAMILIES] if given else []
+    changed = [k for k in given if any(word(config[k]) != word(own[k]) for own in owns)]
+    return ' '.join([f"dataset_content {dataset_content(config['dataset'])}",
+                     *(f"{k} {word(config[k])}" for k in changed)])
+
+
+def refuse_other_base_runs(parser, work_dir, runs, setup, configs):
+    """One line and exit 2, before anything runs, where a checkpoint that a base run keeps in work_dir (its
+    ckpt.pt and ckpt-<step>.pt, reused as they are) was trained with other train.py values than this run
+    gives it (NOT_SHAPING and STAGE_KEYS aside) or on other data (checkpoint.dataset_difference: the same
+    data elsewhere is the same): branches from it would be this run's in name only."""
+    for family, seed in runs:
+        wanted = {**configs[family], 'seed': seed}
+        for name in (*(f"ckpt-{point}.pt" for point in setup['points']), 'ckpt.pt'):
+            path = os.path.join(work_dir, f"{family}-s{seed}", name)
+            if not os.path.exists(path):
+                continue
+            try:
+                checkpoint = read_checkpoint(path)
+            except CheckpointError as e:
+                parser.error(f"{e}; nothing was changed: move it away, or use another --work_dir")
+            then = checkpoint.get('config') or {}
+            compared = [k for k in wanted if k in then and k not in (*STAGE_KEYS, *NOT_SHAPING, 'dataset')]
+            differ = [f"{k} {then[k]!r}, not {wanted[k]!r}" for k in compared if word(then[k]) != word(wanted[k])]
+            data = dataset_difference(checkpoint, wanted['dataset'])
+            if data is not None:
+                differ.append(f"dataset {then.get('dataset')!r}, not {wanted['dataset']!r}{data}")
+            if differ:
+                parser.error(f"{path} was trained with {'; '.join(differ)}: it is not this run's base run; nothing "
+                             f"was changed: run these flags with another --work_dir and --out_dir")
 
 
 def base_run(work_dir, family, seed, setup, extra, tokens_per_step):
@@ -233,13 +300,13 @@ def eval_steps(max_steps):
     return set(steps)
 
 
-def run_branch(path, batch_size, learning_rate, eval_set, start_loss, delta, max_steps, seed):
-    """Optimizer steps until the held-out loss is DELTA below start_loss, or None within max_steps: the
-    step where the line between the last evaluation above the target and the first one at or below it
-    crosses the target."""
+def run_branch(path, data_dir, batch_size, learning_rate, eval_set, start_loss, delta, max_steps, seed):
+    """Optimizer steps on data_dir's train split until the held-out loss is DELTA below start_loss, or None
+    within max_steps: the step where the line between the last evaluation above the target and the first
+    one at or below it crosses the target."""
     torch.manual_seed(seed)
     model, optimizer, config = load_branch(path, learning_rate)
-    data = Batches(check_dataset(config['dataset'], ROOT), 'train', config['block_size'])
+    data = Batches(data_dir, 'train', config['block_size'])
     generator = torch.Generator().manual_seed(seed)  # the same batches for every learning rate of this B
     target, evaluate_at = start_loss - delta, eval_steps(max_steps)
     last_step, last_loss = 0, start_loss
@@ -261,10 +328,10 @@ def run_branch(path, batch_size, learning_rate, eval_set, start_loss, delta, max
     return None
 
 
-def fixed_eval_set(path, setup):
-    """The held-out batches every branch of a run is judged on: fixed windows of the val split."""
+def fixed_eval_set(path, setup, data_dir):
+    """The held-out batches every branch of a run is judged on: fixed windows of data_dir's val split."""
     config = read_checkpoint(path)['config']
-    data = Batches(check_dataset(config['dataset'], ROOT), 'val', config['block_size'])
+    data = Batches(data_dir, 'val', config['block_size'])
     generator = torch.Generator().manual_seed(20251125)
     return [data.get(setup['eval_batch_size'], generator) for _ in range(setup['eval_batches'])]
 
@@ -293,10 +360,20 @@ def setting_values(setting):
     return dict(zip(words[::2], words[1::2]))
 
 
+BRANCH_KEYS = ('delta', 'max_steps', 'eval')  # setting_of's: the rest is the base runs' (base_setting)
+
+
 def differences(recorded, wanted):
-    """'delta 0.2, not 0.35' for each value that differs between a recorded setting and this run's."""
+    """'delta 0.2, not 0.35' for each value that differs between a recorded setting and this run's. A record
+    without the base runs' part (no dataset_content: written before it was recorded) is compared on the
+    branches' part alone (refuse_other_base_runs checks the base runs it kept); in one with it, a train.py
+    key that one side lacks has the script's own value there."""
     old, new = setting_values(recorded), setting_values(wanted)
-    return [f"{key} {old.get(key, 'not recorded')}, not {new.get(key, 'none')}"
+    if 'dataset_content' not in old:
+        new = {k: v for k, v in new.items() if k in BRANCH_KEYS}
+    own = "(the script's)"
+    return [f"{key} {old.get(key, 'not recorded' if key in BRANCH_KEYS else own)}, "
+            f"not {new.get(key, 'none' if key in BRANCH_KEYS else own)}"
             for key in dict.fromkeys([*new, *old]) if old.get(key) != new.get(key)]
 
 
@@ -313,11 +390,15 @@ def refuse_another_setting(parser, out_dir, work_dir, settings, setting):
     """One line and exit 2, before anything runs, where OUT_DIR holds a branch point of another setting (or of
     none recorded): running here would mix its rows with this setting's in one fit, or replace them."""
     for (family, seed, tokens), recorded in settings.items():
-        if recorded != setting:
+        differ = differences(recorded, setting) if recorded != NOT_RECORDED else []
+        if recorded == NOT_RECORDED or differ:
             what = ("branches with no record in checkpoints.csv, of an unknown setting" if recorded == NOT_RECORDED
-                    else f"branches run for {'; '.join(differences(recorded, setting))}")
+                    else f"branches run for {'; '.join(differ)}")
+            where = (f"another --out_dir (--work_dir={work_dir} reuses the base runs)"
+                     if all(d.split()[0] in BRANCH_KEYS for d in differ) else
+                     "another --out_dir and --work_dir (its base runs are of other flags or data)")
             parser.error(f"{out_dir} holds {what} ({family} seed {seed} at {tokens:,} tokens); nothing was changed: "
-                         f"run this setting in another --out_dir (--work_dir={work_dir} reuses the base runs)")
+                         f"run this setting in {where}")
 
 
 # -- 4. the fits --------------------------------------------------------------------------------
@@ -567,19 +648,23 @@ def main(argv=None):
     work_dir = args.work_dir or os.path.join(args.out_dir, 'base')
     writable_folder(parser, '--out_dir', args.out_dir)
     writable_folder(parser, '--work_dir', work_dir)
-    tokens_per_step = check_base_runs(parser, work_dir, families, setup, extra)
+    configs = check_base_runs(parser, work_dir, families, setup, extra)
+    runs = [(f, s) for s in range(1, args.seeds + 1) for f in families]  # every family before a second seed
+    refuse_other_base_runs(parser, work_dir, runs, setup, configs)
     branches = read_csv(parser, branches_csv, BRANCH_COLUMNS)
     prints = read_csv(parser, prints_csv, PRINT_COLUMNS)
-    setting = setting_of(setup)
+    setting = f"{setting_of(setup)} {base_setting(parser, work_dir, setup, extra, configs)}"
     refuse_another_setting(parser, args.out_dir, work_dir, point_settings(prints, branches), setting)
-    runs = [(f, s) for s in range(1, args.seeds + 1) for f in families]  # every family before a second seed
+    data_dirs = {family: check_dataset(config['dataset'], ROOT) for family, config in configs.items()}
     grid = [(b, lr) for b in setup['batch_sizes'] for lr in setup['learning_rates']]
     total = len(runs) * len(setup['points']) * len(grid)
     print(f"{len(runs)} base runs, {len(setup['points'])} branch points each, {len(grid)} branches per point "
           f"(batch sizes {setup['batch_sizes']}, learning rates {setup['learning_rates']}, {setting})", flush=True)
     series, kept, done, started = {}, 0, 0, time.time()
     for family, seed in runs:
-        run, checkpoints = base_run(work_dir, family, seed, setup, extra, tokens_per_step[family])
+        config = configs[family]
+        tokens_per_step = config['batch_size'] * config['block_size'] * config['gradient_accumulation_steps']
+        run, checkpoints = base_run(work_dir, family, seed, setup, extra, tokens_per_step)
         points = {}  # path: (tokens, weights' fingerprint), every one checked before anything is written
         for path in checkpoints.values():
             tokens, weights = int(read_checkpoint(path)['model']['tokens_processed']), fingerprint(path)
@@ -607,15 +692,15 @@ def main(argv=None):
                       f"kept from an earlier run", flush=True)
             if not todo:
                 continue
-            eval_set = fixed_eval_set(path, setup)
+            eval_set = fixed_eval_set(path, setup, data_dirs[family])
             model = load_branch(path, 0.0)[0]
             start_loss = held_out_loss(model, eval_set)
             for b, lr in todo:
                 print(f"  [{done + 1}/{total}, {clock(time.time() - started)}] {family} seed {seed} at {tokens:,} "
                       f"tokens: B={b} lr={lr:g} ...", end='', flush=True)
                 branch_started = time.time()
-                steps = run_branch(path, b, lr, eval_set, start_loss, setup['delta'], setup['max_steps'],
-                                   seed=1000 * seed + b)
+                steps = run_branch(path, data_dirs[family], b, lr, eval_set, start_loss, setup['delta'],
+                                   setup['max_steps'], seed=1000 * seed + b)
                 done += 1
                 print(f" {f'{steps:.1f} steps' if steps is not None else 'not reached'} "
                       f"({clock(time.time() - branch_started)})", flush=True)

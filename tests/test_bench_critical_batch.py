@@ -1,15 +1,18 @@
 """bench/critical_batch.py --quick: the whole pipeline on a tiny model (base run, branches, fit),
 its CSVs' columns, summary's B_crit the fit of branches.csv's best rows, a line per base run and
 branch, and a run that is started again keeping every finished branch; a run of another setting
-(or from another checkpoint) refused before it changes anything; --report's tables, one set per
-setting, naming censored batch sizes, fits on two points and extrapolations both ways; bad input
-as one line."""
+(or from another checkpoint, or with other train.py flags or data than its base runs or branches
+had) refused before it changes anything; --report's tables, one set per setting, naming censored
+batch sizes, fits on two points and extrapolations both ways; bad input as one line."""
+import contextlib
+import io
 import os
 import shutil
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from conftest import REPO
 from gnsmath import fit_critical_batch
@@ -39,7 +42,9 @@ def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs,
     assert list(summary.columns) == ["family", "seed", "branch_tokens", "s_min", "e_min", "b_crit", "b_simple_total",
                                      "b_simple_norm", "b_simple_norm_adam", "b_crit_low", "b_crit_high", "fit_points",
                                      "censored", "setting"]
-    assert (summary.setting == "delta 0.2 max_steps 150 eval 4x16").all()
+    # the branches' setting, then the base runs': the dataset's content (--dataset gave its place), no other flag
+    content = load_script().dataset_content(tiny_dataset)
+    assert (summary.setting == f"delta 0.2 max_steps 150 eval 4x16 dataset_content {content}").all()
     # 3 branch points x 5 batch sizes (x16) x 3 learning rates, the same grid everywhere
     assert len(summary) == 3 and len(branches) == 45
     assert branches.groupby("branch_tokens").size().tolist() == [15, 15, 15]
@@ -86,8 +91,10 @@ def test_quick_pipeline_writes_both_csvs_and_keeps_finished_branches(bench_runs,
         line = next(x for x in started if name in x)
         assert line.endswith(" s)")
         assert f" {row.steps:.1f} steps (" in line if row.reached else " not reached (" in line
-    # started again: every branch is kept, nothing is run twice, the results are the same
-    code, stdout, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}")
+    # started again, on the same data moved elsewhere: every branch is kept, nothing is run twice, the results
+    # are the same
+    moved = shutil.copytree(tiny_dataset, tmp_path / "moved" / "renamed")
+    code, stdout, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={moved}")
     assert code == 0, stderr[-2000:]
     assert "45 branches were kept from an earlier run, 0 run now" in stdout
     last = branches.branch_tokens.max()
@@ -389,3 +396,103 @@ def test_bad_values_are_one_line_exit_2_before_anything_runs(tmp_path, tiny_data
     code, _, stderr = critical_batch(capsys, "--quick", f"--dataset={tiny_dataset}", *where, *args,
                                      script=trains_nothing())
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and words.format(**names) in stderr, stderr
+
+
+# -- the base runs kept, and the branches recorded, are of this run's train.py flags and data ---------------
+
+def kept_base_run(work_dir, dataset):
+    """work_dir/gpt2-s1/ckpt-20.pt as a --quick base run on `dataset` keeps it: train.py's config of its
+    command line, as train.py saves it, and the dataset's fingerprint (no weights: nothing loads them)."""
+    from checkpoint import dataset_fingerprint
+    from configurator import check_train_config, configure
+    script = load_script()
+    config, places = script.train_defaults(), {}
+    flags = script.base_flags(str(work_dir), "gpt2", 1, script.QUICK)
+    with contextlib.redirect_stdout(io.StringIO()):
+        configure([script.CONFIG, *(f"--{k}={v!r}" for k, v in flags.items()), f"--dataset={dataset}"], config,
+                  places=places)
+        check_train_config(config, places)
+    path = work_dir / "gpt2-s1" / "ckpt-20.pt"
+    path.parent.mkdir(parents=True)
+    model_args = {k: config[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    torch.save({"model": {}, "model_args": {**model_args, "vocab_size": 28}, "dataset_fingerprint":
+                dataset_fingerprint(dataset), "config": {**config, "max_tokens": 20 * 64, "vocab_size": 28}}, path)
+    return path
+
+
+def shuffled_copy(dataset, folder):
+    """The dataset with its train tokens shuffled: the same size, other data."""
+    shutil.copytree(dataset, folder)
+    tokens = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    np.random.default_rng(0).permutation(tokens).tofile(folder / "train.bin")
+    return folder
+
+
+@pytest.mark.parametrize("flag, named", [
+    ("--n_embd=48", "n_embd 32, not 48"),
+    ("--dropout=0.2", "dropout 0.0, not 0.2"),
+    ("--learning_rate=0.02", "learning_rate 0.01, not 0.02"),
+    ("--dataset={shuffled}", "train.bin of the same size, other content"),
+])
+def test_a_base_run_kept_for_other_train_flags_is_refused_before_anything_runs(tmp_path, tiny_dataset, capsys, flag,
+                                                                                named):
+    out = tmp_path / "cb"
+    kept = kept_base_run(out / "base", tiny_dataset)
+    before = kept.read_bytes()
+    flag = flag.format(shuffled=shuffled_copy(tiny_dataset, tmp_path / "shuffled"))
+    code, _, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}", flag,
+                                     script=trains_nothing())
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert f"{kept} was trained with " in stderr and named in stderr and "another --work_dir" in stderr, stderr
+    assert kept.read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["base"]
+
+
+@pytest.mark.parametrize("flag", [None, "--dataset={moved}", "--log_interval=5"])
+def test_a_base_run_kept_for_the_same_flags_and_data_goes_on(tmp_path, tiny_dataset, capsys, flag):
+    out = tmp_path / "cb"
+    kept_base_run(out / "base", tiny_dataset)
+    moved = shutil.copytree(tiny_dataset, tmp_path / "moved" / "renamed")  # the same data elsewhere
+    with pytest.raises(AssertionError, match="it went on to train"):
+        critical_batch(capsys, "--quick", f"--out_dir={out}", f"--dataset={tiny_dataset}",
+                       *([flag.format(moved=moved)] if flag else []), script=trains_nothing())
+
+
+@pytest.mark.parametrize("recorded, flags, named", [
+    ("", ["--n_embd=48"], "n_embd (the script's), not 48"),
+    (" n_embd 48", [], "n_embd 48, not (the script's)"),
+    (" dropout 0.2", ["--dropout=0.1"], "dropout 0.2, not 0.1"),
+])
+def test_an_out_dir_of_other_train_flags_is_refused_before_its_base_runs_are_made(tmp_path, tiny_dataset, capsys,
+                                                                                   recorded, flags, named):
+    """Branches recorded with the base runs' part of their setting (a data fingerprint that fits no data here):
+    a run with a new --work_dir, which would make the base runs first, stops before it does."""
+    out = tmp_path / "cb"
+    before = finished_out_dir(out, setting=f"{QUICK_SETTING} dataset_content 0123456789abcdef{recorded}")
+    code, _, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--work_dir={tmp_path / 'new'}",
+                                     f"--dataset={tiny_dataset}", *flags, script=trains_nothing())
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert named in stderr and "dataset_content 0123456789abcdef, not " in stderr, stderr
+    assert "another --out_dir and --work_dir" in stderr, stderr
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert list((tmp_path / "new").iterdir()) == []  # made and tried for writing, no base run begun
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, kept_named, recorded_named", [
+    ("--n_embd=48", "n_embd 32, not 48", "n_embd (the script's), not 48"),
+    ("--dropout=0.2", "dropout 0.0, not 0.2", "dropout (the script's), not 0.2"),
+    ("--dataset={shuffled}", "train.bin of the same size", "dataset_content "),
+])
+def test_the_quick_run_started_again_with_another_train_flag_is_refused_and_changes_nothing(
+        bench_runs, tiny_dataset, tmp_path, capsys, flag, kept_named, recorded_named):
+    out = tmp_path / "cb"
+    shutil.copytree(bench_runs["critical_batch.py"][0], out)
+    flag = flag.format(shuffled=shuffled_copy(tiny_dataset, tmp_path / "shuffled"))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    # with the base runs it kept, and with a new --work_dir (the base runs would be made again first)
+    for work_dir, named in ((out / "base", kept_named), (tmp_path / "new", recorded_named)):
+        code, _, stderr = critical_batch(capsys, "--quick", f"--out_dir={out}", f"--work_dir={work_dir}",
+                                         f"--dataset={tiny_dataset}", flag, script=trains_nothing())
+        assert code == 2 and len(stderr.strip().splitlines()) == 1 and named in stderr, stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert list((tmp_path / "new").iterdir()) == []

@@ -1,8 +1,11 @@
 """checkpoint.py: reading other forks' checkpoints, resuming, building train.py's model, and
 writing ckpt.pt only from finite weights."""
+import os
 import re
+import shutil
 from dataclasses import asdict
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -240,3 +243,83 @@ def test_the_step_never_hands_found_inf_to_an_optimizer_that_cannot_take_it():
         p.grad = g.clone()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float('inf'))
     step_unless_nonfinite(optimizer, torch.amp.GradScaler('cpu', enabled=False), norm, 0)  # raised before
+
+
+# -- what tells one prepared dataset from another ---------------------------------------------------
+
+def prepared(folder, train, val):
+    """A dataset folder with these train and val tokens."""
+    folder.mkdir(parents=True)
+    np.asarray(train, dtype=np.uint16).tofile(folder / 'train.bin')
+    np.asarray(val, dtype=np.uint16).tofile(folder / 'val.bin')
+    return str(folder)
+
+
+def datasets(tmp_path):
+    """(data, the same data moved and renamed, its train tokens shuffled, its val tokens shuffled, a shorter
+    train.bin): the shuffled ones of the very same sizes."""
+    tokens = np.arange(20000) % 65
+    shuffle = np.random.default_rng(0).permutation
+    data = prepared(tmp_path / 'data', tokens, tokens[:2000])
+    moved = str(shutil.copytree(data, tmp_path / 'elsewhere' / 'renamed'))
+    train_shuffled = prepared(tmp_path / 'train_shuffled', shuffle(tokens), tokens[:2000])
+    val_shuffled = prepared(tmp_path / 'val_shuffled', tokens, shuffle(tokens[:2000]))
+    shorter = prepared(tmp_path / 'shorter', tokens[:-1], tokens[:2000])
+    return data, moved, train_shuffled, val_shuffled, shorter
+
+
+def test_a_datasets_fingerprint_tells_same_sized_content_apart_but_not_where_it_lies(tmp_path):
+    from checkpoint import dataset_fingerprint
+    data, moved, train_shuffled, val_shuffled, _ = datasets(tmp_path)
+    assert dataset_fingerprint(moved) == dataset_fingerprint(data)
+    assert dataset_fingerprint(train_shuffled) != dataset_fingerprint(data)
+    assert dataset_fingerprint(val_shuffled) != dataset_fingerprint(data)
+    assert dataset_fingerprint(str(tmp_path / 'missing')) is None
+
+
+def read_bytes_so_far():
+    """Bytes this process has read through read() calls (Linux's /proc/self/io rchar)."""
+    with open('/proc/self/io') as f:
+        return int(next(line for line in f if line.startswith('rchar:')).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/io'), reason="counts the bytes read with Linux's /proc/self/io")
+def test_a_datasets_fingerprint_reads_a_few_mib_of_a_huge_file_and_sees_its_last_block(tmp_path):
+    from checkpoint import dataset_fingerprint
+    folder = tmp_path / 'huge'
+    folder.mkdir()
+    size = 20 << 30  # 20 GiB each, sparse: no room taken on the disk
+    for split in ('train', 'val'):
+        with open(folder / f'{split}.bin', 'wb') as f:
+            f.truncate(size)
+    before = read_bytes_so_far()
+    fingerprint = dataset_fingerprint(str(folder))
+    assert read_bytes_so_far() - before < 8 << 20
+    with open(folder / 'train.bin', 'r+b') as f:  # the last token: in the last block compared
+        f.seek(size - 2)
+        f.write(b'\x01\x00')
+    assert dataset_fingerprint(str(folder)) != fingerprint
+
+
+def test_a_resume_compares_what_the_checkpoint_keeps_of_its_dataset(tmp_path):
+    from checkpoint import check_same_dataset, dataset_fingerprint
+    data, moved, train_shuffled, val_shuffled, shorter = datasets(tmp_path)
+    checkpoint = {'config': {'dataset': data}, 'dataset_fingerprint': dataset_fingerprint(data)}
+    check_same_dataset('out', checkpoint, moved)  # the same data elsewhere resumes
+    for other, what in ((train_shuffled, "train.bin of the same size"), (val_shuffled, "val.bin of the same size"),
+                        (shorter, "train.bin of 40,000 bytes, now 39,998")):
+        with pytest.raises(CheckpointError) as refused:
+            check_same_dataset('out', checkpoint, other)
+        message = str(refused.value)
+        assert len(message.splitlines()) == 1 and what in message, message
+        assert f"out/ckpt.pt was trained on --dataset={data!r}, this run reads --dataset={other!r}" in message
+    # a checkpoint that kept only the sizes (written before the content was compared) still resumes on what
+    # it kept: the same sizes go on, another size stops
+    sizes = {'config': {'dataset': data}, 'dataset_fingerprint': {'train_bytes': 40000, 'val_bytes': 4000}}
+    check_same_dataset('out', sizes, train_shuffled)
+    with pytest.raises(CheckpointError, match="train.bin of 40,000 bytes, now 39,998"):
+        check_same_dataset('out', sizes, shorter)
+    # and one older still, which kept nothing of it: by the folder's name
+    check_same_dataset('out', {'config': {'dataset': data}}, str(tmp_path / 'data'))
+    with pytest.raises(CheckpointError):
+        check_same_dataset('out', {'config': {'dataset': data}}, moved)

@@ -284,7 +284,7 @@ def test_a_checkpoint_from_before_saved_data_orders_resumes_saying_the_order_res
 
 
 # -- checkpoints written by other versions ------------------------------------------------------------
-# tests/fixtures/checkpoints/<writer>/: out_dirs of 4 (nanoGPT: 5, the reference: 6) CPU float32 steps of a
+# tests/fixtures/checkpoints/<writer>/: out_dirs of a few CPU float32 steps (WRITERS: the steps each holds) of a
 # 1-layer GPT on the tiny dataset, written by each program as it was shipped (see the README there)
 FIXTURE_CHECKPOINTS = os.path.join(REPO, "tests", "fixtures", "checkpoints")
 WRITERS = {  # writer: (the steps its checkpoint holds, its AdamW's param groups' 'fused')
@@ -314,3 +314,28 @@ def test_a_checkpoint_of_an_earlier_version_or_of_the_reference_resumes_on_the_f
     assert all(g["fused"] for g in resumed["optimizer"]["param_groups"])  # this run's AdamW, fused
     # the moments went on from the checkpoint's: a fresh AdamW would have stepped 2 times, not steps + 2
     assert {int(s["step"]) for s in resumed["optimizer"]["state"].values()} == {steps + 2}
+
+
+@pytest.mark.slow
+def test_a_resume_on_a_shuffled_train_bin_of_the_same_size_stops_and_the_same_data_moved_goes_on(tiny_dataset,
+                                                                                                 short_runs, tmp_path):
+    import numpy as np
+    out = tmp_path / "out"
+    shutil.copytree(short_runs["ours"], out)
+    trained_on = torch.load(out / "ckpt.pt", weights_only=False)["config"]["dataset"]  # the worker's own copy
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(tiny_dataset, shuffled)
+    tokens = np.fromfile(shuffled / "train.bin", dtype=np.uint16)
+    np.random.default_rng(0).permutation(tokens).tofile(shuffled / "train.bin")
+    assert (shuffled / "train.bin").stat().st_size == os.path.getsize(os.path.join(tiny_dataset, "train.bin"))
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file() and f.name != "train.lock"}
+    code, stderr = resume(tiny_dataset, out, f"--dataset={shuffled}")
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and f"was trained on --dataset={trained_on!r}, this run reads --dataset={str(shuffled)!r}" \
+        in err[0] and "nothing was changed" in err[0], stderr
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file() and f.name != "train.lock"} == before
+    moved = tmp_path / "moved" / "renamed"
+    shutil.copytree(tiny_dataset, moved)
+    code, stderr = resume(tiny_dataset, out, f"--dataset={moved}")
+    assert code == 0, stderr
