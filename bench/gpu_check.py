@@ -1,38 +1,47 @@
 """
-Everything that needs a GPU, in one command sized for a short loan of one: the GPU tests, the
-one-LayerNorm table, training throughput of a GPT-2 small (bf16, batch 8 x 1024) eager and
-compiled against plain nanoGPT, and a short profile of where the host time goes. Each step is
-a subprocess with its own time limit, its output saved as a file in --out as it finishes, so a
-step that crashes or runs out of time costs only itself; summary.txt says how each step ended.
-All the steps share --budget seconds (each gets at most what is left of it), so that one call
-ends, with its summary, within the 10 minutes such a loan allows a command.
+Everything that needs a GPU, in one command sized for a short loan of one (9 minutes): the GPU
+tests, the CUDA binding's tests, the one-LayerNorm table, the Linear kernel's timing, training
+throughput of a GPT-2 small (bf16, batch 8 x 1024) eager and compiled against plain nanoGPT and
+its null setting, with peak memory, and a short profile of the fused LayerNorm's host and device
+time. Each step is a subprocess with its own time limit, its output appended to a file in --out
+as it runs, so a step that crashes or runs out of time costs only itself. All the steps share
+--budget seconds: each gets at most what is left of it, and the default steps' own limits fit in
+the default budget, so that every step runs. Everything goes into the one folder --out, at most
+MAX_FILES files; summary.txt says how each step ended and what it found.
 
     python bench/gpu_check.py --out gpu-check                  # every step (make gpu-check)
+    python bench/gpu_check.py --out gpu-check --dry_run        # the plan: each step's limit, file, commands
     python bench/gpu_check.py --out gpu-check --steps tests,layernorm
     git worktree add /tmp/before HEAD~1
     python bench/gpu_check.py --out gpu-check --steps eager --repo . --repo /tmp/before
 
-Steps (in this order):
-    env        the GPU, driver, torch and triton versions
-    tests      the normalisations' and the Linear kernel's tests on the GPU (pytest -rA); the
-               CUDA binding's, which build and load a C++ extension, in a process of their own
-    layernorm  bench/layernorm.py: one LayerNorm forward+backward, torch's against the fused
-               kernels, launched from Python and replayed from a CUDA graph
-    linear     the Linear's weight-gradient kernel with per-example norms (linear_gns_kernel.py)
-               at GPT-2 small's four Linear shapes, bf16, batch 8 x 1024, against torch's weight
-               GEMM, the torch.bmm materialised path it replaces on a GPU, and the ghost norm;
-               then other tilings of the kernel (--time_linear; also out/linear.csv)
-    eager      bench/throughput.py, eager: nn, ln-fused, ln-shim, every layer, llama-nn and
-               llama-rms-fused, taking turns round by round
-    compiled   the same under --compile=True
-    profile    torch.profiler over nn and ln-fused: top ops and kernels, the host time per step
+Steps (in this order), and the file each writes into:
+    env        tests.txt       the GPU, driver, torch and triton versions
+    binding    tests.txt       the CUDA binding's tests, which build a C++ extension and its kernels
+                               with nvcc: in a step of their own, so that they always run
+    tests      tests.txt       the normalisations' and the Linear kernel's tests on the GPU (pytest
+                               -rA, one worker per CPU core)
+    layernorm  kernels.txt     bench/layernorm.py: one LayerNorm forward+backward, torch's against
+                               the fused kernels, launched from Python and replayed from a CUDA graph
+    linear     kernels.txt     the Linear's weight-gradient kernel with per-example norms
+                               (linear_gns_kernel.py) at GPT-2 small's four Linear shapes against
+                               torch's weight GEMM, the torch.bmm materialised path it replaces on a
+                               GPU, and the ghost norm; then other tilings (--time_linear; linear.csv)
+    eager      throughput.txt  bench/throughput.py, eager: nn, nn-null, ln-fused, ln-shim, every
+                               layer, llama-nn and llama-rms-fused, taking turns round by round for
+                               as many rounds as the step's time holds (throughput.csv)
+    compiled   throughput.txt  the same under --compile=True (throughput.csv)
+    profile    profile.txt     torch.profiler over nn and ln-fused, eager: top ops by host and by
+                               device time, and the ops whose host time differs most
 """
 import argparse
 import csv
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,43 +50,57 @@ from csv_tools import ToolParser  # noqa: E402
 
 GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n_embd', '768', '--n_head', '12',
               '--block_size', '1024', '--batch_size', '8', '--vocab_size', '50304']
-# the tests that run on a GPU, and those whose C++ build runs in a process of its own
+# the tests that run on a GPU, and those whose C++ build runs in a step of its own
 TESTS = ['tests/test_normgnorm.py', 'tests/test_fused_gns.py', 'tests/test_bench_layernorm.py',
          'tests/test_linear_gns_kernel.py']
 BINDING_TESTS = 'cuda_binding or cuda_kernels_compile'
+PYTEST = ['-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider']
+SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused'  # and nn-null, which throughput.py adds
 
 
 def _workers(python):
-    """pytest-xdist's workers where `python` has it: the tests compile many Triton kernels, on the CPU."""
+    """pytest-xdist's workers, one per CPU core, where `python` has it: the tests compile many Triton kernels."""
     has = subprocess.run([python, '-c', 'import xdist'], capture_output=True).returncode == 0
-    return ['-n', str(min(8, os.cpu_count() or 1))] if has else []
+    return ['-n', str(os.cpu_count() or 1)] if has else []
 
 
-# all the steps within one command of at most 10 minutes, with time to spare for starting and the summary
-BUDGET = 540
+def _throughput(a, limit, compiled):
+    """bench/throughput.py on GPT-2 small, as many rounds as fit in `limit` seconds with time for its table."""
+    mode = 'compiled' if compiled else 'eager'
+    return [[a.python, 'bench/throughput.py', *GPT2_SMALL, '--modes', mode,
+             '--settings', a.compiled_settings if compiled else a.settings, '--rounds', str(a.rounds),
+             '--iters', '20', '--warmup', '5', '--time_limit', str(max(1, int(limit - TABLE_SECONDS))),
+             '--csv', os.path.join(a.scratch, f'{mode}.csv'), *a.repo_flags]]
+
+
+# one device command: at most 9 minutes, of which the steps have BUDGET seconds (python's start and
+# the summary the rest)
+DEADLINE = 540
+BUDGET = 525
 MIN_STEP_SECONDS = 10  # a step given less is not started
-# step -> (seconds allowed, what it runs: a function of the parsed arguments)
+TABLE_SECONDS = 15  # of a throughput step's time: its last run's overrun of the estimate, and the table
+MAX_FILES = 8  # in --out: room for one more, the Linear sweep's
+# step -> (seconds allowed, the file in --out its output goes into, what it runs: a function of the
+# parsed arguments and the seconds it is given)
 STEPS = {
-    'env': (30, lambda a: [['nvidia-smi'], [a.python, '-c', 'import torch, triton; print("torch", torch.__version__, '
-                                            '"cuda", torch.version.cuda, "triton", triton.__version__, '
-                                            'torch.cuda.get_device_name())']]),
-    'tests': (150, lambda a: [[a.python, '-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider', *_workers(a.python), *TESTS,
-                               '-k', f'not ({BINDING_TESTS})'],
-                              [a.python, '-X', 'faulthandler', '-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider',
-                               'tests/test_normgnorm.py', '-k', BINDING_TESTS]]),
-    'layernorm': (60, lambda a: [[a.python, 'bench/layernorm.py', '--shapes', '8x1024x768', '8x1024x4096',
-                                  '8x2048x8192']]),
-    'linear': (45, lambda a: [[a.python, 'bench/gpu_check.py', '--out', a.out, '--time_linear']]),
-    'eager': (150, lambda a: [[a.python, 'bench/throughput.py', *GPT2_SMALL, '--settings', a.settings, '--rounds',
-                               str(a.rounds), '--iters', '20', '--warmup', '5', '--csv',
-                               os.path.join(a.out, 'eager.csv'), *a.repo_flags]]),
-    'compiled': (150, lambda a: [[a.python, 'bench/throughput.py', *GPT2_SMALL, '--modes', 'compiled', '--settings',
-                                  a.compiled_settings, '--rounds', '1', '--iters', '20', '--warmup', '5',
-                                  '--no_memory', '--csv', os.path.join(a.out, 'compiled.csv'), *a.repo_flags]]),
-    'profile': (90, lambda a: [[a.python, 'bench/throughput.py', *GPT2_SMALL, '--settings', 'nn,ln-fused',
-                                '--rounds', '1', '--iters', '10', '--warmup', '5', '--no_memory', '--profile',
-                                'ln-fused', '--profile_passes', '1', '--profile_rows', '25']]),
+    'env': (15, 'tests.txt', lambda a, limit: [
+        ['nvidia-smi'], [a.python, '-c', 'import torch, triton; print("torch", torch.__version__, "cuda", '
+                         'torch.version.cuda, "triton", triton.__version__, torch.cuda.get_device_name())']]),
+    'binding': (75, 'tests.txt', lambda a, limit: [
+        [a.python, '-X', 'faulthandler', *PYTEST, 'tests/test_normgnorm.py', '-k', BINDING_TESTS]]),
+    'tests': (95, 'tests.txt', lambda a, limit: [
+        [a.python, *PYTEST, *_workers(a.python), *TESTS, '-k', f'not ({BINDING_TESTS})']]),
+    'layernorm': (30, 'kernels.txt', lambda a, limit: [
+        [a.python, 'bench/layernorm.py', '--shapes', '8x1024x768', '8x1024x4096', '8x2048x8192']]),
+    'linear': (40, 'kernels.txt', lambda a, limit: [[a.python, 'bench/gpu_check.py', '--out', a.out, '--time_linear']]),
+    'eager': (85, 'throughput.txt', lambda a, limit: _throughput(a, limit, compiled=False)),
+    'compiled': (145, 'throughput.txt', lambda a, limit: _throughput(a, limit, compiled=True)),
+    'profile': (40, 'profile.txt', lambda a, limit: [
+        [a.python, 'bench/throughput.py', *GPT2_SMALL, '--settings', 'ln-fused', '--iters', '10', '--warmup', '5',
+         '--profile', 'ln-fused', '--profile_only', '--profile_passes', '1', '--profile_rows', '25']]),
 }
+# the throughput steps' rows, gathered from their own CSVs (the `compile` column says which)
+THROUGHPUT_CSV = 'throughput.csv'
 
 
 # GPT-2 small's four Linears, (in K, out L): attention's qkv and output projection, the MLP's up and down
@@ -172,13 +195,31 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=GPT2_LINEARS, configs
     return 0
 
 
-def run_step(name, commands, limit, out):
-    """Run the step's commands one after another within `limit` seconds in all, output into
-    out/<name>.txt; returns a line for the summary, and whether every command succeeded."""
-    path = os.path.join(out, f'{name}.txt')
+def run_command(cmd, log, seconds):
+    """cmd with its output into log; 'ok', 'exit N', or 'stopped' after `seconds`, when it and every
+    process it started (pytest's workers, train.py under the bench) are killed, leaving the device
+    to the next step."""
+    try:
+        process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=dict(os.environ, PYTHONUNBUFFERED='1', WANDB_MODE='disabled'))
+    except OSError as e:
+        return f'could not start ({e.strerror})'
+    try:
+        code = process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: the command and all it started
+        process.wait()
+        return 'stopped'
+    return 'ok' if code == 0 else f'exit {code}'
+
+
+def run_step(name, commands, limit, path):
+    """Run the step's commands one after another within `limit` seconds in all, their output appended
+    to `path`; returns a line for the summary, and whether every command succeeded."""
     start = time.time()
     codes = []
-    with open(path, 'w') as log:
+    with open(path, 'a') as log:
+        log.write(f"\n==== {name} (at most {limit:.0f} s)\n")
         for cmd in commands:
             left = limit - (time.time() - start)
             log.write(f"$ {' '.join(cmd)}\n")
@@ -186,46 +227,81 @@ def run_step(name, commands, limit, out):
             if left <= 0:
                 codes.append('not run (no time left)')
                 continue
-            try:
-                done = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=left,
-                                      env=dict(os.environ, PYTHONUNBUFFERED='1', WANDB_MODE='disabled'))
-                codes.append('ok' if done.returncode == 0 else f'exit {done.returncode}')
-            except subprocess.TimeoutExpired:
-                codes.append(f'stopped after {limit:.0f} s')
-            except OSError as e:
-                codes.append(f'could not start ({e.strerror})')
+            code = run_command(cmd, log, left)
+            codes.append(f'stopped after {limit:.0f} s' if code == 'stopped' else code)
     seconds = time.time() - start
-    tail = _last_result_line(path)
-    return f"{name:<10} {', '.join(codes):<28} {seconds:6.0f} s  {tail}", all(code == 'ok' for code in codes)
+    return f"{name:<10} {', '.join(codes):<28} {seconds:6.0f} s", all(code == 'ok' for code in codes)
 
 
-def _last_result_line(path):
-    """The line that says how the step went: pytest's count, or the throughput table's rows."""
+def step_result(name, path, scratch):
+    """What the step found, in one line: a throughput step's ratios from its CSV, else pytest's count
+    or the last line of its output."""
+    rows = read_csv(os.path.join(scratch, f'{name}.csv'))
+    if rows:
+        nn = next((r for r in rows if r['setting'] == 'nn'), None)
+        ratios = ', '.join(f"{r['setting']} {float(r['ratio']):.3f}x" for r in rows if r['setting'] != 'nn')
+        return (f"nn {float(nn['ms_per_iter']):.2f} ms/iter; " if nn else '') + f"tokens/s vs nn: {ratios}"
     with open(path, errors='replace') as f:
         lines = [line.rstrip() for line in f if line.strip()]
     counts = [line for line in lines if ' passed' in line or ' failed' in line or ' error' in line]
     return counts[-1].strip('= ') if counts else (lines[-1][:100] if lines else '(no output)')
 
 
+def read_csv(path):
+    try:
+        with open(path, newline='') as f:
+            return list(csv.DictReader(f))
+    except OSError:
+        return []
+
+
+def gather_throughput(scratch, out):
+    """The throughput steps' rows, eager then compiled, into one CSV in out (none if neither wrote any)."""
+    rows = [row for mode in ('eager', 'compiled') for row in read_csv(os.path.join(scratch, f'{mode}.csv'))]
+    if rows:
+        with open(os.path.join(out, THROUGHPUT_CSV), 'w', newline='') as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+def plan(steps, budget):
+    """Each step's seconds if every step before it took all of its own: (name, seconds), 0 for one that
+    would not start."""
+    planned, left = [], budget
+    for name in steps:
+        seconds = min(STEPS[name][0], left)
+        seconds = seconds if seconds >= min(STEPS[name][0], MIN_STEP_SECONDS) else 0
+        planned.append((name, seconds))
+        left -= seconds
+    return planned
+
+
 def main(argv=None):
     parser = ToolParser(prog='bench/gpu_check.py', description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--out', required=True, help="folder for every step's output and summary.txt (made if missing)")
+    parser.add_argument('--out', required=True,
+                        help="the folder for everything the steps find, summary.txt among it (made if missing; "
+                             "it must hold nothing else)")
     parser.add_argument('--steps', default=','.join(STEPS), help=f"comma-separated steps (default: all: {','.join(STEPS)})")
     parser.add_argument('--repo', action='append', metavar='DIR',
                         help="eager/compiled: a checkout to time beside this one, repeatable (bench/throughput.py --repo)")
-    parser.add_argument('--settings', default='nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused',
-                        help="eager: bench/throughput.py's settings (default: %(default)s)")
-    parser.add_argument('--compiled_settings', default='nn,ln-fused,llama-nn,llama-rms-fused',
-                        help="compiled: bench/throughput.py's settings (default: %(default)s)")
-    parser.add_argument('--rounds', type=int, default=2, help="eager: rounds over the settings (default: 2)")
+    parser.add_argument('--settings', default=SETTINGS,
+                        help="eager: bench/throughput.py's settings, nn-null added (default: %(default)s)")
+    parser.add_argument('--compiled_settings', default=SETTINGS,
+                        help="compiled: bench/throughput.py's settings, nn-null added (default: %(default)s)")
+    parser.add_argument('--rounds', type=int, default=10,
+                        help="eager/compiled: rounds over the settings at most, as many as the step's time holds "
+                             "(default: %(default)s)")
     parser.add_argument('--time_linear', action='store_true',
                         help="run the linear step's timing in this process instead of the steps (needs a CUDA GPU)")
     parser.add_argument('--python', default=sys.executable, help="the python that has torch and triton (default: this one)")
     parser.add_argument('--budget', type=float, default=BUDGET,
-                        help="seconds for all the steps together: each step gets at most what is left of it, and one "
-                             "with less than 10 s of it left is not started, so that the summary is written in time "
-                             "(default: %(default)s; the steps' own limits sum to more)")
+                        help=f"seconds for all the steps together: each step gets at most what is left of it, and one "
+                             f"with less than {MIN_STEP_SECONDS} s of it left is not started, so that the summary is "
+                             f"written in time (default: %(default)s, which the default steps' limits fit in)")
+    parser.add_argument('--dry_run', action='store_true', help="print the plan (each step's seconds, file and "
+                        "commands) and run nothing")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     steps = [s.strip() for s in args.steps.split(',') if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -241,31 +317,55 @@ def main(argv=None):
     args.repo_flags = [flag for repo in args.repo or [] for flag in ('--repo', os.path.abspath(repo))]
     if args.repo_flags:
         args.repo_flags = ['--repo', ROOT] + args.repo_flags
+    args.out = os.path.abspath(args.out)
+    if args.time_linear:
+        os.makedirs(args.out, exist_ok=True)
+        return time_linear(args.out)
+    if args.dry_run:
+        args.scratch = '<scratch>'
+        for name, seconds in plan(steps, args.budget):
+            limit, file, commands = STEPS[name]
+            print(f"{name:<10} {seconds:4.0f} s  -> {file}" if seconds else f"{name:<10} not run: no budget left")
+            for cmd in commands(args, seconds) if seconds else []:
+                print(f"    $ {' '.join(cmd)}")
+        print(f"in all at most {args.budget:g} s, into {args.out} (at most {MAX_FILES} files, summary.txt among them)")
+        return 0
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        parser.error(f"--out {args.out} holds files already (another run's?); give a new folder or empty it")
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
         parser.error(f"--out {args.out}: {e.strerror}")
-    args.out = os.path.abspath(args.out)
-    if args.time_linear:
-        return time_linear(args.out)
 
     summary, failed = [], []
     started = time.time()
-    for name in steps:
-        limit, commands = STEPS[name]
-        left = args.budget - (time.time() - started)
-        if left < min(limit, MIN_STEP_SECONDS):  # too little of the budget left to be worth starting
-            line, ok = f"{name:<10} not run: the --budget of {args.budget:g} s was spent", False
-        else:
-            limit = min(limit, left)
-            print(f"{name} (at most {limit:.0f} s) ...", flush=True)
-            line, ok = run_step(name, commands(args), limit, args.out)
-        summary.append(line)
-        failed += [] if ok else [name]
-        print('  ' + line, flush=True)
-        with open(os.path.join(args.out, 'summary.txt'), 'w') as f:  # rewritten after every step
-            f.write('\n'.join(summary) + '\n')
-    print(f"\nsummary ({args.out}/summary.txt; each step's output in {args.out}/<step>.txt):")
+    with tempfile.TemporaryDirectory(prefix='gpu-check-') as scratch:  # the throughput steps' own CSVs
+        args.scratch = scratch
+        for name in steps:
+            limit, file, commands = STEPS[name]
+            left = args.budget - (time.time() - started)
+            if left < min(limit, MIN_STEP_SECONDS):  # too little of the budget left to be worth starting
+                line, ok = f"{name:<10} not run: the --budget of {args.budget:g} s was spent", False
+            else:
+                limit = min(limit, left)
+                print(f"{name} (at most {limit:.0f} s) ...", flush=True)
+                path = os.path.join(args.out, file)
+                line, ok = run_step(name, commands(args, limit), limit, path)
+                line += '  ' + step_result(name, path, scratch)
+                gather_throughput(scratch, args.out)
+            summary.append(line)
+            failed += [] if ok else [name]
+            print('  ' + line, flush=True)
+            with open(os.path.join(args.out, 'summary.txt'), 'w') as f:  # rewritten after every step
+                f.write('\n'.join(summary) + '\n')
+    files = sorted(os.listdir(args.out))
+    summary.append(f"{len(files)} files in {args.out}: {', '.join(files)}")
+    if len(files) > MAX_FILES:
+        summary.append(f"more than the {MAX_FILES} files a run may leave")
+        failed.append('files')
+    with open(os.path.join(args.out, 'summary.txt'), 'w') as f:
+        f.write('\n'.join(summary) + '\n')
+    print(f"\nsummary ({args.out}/summary.txt):")
     print('\n'.join(summary))
     if failed:
         print(f"bench/gpu_check.py: step(s) {', '.join(failed)} failed; their output says why", file=sys.stderr)

@@ -1,6 +1,10 @@
-"""bench/gpu_check.py: its steps and the summary it writes (on CPU: the steps fail, and say so)."""
+"""bench/gpu_check.py: its plan within one budget, its steps and the summary it writes, and the one
+folder of at most MAX_FILES files it leaves (on CPU: the steps fail, and say so)."""
+import csv
 import os
+import stat
 import sys
+import time
 
 import pytest
 
@@ -26,19 +30,20 @@ def test_a_failing_step_is_written_down_and_the_next_still_runs(tmp_path, monkey
     # two made-up steps: one whose command fails, one that succeeds after it
     ok = [sys.executable, "-c", "print('1 passed in 0.1s')"]
     monkeypatch.setattr(gpu_check, "STEPS", {
-        "broken": (30, lambda a: [[sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], ok]),
-        "fine": (30, lambda a: [ok]),
+        "broken": (30, "log.txt", lambda a, limit: [[sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], ok]),
+        "fine": (30, "log.txt", lambda a, limit: [ok]),
     })
     assert gpu_check.main(["--out", str(tmp_path)]) == 1
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("broken") and "exit 3, ok" in summary[0]
     assert summary[1].startswith("fine") and "1 passed" in summary[1]
-    assert "boom" in (tmp_path / "broken.txt").read_text()
+    log = (tmp_path / "log.txt").read_text()  # both steps' output, one after the other
+    assert "boom" in log and log.index("==== broken") < log.index("==== fine")
 
 
 def test_a_step_past_its_limit_is_stopped_and_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "STEPS", {"slow": (1, lambda a: [[sys.executable, "-c", "import time; time.sleep(30)"],
-                                                                    [sys.executable, "-c", "pass"]])})
+    monkeypatch.setattr(gpu_check, "STEPS", {"slow": (1, "slow.txt", lambda a, limit: [
+        [sys.executable, "-c", "import time; time.sleep(30)"], [sys.executable, "-c", "pass"]])})
     assert gpu_check.main(["--out", str(tmp_path)]) == 1
     line = (tmp_path / "summary.txt").read_text()
     assert "stopped after 1 s" in line and "not run (no time left)" in line
@@ -46,10 +51,10 @@ def test_a_step_past_its_limit_is_stopped_and_says_so(tmp_path, monkeypatch):
 
 def test_every_step_names_commands_that_exist(tmp_path):
     args = gpu_check.argparse.Namespace(python=sys.executable, out=str(tmp_path), settings="nn", rounds=1,
-                                        compiled_settings="nn", repo_flags=[])
-    for name, (limit, commands) in gpu_check.STEPS.items():
+                                        compiled_settings="nn", repo_flags=[], scratch=str(tmp_path))
+    for name, (limit, file, commands) in gpu_check.STEPS.items():
         assert limit > 0
-        for cmd in commands(args):
+        for cmd in commands(args, limit):
             scripts = [part for part in cmd if part.endswith(".py")]
             assert all(os.path.exists(os.path.join(ROOT, s)) for s in scripts), (name, scripts)
 
@@ -57,8 +62,9 @@ def test_every_step_names_commands_that_exist(tmp_path):
 def test_the_linear_step_times_the_kernel_and_the_tests_step_runs_its_tests():
     assert "tests/test_linear_gns_kernel.py" in gpu_check.TESTS
     args = gpu_check.argparse.Namespace(python=sys.executable, out="gpu-check")
-    assert gpu_check.STEPS["linear"][1](args) == [[sys.executable, "bench/gpu_check.py", "--out", "gpu-check",
-                                                    "--time_linear"]]
+    assert gpu_check.STEPS["linear"][2](args, 40) == [[sys.executable, "bench/gpu_check.py", "--out", "gpu-check",
+                                                        "--time_linear"]]
+    assert gpu_check.STEPS["linear"][1] == "kernels.txt"
 
 
 def test_time_linear_without_a_gpu_is_one_line_and_exit_2(tmp_path):
@@ -98,8 +104,9 @@ def test_the_steps_share_one_budget_and_the_summary_says_what_was_not_run(tmp_pa
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
     ok = [sys.executable, "-c", "print('1 passed in 0.1s')"]
     monkeypatch.setattr(gpu_check, "MIN_STEP_SECONDS", 1)
-    monkeypatch.setattr(gpu_check, "STEPS", {"first": (60, lambda a: [ok]), "slow": (60, lambda a: [sleep]),
-                                             "late": (60, lambda a: [ok])})
+    monkeypatch.setattr(gpu_check, "STEPS", {"first": (60, "a.txt", lambda a, limit: [ok]),
+                                             "slow": (60, "a.txt", lambda a, limit: [sleep]),
+                                             "late": (60, "a.txt", lambda a, limit: [ok])})
     assert gpu_check.main(["--out", str(tmp_path), "--budget", "3"]) == 1
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("first") and "1 passed" in summary[0]
@@ -107,5 +114,102 @@ def test_the_steps_share_one_budget_and_the_summary_says_what_was_not_run(tmp_pa
     assert summary[2].startswith("late") and "not run: the --budget of 3 s was spent" in summary[2]
 
 
-def test_the_default_budget_leaves_a_minute_of_ten():
-    assert gpu_check.BUDGET + 60 <= 600  # all of it within 10 minutes, with a minute for python, imports and the summary
+def test_the_default_steps_each_get_their_own_time_within_the_budget_and_9_minutes():
+    planned = gpu_check.plan(list(gpu_check.STEPS), gpu_check.BUDGET)
+    assert planned == [(name, limit) for name, (limit, file, commands) in gpu_check.STEPS.items()]
+    assert sum(seconds for name, seconds in planned) <= gpu_check.BUDGET
+    assert gpu_check.BUDGET + 15 <= gpu_check.DEADLINE == 9 * 60  # python's start and the summary in the rest
+    # the binding's tests before the other tests, in a step of their own: they run whatever the others take
+    assert list(gpu_check.STEPS).index("binding") < list(gpu_check.STEPS).index("tests")
+    assert "-k" in gpu_check.STEPS["binding"][2](gpu_check.argparse.Namespace(python="python"), 75)[0]
+
+
+def test_a_smaller_budget_gives_each_step_what_is_left_and_skips_one_with_too_little():
+    steps = {"a": (100, "x.txt", None), "b": (50, "x.txt", None), "c": (40, "x.txt", None), "d": (5, "x.txt", None)}
+    original = dict(gpu_check.STEPS)
+    try:
+        gpu_check.STEPS.clear()
+        gpu_check.STEPS.update(steps)
+        assert gpu_check.plan(["a", "b", "c", "d"], 158) == [("a", 100), ("b", 50), ("c", 0), ("d", 5)]
+        assert gpu_check.plan(["b", "a"], 120) == [("b", 50), ("a", 70)]
+    finally:
+        gpu_check.STEPS.clear()
+        gpu_check.STEPS.update(original)
+
+
+def test_the_throughput_steps_end_their_runs_in_time_and_keep_their_rows(tmp_path):
+    args = gpu_check.argparse.Namespace(
+        python="python", settings="nn,ln-fused", compiled_settings="nn", rounds=10, repo_flags=[],
+        scratch=str(tmp_path))
+    for name, compiled in (("eager", False), ("compiled", True)):
+        cmd, = gpu_check.STEPS[name][2](args, 85)
+        assert cmd[cmd.index("--time_limit") + 1] == str(85 - gpu_check.TABLE_SECONDS)
+        assert cmd[cmd.index("--csv") + 1] == str(tmp_path / f"{name}.csv")
+        assert cmd[cmd.index("--modes") + 1] == name and gpu_check.STEPS[name][1] == "throughput.txt"
+    assert "--profile_only" in gpu_check.STEPS["profile"][2](args, 40)[0]
+
+
+FAKE_PYTHON = """#!{python}
+# every command of the steps, faked: its CSV, the Linear timing's CSV, a pytest count
+import csv, os, sys
+args = sys.argv[1:]
+if args[:1] == ["-c"]:
+    sys.exit(1)  # `import xdist`: not here
+if "--csv" in args:
+    with open(args[args.index("--csv") + 1], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["setting", "ms_per_iter", "ratio", "compile"])
+        writer.writerow(["nn", "25.0", "1.0", "--modes compiled" in " ".join(args)])
+        writer.writerow(["nn-null", "25.5", "0.98", "--modes compiled" in " ".join(args)])
+if "--time_linear" in args:
+    open(os.path.join(args[args.index("--out") + 1], "linear.csv"), "w").write("layer,ms\\n")
+print("1 passed in 0.1s")
+"""
+
+
+def test_a_whole_run_leaves_one_folder_of_at_most_max_files_with_its_summary(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    gpu_check.main(["--out", str(out), "--python", str(fake)])  # nvidia-smi may be missing: env fails
+    files = sorted(os.listdir(out))
+    assert len(files) <= gpu_check.MAX_FILES == 8
+    assert files == ["kernels.txt", "linear.csv", "profile.txt", "summary.txt", "tests.txt", "throughput.csv",
+                     "throughput.txt"]
+    summary = (out / "summary.txt").read_text()
+    for name in gpu_check.STEPS:
+        assert f"\n{name} " in "\n" + summary, name
+    assert "nn 25.00 ms/iter; tokens/s vs nn: nn-null 0.980x" in summary and "7 files in" in summary
+    with open(out / "throughput.csv") as f:  # eager's rows, then compiled's
+        assert [(r["setting"], r["compile"]) for r in csv.DictReader(f)] == [
+            ("nn", "False"), ("nn-null", "False"), ("nn", "True"), ("nn-null", "True")]
+
+
+def test_an_out_folder_holding_files_is_refused_and_dry_run_runs_nothing(tmp_path, capsys):
+    (tmp_path / "old.txt").write_text("another run's")
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--out", str(tmp_path)])
+    assert e.value.code == 2 and "holds files already" in capsys.readouterr().err
+    fresh = tmp_path / "fresh"
+    assert gpu_check.main(["--out", str(fresh), "--dry_run"]) == 0
+    printed = capsys.readouterr().out
+    assert not fresh.exists() and "compiled    145 s  -> throughput.txt" in printed and "--time_limit 130" in printed
+
+
+def test_a_stopped_step_leaves_no_process_behind(tmp_path, monkeypatch):
+    """pytest's workers, or train.py under the bench, must not outlive their step: the next step times the GPU."""
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    monkeypatch.setattr(gpu_check, "STEPS", {"slow": (8, "slow.txt", lambda a, limit: [[sys.executable, "-c", parent]])})
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 1
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # killed; reaped by init soon after
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the step's grandchild {pid} is still running")
