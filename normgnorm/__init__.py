@@ -181,40 +181,61 @@ def _buffer_layout(name, buffer, pair_allowed=True):
     raise ValueError(f"{name} must be {layouts}, not {buffer.dtype} of shape {tuple(buffer.shape)}")
 
 
-def _rms_norm_upcast_by_cuda_autocast():
-    """Whether CUDA autocast runs torch's rms_norm in float32, as it does layer_norm: newer torch
-    does (it has an autocast kernel for it), older torch leaves it alone. Ours does as this torch does."""
+# Each device type as autocast's dispatch key names it
+AUTOCAST_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "hpu": "HPU", "mtia": "MTIA",
+                 "maia": "MAIA", "xla": "XLA", "ipu": "IPU", "privateuseone": "PrivateUse1"}
+
+
+def _torch_autocast_runs_in_float32(op, device_type):
+    """Whether torch's autocast on device_type runs aten::op in float32 with a float32 output: where
+    it has an autocast kernel for the op (layer_norm and rms_norm are only ever on autocast's float32
+    list). torch 2.13: layer_norm on CUDA, XPU and MPS, rms_norm on CUDA and XPU, neither on the CPU;
+    torch 2.11's CUDA autocast left rms_norm alone."""
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA")
-    except (AttributeError, RuntimeError):
-        return True
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", "Autocast" + AUTOCAST_KEYS[device_type])
+    except (AttributeError, RuntimeError):  # a torch without this check: its CUDA policy for both
+        return device_type != "cpu"
 
 
-RMS_NORM_UPCAST = _rms_norm_upcast_by_cuda_autocast()
+# (device type, rms) -> whether torch's autocast there runs the normalisation in float32: read once,
+# a dict lookup per call (traced as a constant under torch.compile)
+AUTOCAST_FLOAT32 = {(device_type, rms): _torch_autocast_runs_in_float32("rms_norm" if rms else "layer_norm",
+                                                                        device_type)
+                    for device_type in AUTOCAST_KEYS for rms in (False, True)}
 
 
-def _float32_under_cuda_autocast(x, weight, bias, cast=True):
+def autocast_runs_in_float32(device_type, rms):
+    """Whether torch's autocast on device_type runs its layer_norm (rms: rms_norm) in float32; ours does
+    the same (False for a device type without autocast)."""
+    return AUTOCAST_FLOAT32.get((device_type, rms), False)
+
+
+def _float32_under_autocast(x, weight, bias, rms):
     """
-    Under CUDA autocast torch's layer_norm (and, in newer torch, rms_norm: `cast`) runs in
-    float32 with a float32 output; CPU autocast leaves them alone. Returns x, weight, bias with
-    their half-precision ones cast up as torch does, and whether CUDA autocast is on. The
-    Function does this itself rather than through torch.amp.custom_fwd/custom_bwd, whose
-    autocast contexts on every call cost more host time than the kernels take on the GPU.
+    Under autocast torch's layer_norm and rms_norm run in float32 with a float32 output on some
+    devices and leave the input's dtype on others (autocast_runs_in_float32). Returns x, weight,
+    bias with their half-precision ones cast up where torch's op would be, and the device type
+    whose autocast is on (None if none is). The Function does this itself rather than through
+    torch.amp.custom_fwd/custom_bwd, whose autocast contexts on every call cost more host time
+    than the kernels take on the GPU.
     """
-    if not (x.is_cuda and torch.is_autocast_enabled("cuda")):
-        return x, weight, bias, False
-    if not cast:
-        return x, weight, bias, True
+    if not torch._C._is_any_autocast_enabled():  # the common case, and the cheapest check
+        return x, weight, bias, None
+    device_type = x.device.type
+    if device_type not in AUTOCAST_KEYS or not torch.is_autocast_enabled(device_type):
+        return x, weight, bias, None
+    if not AUTOCAST_FLOAT32[device_type, rms]:
+        return x, weight, bias, device_type
     half = (torch.float16, torch.bfloat16)
     return (x.float() if x.dtype in half else x, weight.float() if weight.dtype in half else weight,
-            bias.float() if bias is not None and bias.dtype in half else bias, True)
+            bias.float() if bias is not None and bias.dtype in half else bias, device_type)
 
 
 def _autocast_off(ctx):
-    """No CUDA autocast inside the PyTorch path, whose ops autocast would otherwise run in half
+    """No autocast inside the PyTorch path, whose ops autocast would otherwise run in half
     precision; the kernels run no op that autocast touches."""
     if ctx.autocast and ctx.backend == "torch":
-        return torch.autocast("cuda", enabled=False)
+        return torch.autocast(ctx.autocast, enabled=False)
     return contextlib.nullcontext()
 
 
@@ -224,7 +245,7 @@ def _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, exam
     compiling the kernels are the registered op, and the torch path is traced like any PyTorch code,
     its ops fused with the model's."""
     backend = resolve_backend(backend, x)  # once: the backward runs what the forward ran
-    x, weight, bias, ctx.autocast = _float32_under_cuda_autocast(x, weight, bias, cast=RMS_NORM_UPCAST or not rms)
+    x, weight, bias, ctx.autocast = _float32_under_autocast(x, weight, bias, rms)
     ctx.backend, ctx.rms = backend, rms
     if torch.compiler.is_compiling() and backend != "torch":
         y, mean, rstd = _compiled_forward(x, weight, bias, eps, backend, rms)
@@ -281,8 +302,8 @@ def _compiled_backward(dy, x, weight, mean, rstd, need_dw, need_db, bufs, backen
 
 class _NormFn(torch.autograd.Function):
     """The one autograd Function of both normalisations, eager and compiled (rms: RMSNorm, bias and
-    its buffer None): layer_norm, rms_norm and the measured layers run it. Under CUDA autocast it
-    runs in float32 with a float32 output where torch's own does."""
+    its buffer None): layer_norm, rms_norm and the measured layers run it. Under autocast it runs
+    in float32 with a float32 output where torch's own op does (autocast_runs_in_float32)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend, rms):
@@ -326,7 +347,7 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
     F.rms_norm(x, (D,), weight, eps) whose backward also accumulates Σ_b ||dγ_b||² into the float32
     0-dim buffer weight_sqgradnorm and the number of examples into example_count. eps None is
     torch's default, the machine epsilon of the computation type (float32 for half inputs).
-    Under CUDA autocast it does what torch's rms_norm does there (float32 in newer torch, see RMS_NORM_UPCAST).
+    Under autocast its output dtype is torch's rms_norm's on that device (autocast_runs_in_float32).
     """
     _check_buffers("rms_norm", weight_sqgradnorm=weight_sqgradnorm, example_count=example_count)
     if x.dim() == 0 or weight.shape != x.shape[-1:]:

@@ -450,6 +450,62 @@ def test_torch_path_backward_with_create_graph(rms):
     torch.testing.assert_close(bufs[0].double(), ref["sq_w"], **BUFFER_TOL)
 
 
+# -- autocast: each normalisation's output dtype is the one torch's own op gives on that device
+
+def torch_op_upcasts_under_cpu_autocast(rms, dtype):
+    """What torch itself does under CPU autocast: a half-precision input with a float32 gain, a float32 output?"""
+    x, weight = torch.randn(2, 3, 8).to(dtype), torch.ones(8)
+    with torch.autocast("cpu", dtype=dtype):
+        y = torch.rms_norm(x, (8,), weight) if rms else torch.layer_norm(x, (8,), weight)
+    return y.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_cpu_autocast_rule_and_output_dtype_are_torchs(rms, dtype, backend):
+    upcasts = torch_op_upcasts_under_cpu_autocast(rms, dtype)
+    assert normgnorm.autocast_runs_in_float32("cpu", rms) == upcasts
+    x, _, weight, b = make_inputs((2, 3, 8), torch.float32, not rms, seed=4)
+    sq_w, sq_b, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
+    with torch.autocast("cpu", dtype=dtype):
+        h = F.linear(x, torch.eye(8))  # half precision, as a model's Linear gives it
+        y = (normgnorm.rms_norm(h, weight, sq_w, count, None, backend) if rms
+             else normgnorm.layer_norm(h, weight, b, sq_w, sq_b, count, EPS, backend))
+        want = torch.rms_norm(h, (8,), weight) if rms else torch.layer_norm(h, (8,), weight, b, EPS)
+    assert h.dtype == dtype and y.dtype == want.dtype == (torch.float32 if upcasts else dtype)
+    torch.testing.assert_close(y, want, **TOL[y.dtype])
+
+
+def test_cuda_autocast_rule_is_torchs_for_the_installed_version():
+    """torch's CUDA autocast runs layer_norm in float32, and rms_norm since torch 2.12 (2.11 left it in
+    the input's dtype: its nn.RMSNorm returned bfloat16 under bfloat16 autocast, and so does ours there)."""
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    assert normgnorm.autocast_runs_in_float32("cuda", rms=False)
+    assert normgnorm.autocast_runs_in_float32("cuda", rms=True) == ((major, minor) >= (2, 12))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_autocast_upcasts_on_any_device_whose_autocast_runs_the_op_in_float32(monkeypatch, rms, backend):
+    """Not only CUDA's: torch's autocast runs layer_norm in float32 on XPU and MPS too. Here the CPU's rule
+    is made so: the layer computes from float32 copies and returns float32, as torch's op would."""
+    monkeypatch.setitem(normgnorm.AUTOCAST_FLOAT32, ("cpu", rms), True)
+    x, dy, weight, b = make_inputs((2, 3, 8), torch.float32, not rms, seed=5)
+    h, weight = x.bfloat16().requires_grad_(), weight.requires_grad_()
+    sq_w, sq_b, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = (normgnorm.rms_norm(h, weight, sq_w, count, None, backend) if rms
+             else normgnorm.layer_norm(h, weight, b, sq_w, sq_b, count, EPS, backend))
+    want = F.rms_norm(h.float(), (8,), weight) if rms else F.layer_norm(h.float(), (8,), weight, b, EPS)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, want)
+    y.backward(dy)
+    ref = oracle(h.detach().float(), weight.detach(), b, dy, rms=rms, eps=rms_norm_eps(None, torch.float32) if rms else EPS)
+    assert h.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(sq_w.double(), ref["sq_w"], **BUFFER_TOL)
+
+
 def test_torch_path_scratch_is_per_thread():
     """autograd may run two backward passes at once on two threads: each has its own scratch."""
     import threading
