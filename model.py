@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from estimator import current_scale
 from layer_config import get_contextual_config, tie_weights
 
 # Peak dense FLOP/s used as the MFU denominator. The first entries are datasheet bfloat16
@@ -429,8 +428,9 @@ def gradient_norm(params):
 def clip_unscaled(params, max_norm, norm, scaler):
     """Clip the unscaled gradients to max_norm (none when 0) with gradient_norm's norm, the loss scale (a
     power of 2, which divides exactly) divided out on the device; returns the unscaled norm."""
-    if scaler.is_enabled():
-        norm = norm / current_scale(scaler)
+    if scaler.is_enabled():  # its scale a device tensor: get_scale() would read it
+        scale = getattr(scaler, '_scale', None)
+        norm = norm / (scale if isinstance(scale, torch.Tensor) else scaler.get_scale())
     if max_norm > 0.0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

@@ -9,17 +9,41 @@ import sys
 from conftest import REPO
 
 
+def project_files(folder):
+    """The .py files of `folder` that the project holds: git's, where the checkout is a git one (a user's
+    own script saved beside train.py, as the README's examples run from here, is not the project's and
+    must not be imported by its tests), else every one."""
+    names = sorted(name for name in os.listdir(folder) if name.endswith(".py"))
+    try:
+        tracked = subprocess.run(["git", "ls-files", "--cached", "--", "*.py"], cwd=folder, capture_output=True,
+                                 text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return names
+    if tracked.returncode != 0:
+        return names
+    known = {os.path.basename(line) for line in tracked.stdout.splitlines() if "/" not in line}
+    return [name for name in names if name in known]
+
+
 def our_modules():
     """{module name: file} for the top-level scripts and modules and the normgnorm package's files."""
-    found = {}
-    for name in os.listdir(REPO):
-        if name.endswith(".py"):
-            found[name[:-3]] = os.path.join(REPO, name)
+    found = {name[:-3]: os.path.join(REPO, name) for name in project_files(REPO)}
     package = os.path.join(REPO, "normgnorm")
-    for name in os.listdir(package):
-        if name.endswith(".py"):
-            found["normgnorm" if name == "__init__.py" else f"normgnorm.{name[:-3]}"] = os.path.join(package, name)
+    for name in project_files(package):
+        found["normgnorm" if name == "__init__.py" else f"normgnorm.{name[:-3]}"] = os.path.join(package, name)
     return found
+
+
+def test_a_users_script_beside_train_py_is_not_the_projects(tmp_path):
+    """The README's examples run from the repository root: a user who saves one there (which runs a
+    training loop when imported) keeps the tests' import checks to the project's own files."""
+    script = os.path.join(REPO, "my_own_loop_example_for_the_tests.py")
+    with open(script, "w") as f:
+        f.write("raise SystemExit('a user script, imported by the tests')\n")
+    try:
+        assert "my_own_loop_example_for_the_tests" not in our_modules() and "train" in our_modules()
+    finally:
+        os.remove(script)
 
 
 def import_graph():
