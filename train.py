@@ -34,28 +34,28 @@ from tracker import OutDirInUse, lock_out_dir, log_for_run
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on OpenWebText, as in nanoGPT
 # I/O
-out_dir = 'out'
-eval_interval = 2000
-log_interval = 1
-eval_iters = 200
+out_dir = 'out'  # where ckpt.pt, log.csv, config.json go (one run's alone)
+eval_interval = 2000  # evaluate (and checkpoint) every this many iterations
+log_interval = 1  # print a status line (and read the device) every this many iterations
+eval_iters = 200  # batches per split in each evaluation
 eval_only = False  # if True, exit right after the first eval
 always_save_checkpoint = True  # if True, save a checkpoint after each eval, not only on improvement
 init_from = 'scratch'  # 'scratch' or 'resume' or 'gpt2*'
 # wandb logging
-wandb_log = False
-wandb_project = 'owt'
-wandb_run_name = 'gpt2'
+wandb_log = False  # also log to Weights & Biases
+wandb_project = 'owt'  # its project
+wandb_run_name = 'gpt2'  # its run name
 # data
 dataset = 'openwebtext'  # a folder under data/ (or a path to one) holding train.bin, val.bin
 gradient_accumulation_steps = 5 * 8  # global: divided across DDP ranks
 batch_size = 12  # micro-batch size per process
-block_size = 1024
+block_size = 1024  # tokens per example (sequence length)
 # model
-n_layer = 12
-n_head = 12
-n_embd = 768
-dropout = 0.0
-bias = False
+n_layer = 12  # transformer blocks
+n_head = 12  # attention heads per block
+n_embd = 768  # model width
+dropout = 0.0  # for pretraining 0 is good, for finetuning try 0.1+
+bias = False  # biases in the Linears and the normalisations
 # Llama-style options (model.GPTConfig); the defaults are GPT-2's
 norm = 'layernorm'  # or 'rmsnorm'
 mlp = 'gelu'  # or 'swiglu'
@@ -67,51 +67,51 @@ fp32_attention_layers = []  # block indices whose attention runs in float32
 device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
 # per-example-norm layers (layer_config.FLAG_CLASSES): nn (torch's, not measured), gns (norms in
 # the layer's own backward), shim (torch's backward, norms beside it), fused (the LayerNorm kernel)
-linearclass = 'nn'
-embeddingclass = 'nn'
-lnclass = 'nn'
+linearclass = 'nn'  # nn, gns or shim: the Linears' class
+embeddingclass = 'nn'  # nn, gns or shim: the token/position Embeddings' class
+lnclass = 'nn'  # nn, gns, shim or fused: the LayerNorms'/RMSNorms' class
 per_example_mode = 'auto'  # Linears' weight norms: auto (timed at the first step), shapes (bit-reproducible), ghost, materialise
 # earlier estimators, logged beside the exact one for comparison: hooks on nn.Linear layers
 # (gnshooks.py), the micro-batch estimator (microbatch_gns.py)
 gns_hooks = 'none'  # none, sogns or exact
-microbatch_gns = False
+microbatch_gns = False  # also the micro-batch estimator
 gns_adam = False  # also the Adam-preconditioned GNS of the normalisation layers (adamgns.py; --lnclass=shim)
 # AdamW optimizer; lengths in tokens or, as in nanoGPT, iterations (unset: nanoGPT's)
-learning_rate = 6e-4
-max_tokens = None
+learning_rate = 6e-4  # peak learning rate
+max_tokens = None  # train until this many tokens (or max_iters; unset: nanoGPT's 600000 iterations)
 max_iters = None  # nanoGPT's: iterations (they also stop a run whose batch-size schedule shortens them)
-weight_decay = 1e-1
-beta1 = 0.9
-beta2 = 0.95
+weight_decay = 1e-1  # AdamW's, on matrices only
+beta1 = 0.9  # AdamW's
+beta2 = 0.95  # AdamW's
 grad_clip = 1.0  # clip gradients at this norm, or disable if == 0.0
-decay_lr = True
+decay_lr = True  # warm up and decay the learning rate (False: constant)
 warmup_tokens = None  # linear warmup from 0 to learning_rate
-warmup_iters = None
+warmup_iters = None  # nanoGPT's: the warmup in iterations
 lr_decay_tokens = None  # then linear decay to min_lr by here
-lr_decay_iters = None
-min_lr = 6e-5
+lr_decay_iters = None  # nanoGPT's: the decay's end in iterations
+min_lr = 6e-5  # the learning rate at the end of the decay
 lr_decay_shape = 'linear'  # or 'cosine', nanoGPT's
 max_nonfinite_steps = 5  # stop after this many steps in a row with a non-finite gradient (float32/bfloat16)
 # batch-size schedule: accumulation steps piecewise linear in tokens, out_dir/grad_accum_schedule.txt
-bs_schedule = False
+bs_schedule = False  # accumulation steps from out_dir/grad_accum_schedule.txt (editable mid-run)
 bs_schedule_points = []  # [(tokens, global accumulation steps), ...]; [] = 2 at 0 tokens (as the reference) to gradient_accumulation_steps at max_tokens
 # or the batch from the measured GNS (schedules.GNSBatchController): bs_gns_fraction x the live GNS
 # of bs_gns_group, in global accumulation steps from bs_min_accum up to gradient_accumulation_steps
 bs_controller = 'none'  # or 'gns'
-bs_gns_fraction = 1.0
+bs_gns_fraction = 1.0  # the batch follows this fraction of the live GNS
 bs_gns_group = None  # 'total', 'LayerNorm' or 'adam' (--gns_adam); None: the group measured (LayerNorm when LayerNorms alone are)
 bs_min_accum = 1  # the floor, and the start
 bs_warmup_steps = 50  # steps the GNS's EMA averages before the batch follows it
 bs_update_tokens = None  # at most one change per this many tokens; None: max_tokens / 100
-bs_allow_decrease = False
+bs_allow_decrease = False  # let the batch shrink when the GNS falls
 # system
 backend = 'nccl'  # 'nccl' for GPUs, 'gloo' for CPU
 fsdp = False  # under torchrun, shard weights, gradients and optimizer state (FSDP2) instead of DDP's replicas
 device = 'cuda'  # 'cpu', 'cuda', 'cuda:1', 'mps'
 # float32, bfloat16 or float16 (autocast); without CUDA float32 (float16 on a CPU is emulated, slow)
-dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'
-compile = True
-seed = 1337
+dtype = ('bfloat16' if torch.cuda.is_bf16_supported() else 'float16') if torch.cuda.is_available() else 'float32'  # the autocast dtype
+compile = True  # torch.compile the model (PyTorch 2)
+seed = 1337  # the random seed (each DDP rank adds its rank)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]

@@ -1019,3 +1019,13 @@ def test_ten_steps_logged_every_ten_read_the_device_at_most_three_times(tiny_dat
     assert [int(line.split()[1][:-1]) for line in stdout.splitlines() if line.startswith("iter ")] == [0]
     if layers:
         assert log.filter(like="/pegn").notna().all().all() and (log.filter(like="/pegn") > 0).all().all()
+
+
+def test_help_gives_every_key_words_of_its_own():
+    """python train.py --help: each of train.py's keys with its default and what it does."""
+    p = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    keys = [line.split() for line in p.stdout.splitlines() if line.startswith("  --")]
+    assert len(keys) > 60
+    assert [k[0] for k in keys if len(k) < 2] == []  # a key shown with its default alone
