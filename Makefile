@@ -7,19 +7,29 @@
 #               every result a file in GPU_OUT (default gpu-check/) with a summary
 PY := .venv/bin/python
 STAMP := .venv/.installed
+RUNTIME_STAMP := .venv/.runtime-installed
+# the CPUs this process may use: its affinity, and a container's CPU quota where one is set (torch's
+# default counts the host's cores, and more threads than CPUs slows every step)
+CPUS := $(shell python3 -c "import os, math; n = len(os.sched_getaffinity(0)); q = open('/sys/fs/cgroup/cpu.max').read().split() if os.path.exists('/sys/fs/cgroup/cpu.max') else ['max']; print(max(1, min(n, math.ceil(int(q[0]) / int(q[1])) if q[0] != 'max' else n)))" 2>/dev/null || echo 1)
 
 .PHONY: setup demo test gpu-check clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
-	touch $(STAMP)
+	touch $(STAMP) $(RUNTIME_STAMP)
+
+# the demo installs what it runs (requirements.txt), not the test dependencies
+$(RUNTIME_STAMP): requirements.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	touch $(RUNTIME_STAMP)
 
 setup: $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	test -f data/shakespeare_char/train.bin || $(PY) data/shakespeare_char/prepare.py
-	$(PY) train.py config/train_shakespeare_char_cpu.py
+	OMP_NUM_THREADS=$(CPUS) $(PY) train.py config/train_shakespeare_char_cpu.py
 	$(PY) gns-analysis.py out-shakespeare-char-cpu
 
 test: $(STAMP)
