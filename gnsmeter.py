@@ -44,7 +44,6 @@ from gnsmath import EMA_BETA, LOG_NAME
 from tracker import LogWrapper, OutDirTaken, lock_out_dir, release_out_dir
 
 STATE_KEYS = ("step", gnstracking.CHECKPOINT_KEY)  # what state_dict() always holds
-SKIPPED_KEY = "skipped_steps"  # and the steps with a non-finite gradient, where it has one
 # state_dict() is strict JSON: the non-finite floats of the averages (NaN before their first
 # step) are written as these strings, and load_state_dict() reads them back
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -118,7 +117,6 @@ class GNSMeter:
         self.out_dir = out_dir if rank == 0 else None  # one writer
         self.config = dict(config or {})
         self.step_count = 0    # the next step's number
-        self.loaded_skipped = 0  # load_state_dict()'s skipped steps, for the estimator when it is built
         self.resumed = False   # load_state_dict() was called: the log continues
         self.logger = None     # opened at the first step()
         self._lock = None
@@ -149,7 +147,6 @@ class GNSMeter:
             self.estimator = gnstracking.ExactGNS(self.model, self.world_size, beta=self.beta)
             if self.loaded_state is not None:
                 gnstracking.load_states([self.estimator], self.loaded_state)
-                self.estimator.tracker.skipped_steps = self.loaded_skipped
         averages = {group: gns.state_dict() for group, gns in self.estimator.groups.items()}
         skipped = self.estimator.tracker.skipped_steps
         row = self.estimator.measure(step, None, scaler)  # the batch size from the layers' own counts
@@ -198,7 +195,10 @@ class GNSMeter:
     @property
     def skipped_steps(self):
         """Steps with a non-finite gradient (float16 overflow, divergence), logged as inf, not averaged."""
-        return self.estimator.skipped_steps if self.estimator is not None else self.loaded_skipped
+        if self.estimator is not None:
+            return self.estimator.skipped_steps
+        loaded = (self.loaded_state or {}).get(gnstracking.CHECKPOINT_KEY) or {}  # the estimator's own state keeps it
+        return int(loaded.get(gnstracking.ExactGNS.name, {}).get("skipped_steps", 0))
 
     # -- the log ---------------------------------------------------------------------------------
 
@@ -252,7 +252,6 @@ class GNSMeter:
         else:
             state = {"step": self.step_count}
             gnstracking.save_states([self.estimator], state)
-        state[SKIPPED_KEY] = self.skipped_steps
         return _finite_json(state)
 
     def load_state_dict(self, state):
@@ -263,7 +262,6 @@ class GNSMeter:
         if self.estimator is not None or self.logger is not None:
             raise ValueError("GNSMeter.load_state_dict: load the state before the first step()")
         self.loaded_state = _from_finite_json(state)
-        self.loaded_skipped = int(state.get(SKIPPED_KEY, 0))  # a state saved before it was kept: none known
         self.step_count = int(state["step"])
         self.resumed = True
 
