@@ -360,56 +360,204 @@ def _gram_dot(x, dy):
     return _cast(torch.dot(gram_x.view(-1), gram_dy.view(-1)), torch.float32)
 
 
-# On a GPU the materialised norms can run linear_gns_kernel's Triton GEMM, which never writes the
-# per-example W_b: with GNS_LINEAR_KERNEL=1 in the environment (where Triton is installed), until
-# bench/gpu_check.py has shown it exact and fast on a GPU; otherwise, and on the CPU, torch.bmm
-# over chunks of examples
+# How materialised norms are computed: by one of several exact routes, whose speed depends on the card
+# and the shape. bench/gpu_check.py's linear step times them all (and the ghost norm) at GPT-2 small's
+# and a Llama-style model's weight shapes against torch's weight GEMM and float64, and writes a table
+# (ROUTE_COLUMNS) that is committed as bench/results/linear-routes-<card family>.csv. The routes:
+#   "bmm"              torch.bmm (cuBLAS) of each example's dy_b^T x_b, W_b in the compute dtype, then
+#                      one pass over W_b for its squares and its sum over examples (the weight gradient)
+#   "bmm-f32"          the same with W_b in float32 (torch.bmm's out_dtype on CUDA; elsewhere from
+#                      float32 copies of the inputs)
+#   "kernel <tiling>"  linear_gns_kernel's Triton GEMM with that tiling, which never writes W_b (a GPU
+#                      with Triton)
+# A layer on a GPU takes its card's fastest route whose norms and gradient were within ROUTE_TOLERANCE
+# of float64 in the sweep, measured at the nearest number of tokens per example; a card without a
+# table, a shape or dtype its table lacks, and the CPU take the cuBLAS route.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-LINEAR_KERNEL = os.environ.get("GNS_LINEAR_KERNEL") == "1"
+CUBLAS_ROUTE = "bmm"
+ROUTE_COLUMNS = ("card", "model", "layer", "B", "T", "K", "L", "dtype", "route", "ms", "vs_gemm", "norm_err",
+                 "grad_err")
+ROUTE_TOLERANCE = 1e-2  # relative error against float64 beyond which a swept route counts as broken
+ROUTES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench", "results")
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float64: "float64"}
+_BMM_OUT_DTYPE = hasattr(torch.ops.aten.bmm, "dtype")  # torch.bmm(..., out_dtype=): torch >= 2.8, CUDA
 
 
-def _on_kernel(x):
-    """Whether the materialised norms of x's layer run linear_gns_kernel: asked for, on a GPU with Triton."""
-    return LINEAR_KERNEL and x.is_cuda and HAS_TRITON
+class LinearRouteTableError(ValueError):
+    """A file where a card's Linear routes table belongs that is not one."""
 
 
-def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None):
-    """sum_b ||W_b||^2 with W_b = dy_b^T x_b materialised a chunk of examples at a time, in
-    the compute dtype (it is the weight gradient's own GEMM split by example); also their sum,
-    the weight gradient (in at least float32), when want_grad; and for a tied output head (ids
-    given, [B, T]) Q_b[t] = W_b[id_bt] as float32 [B, T, K], a gather from the rows at hand.
-    On a GPU the same sums come from linear_gns_kernel, which never writes W_b (float32
-    throughout); a tied head's Q_b then from _head_grad_at_ids, as under the ghost norm."""
-    if _on_kernel(x):
-        import linear_gns_kernel  # here, on first use: it imports Triton
-        if linear_gns_kernel.supports(x, dy):
-            grad, per_example = linear_gns_kernel.per_example_weight_grad(x, dy, want_grad)
-            q = None if ids is None else _head_grad_at_ids(x, dy, ids, max_chunk_numel)
-            return per_example.sum(), grad, q
+def card_family(name):
+    """The family of a GPU, as its routes table is named: "NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe"
+    -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA GeForce RTX 4090" -> "rtx-4090"."""
+    kept = []
+    for word in name.lower().split():
+        if word in ("nvidia", "geforce", "tesla", "amd", "radeon"):
+            continue
+        kept.append(word.split("-")[0])
+        if any(c.isdigit() for c in word):  # the model number ends the family's name
+            break
+    return "-".join(kept)
+
+
+def route_table_path(card_name):
+    """Where the routes table of the card called card_name (torch.cuda.get_device_name) is committed."""
+    return os.path.join(ROUTES_DIR, f"linear-routes-{card_family(card_name)}.csv")
+
+
+def read_route_table(path):
+    """
+    {(K, L, dtype name): {T: [route, ...]}} from a sweep's CSV: each weight shape's routes at each
+    number of tokens per example T, fastest first, keeping those whose norms and gradient were within
+    ROUTE_TOLERANCE of float64 (torch's own GEMM, route "gemm", is the yardstick, not a route). {}
+    where there is no such file.
+    """
+    import csv
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+    except FileNotFoundError:
+        return {}
+    missing = [c for c in ROUTE_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise LinearRouteTableError(f"{path}: not a Linear routes table (no column {', '.join(missing)}); "
+                                    "write it with bench/gpu_check.py --steps linear, or remove it")
+    timed = {}
+    try:
+        for row in rows:
+            errors = [abs(float(row[c])) for c in ("norm_err", "grad_err") if row[c]]
+            if row["route"] == "gemm" or not all(e <= ROUTE_TOLERANCE for e in errors):  # NaN fails too
+                continue
+            by_tokens = timed.setdefault((int(row["K"]), int(row["L"]), row["dtype"]), {})
+            by_tokens.setdefault(int(row["T"]), []).append((float(row["ms"]), row["route"]))
+    except (TypeError, ValueError) as e:
+        raise LinearRouteTableError(f"{path}: a row that is not a number where one belongs ({e}); write it "
+                                    "with bench/gpu_check.py --steps linear, or remove it") from None
+    return {shape: {T: [route for _, route in sorted(routes)] for T, routes in by_tokens.items()}
+            for shape, by_tokens in timed.items()}
+
+
+_route_tables = {}  # str(device) -> read_route_table() of its card
+
+
+def _route_table(device):
+    """The routes table of device's card, read at its first eager use; {} off GPU. torch.compile traces
+    no file read: a table not read before compiling counts as none (choose_linear_norm_methods reads it)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    table = _route_tables.get(str(device))
+    if table is None:
+        if torch.compiler.is_compiling():
+            return {}
+        table = read_route_table(route_table_path(torch.cuda.get_device_name(device))) if device.type == "cuda" else {}
+        _route_tables[str(device)] = table
+    return table
+
+
+def _swept_routes(T, K, L, dtype, device):
+    """(the table's routes for a [L, K] weight in dtype, fastest first, at the tokens per example it
+    measured nearest to T; whether it measured at T itself), ([], False) where it has none."""
+    by_tokens = _route_table(device).get((K, L, DTYPE_NAMES.get(dtype)))
+    if not by_tokens or T < 1:
+        return [], False
+    nearest = None
+    for swept in by_tokens:
+        if nearest is None or abs(math.log(swept / T)) < abs(math.log(nearest / T)):
+            nearest = swept
+    routes = [route for route in by_tokens[nearest] if HAS_TRITON or not route.startswith("kernel ")]
+    return routes, nearest == T
+
+
+def materialised_route(T, K, L, dtype, device):
+    """How a Linear of weight [L, K] seeing T tokens per example in dtype on device materialises its
+    norms: its card's fastest materialised route, else CUBLAS_ROUTE."""
+    routes, _ = _swept_routes(T, K, L, dtype, device)
+    return next((route for route in routes if route != "ghost"), CUBLAS_ROUTE)
+
+
+def table_method(T, K, L, dtype, device):
+    """"ghost" or "materialise", as its card's table found the faster for this shape and dtype at T
+    tokens per example itself; None where it did not measure that (the layer then times them)."""
+    routes, exact = _swept_routes(T, K, L, dtype, device)
+    if not exact or not routes:
+        return None
+    return "ghost" if routes[0] == "ghost" else "materialise"
+
+
+def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None, route=None):
+    """
+    sum_b ||W_b||^2 with W_b = dy_b^T x_b (float32 0-dim); also their sum, the weight gradient (in at
+    least float32), when want_grad; and for a tied output head (ids given, [B, T]) Q_b[t] = W_b[id_bt]
+    as float32 [B, T, K]. `route` (materialised_route's by default) says how. The cuBLAS routes
+    materialise W_b a chunk of examples at a time (at most max_chunk_numel float32 elements' worth, or
+    one example) and read it once for the squares and the sum, gathering Q_b from the rows at hand;
+    the kernel never writes W_b, and a tied head's Q_b then comes from _head_grad_at_ids.
+    """
     B, T, K = x.shape
     L = dy.shape[2]
+    if route is None:
+        route = materialised_route(T, K, L, x.dtype, x.device)
+    if route.startswith("kernel "):
+        import linear_gns_kernel  # here, on first use: it imports Triton
+        if linear_gns_kernel.supports(x, dy):
+            config = linear_gns_kernel.config_of(route.removeprefix("kernel "))
+            grad, per_example = linear_gns_kernel.per_example_weight_grad(x, dy, want_grad, **config)
+            q = None if ids is None else _head_grad_at_ids(x, dy, ids, max_chunk_numel)
+            return per_example.sum(), grad, q
+        route = CUBLAS_ROUTE
     acc = torch.promote_types(x.dtype, torch.float32)
-    chunk = _chunk(2 * K * L, B, max_chunk_numel)
-    if torch.compiler.is_compiling() and chunk >= B and ids is None:
-        # traced: the squares' and the gradient's sums over examples share one iteration space, so
-        # the compiler reads W_b once for both (8-10% of this function on CPU against the dots)
-        per_example = torch.bmm(dy.mT, x).to(acc)
-        return (per_example * per_example).sum(0).sum(), per_example.sum(0) if want_grad else None, None
+    w_dtype = acc if route == "bmm-f32" else x.dtype
+    chunk = _chunk(K * L * w_dtype.itemsize // 4, B, max_chunk_numel)
     total = grad = None
     q_parts = []
     for s in range(0, B, chunk):
         xc, dc = (x, dy) if chunk >= B else (x[s:s + chunk], dy[s:s + chunk])  # one chunk: no slices
-        per_example = torch.bmm(dc.mT, xc)  # [chunk, L, K]
-        part = sum_of_squares(per_example)
+        per_example = _per_example_weight_grads(xc, dc, w_dtype)  # [chunk, L, K]
+        part, part_grad = _squares_and_sum(per_example, want_grad, acc)
         total = part if total is None else total + part
         if want_grad:
-            part = per_example.sum(0, dtype=acc)
-            grad = part if grad is None else grad.add_(part)
+            grad = part_grad if grad is None else grad.add_(part_grad)
         if ids is not None:
             rows = ids[s:s + chunk, :, None].expand(-1, -1, K)
             q_parts.append(per_example.gather(1, rows).float())
     q = None if ids is None else torch.cat(q_parts) if len(q_parts) > 1 else q_parts[0]
     return total, grad, q
+
+
+def _per_example_weight_grads(x, dy, dtype):
+    """W_b = dy_b^T x_b, [c, L, K] in dtype: in the inputs' own, or wider through torch.bmm's out_dtype
+    where CUDA has it for half-precision inputs, else from copies of the inputs in dtype."""
+    if dtype == x.dtype:
+        return torch.bmm(dy.mT, x)
+    if _BMM_OUT_DTYPE and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and dtype == torch.float32:
+        return torch.bmm(dy.mT, x, out_dtype=dtype)
+    return torch.bmm(dy.mT.to(dtype), x.to(dtype))
+
+
+def _squares_and_sum(per_example, want_grad, acc):
+    """(sum of squares of W_b [c, L, K] as float32, their sum over the examples in acc, or None without
+    want_grad), reading W_b once where that can do both: traced, the two sums share one iteration space
+    and the compiler fuses them into one pass; eagerly on a GPU, float32 W_b through var_mean; else
+    sum_of_squares' precise pieces and a sum."""
+    if torch.compiler.is_compiling():
+        w = _cast(per_example, acc)
+        return _cast((w * w).sum(0).sum(), torch.float32), w.sum(0) if want_grad else None
+    if not want_grad:
+        return sum_of_squares(per_example), None
+    if per_example.dtype == torch.float32 and per_example.device.type != "cpu":
+        return _one_read_squares_and_sum(per_example)
+    return sum_of_squares(per_example), per_example.sum(0, dtype=acc)
+
+
+def _one_read_squares_and_sum(per_example):
+    """(sum of squares, sum over the first dimension) of a float32 [c, ...] in one read of it: per
+    position the variance and the mean over the c examples, sum_b w_b^2 = c var + (c mean)^2 / c."""
+    c = per_example.shape[0]
+    var, mean = torch.var_mean(per_example, 0, correction=0)
+    total = mean.mul_(c).view(-1)
+    return c * var.sum() + torch.dot(total, total) / c, total.view(per_example.shape[1:])
 
 
 def _head_grad_at_ids(x, dy, ids, max_chunk_numel):
@@ -733,9 +881,14 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         if w_sq is None and b_sq is None and link_q is None:
             return None
         mode, method = self.per_example_mode, self.norm_method
+        compiling = torch.compiler.is_compiling()
+        if mode == "auto" and method is None:  # the card's table, where it measured this shape at these tokens
+            dtype = (_autocast_dtype(x) if x.is_floating_point() else None) or x.dtype
+            method = table_method(math.prod(x.shape[1:-1]), self.in_features, self.out_features, dtype, x.device)
+            if not compiling:
+                self.norm_method = method
         if mode == "auto" and method is not None:
             return ids, link_q, link_s, w_sq, b_sq, method == "ghost", None
-        compiling = torch.compiler.is_compiling()
         if mode == "auto" and not compiling:
             return ids, link_q, link_s, w_sq, b_sq, None, self  # timed in backward
         # the shapes decide (under torch.compile "auto" too: nothing is timed while tracing)
@@ -764,9 +917,11 @@ class PEGradNormLinear(_MeasuredLinear):
     one more GEMM-sized pass), as `per_example_mode` (class or layer) says: "auto" (the default)
     times both at the layer's first measured backward and keeps the faster, "shapes" picks per call
     from the shapes alone (T = tokens per example), "ghost" / "materialise" force one. Examples are
-    processed in chunks of at most max_chunk_numel float32 elements of temporaries (or one example,
-    if one needs more: 2*K*L materialised, 3*T^2 + T*(K+L) ghost); beyond that only [B, L] bias
-    sums and, when materialising, two [L, K] float32 accumulators.
+    processed in chunks of at most max_chunk_numel float32 elements' worth of temporaries (or one
+    example, if one needs more: its K*L W_b materialised, in the route's dtype, 3*T^2 + T*(K+L)
+    ghost); beyond that only [B, L] bias sums and, when materialising, two [L, K] float32
+    accumulators. Materialising takes the route (bmm, bmm-f32, the Triton kernel at a tiling) that
+    its card's routes table chose for its shape (materialised_route), on the CPU bmm.
     """
     fused = True
 
@@ -826,24 +981,30 @@ def set_linear_norm_methods(model, methods):
 @torch.no_grad()
 def choose_linear_norm_methods(model, examples, tokens, device, dtype=torch.float32, seed=0):
     """
-    Before torch.compile, which times nothing: give each measured Linear of `model` in "auto" mode
-    that has no method yet (none restored) the faster of the two, timed as its first backward would
-    time them, on random inputs [examples, tokens, in] and output gradients [examples, tokens, out]
-    of `dtype` (the shapes a GPT's Linears see in training). A tied output head, whose timing needs
-    the embedding's ids, keeps the shape rule; a weight not measured (frozen, or shared with an
+    Before torch.compile, which times nothing and reads no file: read the routes table of device's
+    card, and give each measured Linear of `model` in "auto" mode that has no method yet (none
+    restored) the faster of the two: the table's, where it measured the layer's shape at `tokens`
+    per example in `dtype`, else timed as its first backward would time them, on random inputs
+    [examples, tokens, in] and output gradients [examples, tokens, out] of `dtype` (the shapes a
+    GPT's Linears see in training). A tied output head that the table does not cover, whose timing
+    needs the embedding's ids, keeps the shape rule; a weight not measured (frozen, or shared with an
     unmeasured layer) is skipped. Touches nothing but norm_method: not the model's
     parameters, gradients or buffers, nor the global random state. Returns linear_norm_methods(model).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
+    device = torch.device(device)
+    _route_table(device)  # read now: the compiled graph reads no file
     for _, layer in measured_linears(model):
         weight = layer._parameters.get("weight")
         measured = weight is not None and weight.requires_grad and layer._buffers.get("weight_sqgradnorm") is not None
-        if layer.per_example_mode != "auto" or layer.norm_method is not None or layer._tie is not None or not measured:
+        if layer.per_example_mode != "auto" or layer.norm_method is not None or not measured:
+            continue
+        layer.norm_method = table_method(tokens, layer.in_features, layer.out_features, dtype, device)
+        if layer.norm_method is not None or layer._tie is not None:
             continue
         x3, dy3 = (torch.randn(examples, tokens, width, generator=generator, device=device, dtype=dtype)
                    for width in (layer.in_features, layer.out_features))
-        _timed_choice(layer, _norm_ways(x3, dy3, None, layer.max_chunk_numel, dtype if layer.fused else None),
-                      torch.device(device))
+        _timed_choice(layer, _norm_ways(x3, dy3, None, layer.max_chunk_numel, dtype if layer.fused else None), device)
     return linear_norm_methods(model)
 
 

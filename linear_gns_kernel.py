@@ -22,15 +22,18 @@ in whatever order the programs finish):
   [n_tiles, B] buffer, each entry written once; one sum over tiles then gives [B];
 - dW: a program stores its tile once. Where the tiles alone are too few to fill the GPU, the
   examples are split into n_splits runs on a third grid axis, each writing its own float32
-  [L, K] partial, summed afterwards.
+  [L, K] partial, summed afterwards. That is the split of the weight GEMM's reduction over the
+  B*T tokens, made at examples' boundaries: ||W_b||^2 needs W_b whole, so a split inside an
+  example would have to write its partial W_b out, which is what the cuBLAS route does anyway.
 
-per_example_weight_grad(x, dy) is the entry point: the kernel on CUDA tensors (float32,
+per_example_weight_grad(x, dy, need_dw, **config) is the entry point: the kernel on CUDA tensors (float32,
 bfloat16, float16), the registered op `linear_gns::per_example_weight_grad` under torch.compile
 (a torch.library.triton_op, so the compiler sees the kernel: one node, no graph break, no
 mutated input), and reference() elsewhere. Under TRITON_INTERPRET=1 the kernel also runs on CPU
 tensors (slowly), which is how the tests check it without a GPU.
 """
 import os
+import re
 
 import torch
 import triton
@@ -40,8 +43,9 @@ from torch.library import triton_op, wrap_triton
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# The GPU's defaults, for half-precision and for float32 inputs: a reasoned first choice, not
-# yet tuned on hardware (bench/gpu_check.py's linear step times alternatives). A program holds
+# The GPU's defaults, for half-precision and for float32 inputs, where no tiling is given (a measured
+# Linear takes the tiling its card's routes table names: buffered.materialised_route; bench/gpu_check.py's
+# linear step times the candidates, config_of() reads their labels). A program holds
 # two float32 accumulators of its tile (W_b's and dW's): 128 x 128 over 8 warps fits the
 # registers with half-precision tiles, one program per multiprocessor; with float32 tiles it
 # spills on sm_80, and 64 x 64 over 4 warps does not (tests/test_linear_gns_kernel.py compiles
@@ -192,10 +196,31 @@ def _launch(x, dy, need_dw, kernel=None, **config):
 
 
 @triton_op("linear_gns::per_example_weight_grad", mutates_args=())
-def _op(x: Tensor, dy: Tensor, need_dw: bool) -> tuple[Tensor, Tensor]:
+def _op(x: Tensor, dy: Tensor, need_dw: bool, block_l: int = 0, block_k: int = 0, block_t: int = 0,
+        num_warps: int = 0, num_stages: int = 0, n_splits: int = 0) -> tuple[Tensor, Tensor]:
     # the compiler traces this (the kernel through wrap_triton, the sums as torch ops); called
-    # eagerly, triton_op runs it with wrap_triton switched off
-    return _launch(x, dy, need_dw, wrap_triton(_weight_grad_kernel))
+    # eagerly, triton_op runs it with wrap_triton switched off. A configuration's 0: plan()'s own
+    given = dict(block_l=block_l, block_k=block_k, block_t=block_t, num_warps=num_warps, num_stages=num_stages,
+                 n_splits=n_splits)
+    return _launch(x, dy, need_dw, wrap_triton(_weight_grad_kernel), **{k: v for k, v in given.items() if v})
+
+
+def config_of(label):
+    """plan()'s configuration from a tiling's label, as the sweep and its table name it:
+    "128x256 t64 w8 s4" is BLOCK_L 128, BLOCK_K 256, BLOCK_T 64, 8 warps, 4 stages; a trailing
+    " split2" runs the examples in 2 runs (without it plan() decides)."""
+    found = re.fullmatch(r"(\d+)x(\d+) t(\d+) w(\d+) s(\d+)(?: split(\d+))?", label)
+    if found is None:
+        raise ValueError(f"kernel tiling {label!r}: write it as 'LxK tT wW sS' with an optional ' splitN', "
+                         "e.g. '128x128 t32 w8 s3 split2'")
+    return {name: int(value) for name, value in zip(CONFIG_NAMES, found.groups()) if value is not None}
+
+
+def label_of(config):
+    """config_of's label of a configuration that gives every tile size, warps and stages."""
+    label = (f"{config['block_l']}x{config['block_k']} t{config['block_t']} w{config['num_warps']} "
+             f"s{config['num_stages']}")
+    return label + (f" split{config['n_splits']}" if config.get("n_splits") else "")
 
 
 def reference(x, dy, need_dw=True):
@@ -214,17 +239,18 @@ def supports(x, dy):
             and x.numel() > 0 and dy.numel() > 0)
 
 
-def per_example_weight_grad(x, dy, need_dw=True):
+def per_example_weight_grad(x, dy, need_dw=True, **config):
     """
     (dW = sum_b dy_b^T x_b as float32 [L, K], or None without need_dw; float32 [B] of
-    ||dy_b^T x_b||^2) for x [B, T, K] and dy [B, T, L]. The kernel where supports() says so,
-    through its registered op under torch.compile (eagerly, the launch itself: the op's dispatch
-    costs host time); reference() otherwise.
+    ||dy_b^T x_b||^2) for x [B, T, K] and dy [B, T, L]. The kernel where supports() says so, with
+    plan()'s configuration `config` (config_of(label) of a tiling the sweep timed; TUNING's where
+    none), through its registered op under torch.compile (eagerly, the launch itself: the op's
+    dispatch costs host time); reference() otherwise.
     """
     if not supports(x, dy):
         return reference(x, dy, need_dw)
     if torch.compiler.is_compiling():
-        dw, sq = _op(x, dy, need_dw)
+        dw, sq = _op(x, dy, need_dw, **config)
     else:
-        dw, sq = _launch(x, dy, need_dw)
+        dw, sq = _launch(x, dy, need_dw, **config)
     return (dw if need_dw else None), sq

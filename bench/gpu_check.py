@@ -1,6 +1,6 @@
 """
 Everything that needs a GPU, in one command sized for a short loan of one (9 minutes): the GPU
-tests, the CUDA binding's tests, the one-LayerNorm table, the Linear kernel's timing, training
+tests, the CUDA binding's tests, the one-LayerNorm table, the Linear routes' sweep, training
 throughput of a GPT-2 small (bf16, batch 8 x 1024) eager and compiled against plain nanoGPT and
 its null setting, with peak memory, and a short profile of the fused LayerNorm's host and device
 time. Each step is a subprocess with its own time limit, its output appended to a file in --out
@@ -12,6 +12,7 @@ MAX_FILES files; summary.txt says how each step ended and what it found.
     python bench/gpu_check.py --out gpu-check                  # every step (make gpu-check)
     python bench/gpu_check.py --out gpu-check --dry_run        # the plan: each step's limit, file, commands
     python bench/gpu_check.py --out gpu-check --steps tests,layernorm
+    python bench/gpu_check.py --out gpu-check --steps linear     # the Linear routes' table alone
     git worktree add /tmp/before HEAD~1
     python bench/gpu_check.py --out gpu-check --steps eager --repo . --repo /tmp/before
 
@@ -23,10 +24,12 @@ Steps (in this order), and the file each writes into:
                                -rA, one worker per CPU core)
     layernorm  kernels.txt     bench/layernorm.py: one LayerNorm forward+backward, torch's against
                                the fused kernels, launched from Python and replayed from a CUDA graph
-    linear     kernels.txt     the Linear's weight-gradient kernel with per-example norms
-                               (linear_gns_kernel.py) at GPT-2 small's four Linear shapes against
-                               torch's weight GEMM, the torch.bmm materialised path it replaces on a
-                               GPU, and the ghost norm; then other tilings (--time_linear; linear.csv)
+    linear     kernels.txt     the sweep of a measured Linear's per-example-norm routes (buffered.py:
+                               the cuBLAS routes, linear_gns_kernel.py's Triton kernel at several
+                               tilings, the ghost norm) at GPT-2 small's five weight shapes and a
+                               Llama-style model's, each against torch's weight GEMM and float64
+                               (--time_linear); its rows into linear-routes-<card family>.csv, the
+                               table that, committed under bench/results/, chooses the routes
     eager      throughput.txt  bench/throughput.py, eager: nn, nn-null, ln-fused, ln-shim, every
                                layer, llama-nn and llama-rms-fused, taking turns round by round for
                                as many rounds as the step's time holds (throughput.csv)
@@ -103,23 +106,28 @@ STEPS = {
 THROUGHPUT_CSV = 'throughput.csv'
 
 
-# GPT-2 small's four Linears, (in K, out L): attention's qkv and output projection, the MLP's up and down
-GPT2_LINEARS = {'attn.c_attn': (768, 2304), 'attn.c_proj': (768, 768), 'mlp.c_fc': (768, 3072), 'mlp.c_proj': (3072, 768)}
-# tilings timed beside linear_gns_kernel.TUNING's plan (its plan()'s arguments), few: each is a compile
-LINEAR_CONFIGS = {'128x64 4 warps': dict(block_l=128, block_k=64, num_warps=4),
-                  '64x64 4 warps': dict(block_l=64, block_k=64, num_warps=4),
-                  '128x128 t64': dict(block_t=64),
-                  'no split': dict(n_splits=1), 'split 4': dict(n_splits=4)}
+# the weight shapes the linear step sweeps, (in K, out L) by model and layer: GPT-2 small's five (its
+# head tied to the token embedding), then those of the Llama-style model of the same width that
+# GPT-2 small's do not hold already (SwiGLU's hidden width 2048; c_gate is c_fc's shape)
+LINEAR_SHAPES = {'gpt2-small': {'attn.c_attn': (768, 2304), 'attn.c_proj': (768, 768), 'mlp.c_fc': (768, 3072),
+                                'mlp.c_proj': (3072, 768), 'lm_head': (768, 50304)},
+                 'llama-small': {'mlp.c_fc': (768, 2048), 'mlp.c_proj': (2048, 768)}}
+# the Triton kernel's tilings the sweep times (linear_gns_kernel.config_of's labels), few: each is a compile
+LINEAR_TILINGS = ('128x128 t32 w8 s3', '128x128 t64 w8 s3', '128x128 t64 w8 s4', '128x256 t32 w8 s3',
+                  '128x256 t64 w8 s3', '64x64 t32 w4 s3', '128x128 t64 w8 s3 split1', '128x128 t64 w8 s3 split2',
+                  '128x128 t64 w8 s3 split4', '128x128 t64 w8 s3 split8')
 
 
-def time_linear(out, batch=8, tokens=1024, reps=20, shapes=GPT2_LINEARS, configs=LINEAR_CONFIGS, device='cuda'):
+def time_linear(out, batch=8, tokens=1024, reps=20, shapes=LINEAR_SHAPES, tilings=LINEAR_TILINGS, device='cuda'):
     """
-    The linear step: at each of GPT-2 small's Linear shapes (bf16, batch x tokens), the median
-    milliseconds (`reps` runs after 3 warm-ups, CUDA events: host time counts where the host is
-    the slower) of torch's weight GEMM dy^T x, the kernel (dW and the norms; the norms alone, as
-    a shim layer asks), the torch.bmm materialised path it replaces on a GPU, and the ghost norm;
-    then the kernel's other tilings. A table on stdout, rows in out/linear.csv, times over the
-    GEMM's, each way's sum of norms against the bmm path's. device 'cpu' (under TRITON_INTERPRET=1,
+    The linear step: every route of a measured Linear's per-example norms (buffered.py: the cuBLAS
+    routes, the Triton kernel at each of `tilings`, the ghost norm where its [T, T] Gram matrices are
+    smaller than W_b, 2T^2 < K L) at each of `shapes` (bf16, batch x tokens), beside torch's weight
+    GEMM dy^T x: the median milliseconds (`reps` runs after 3 warm-ups, CUDA events: host time counts
+    where the host is the slower), the time over the GEMM's, and the sum of the norms' and the weight
+    gradient's relative errors against float64. A table on stdout; the rows (buffered.ROUTE_COLUMNS) in
+    out/linear-routes-<card family>.csv, rewritten after each shape: the file that, committed under
+    bench/results/, chooses the routes on that family's cards. device 'cpu' (under TRITON_INTERPRET=1,
     with tiny shapes) is for the tests.
     """
     import torch
@@ -127,8 +135,10 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=GPT2_LINEARS, configs
         print('bench/gpu_check.py: error: --time_linear needs a CUDA GPU', file=sys.stderr)
         return 2
     import buffered
-    import linear_gns_kernel
+    from tracker import atomic_write
     chunk = buffered.PEGradNormLinear.max_chunk_numel
+    card = torch.cuda.get_device_name() if device == 'cuda' else device
+    path = os.path.join(out, os.path.basename(buffered.route_table_path(card)))
 
     def median_ms(fn):
         for _ in range(3):
@@ -148,50 +158,57 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=GPT2_LINEARS, configs
                 times.append(1e3 * (time.perf_counter() - start))
         return statistics.median(times)
 
-    def bmm_path(x, dy):
-        # the materialised path as it runs off GPU (and ran on one before the kernel)
-        has_triton, buffered.HAS_TRITON = buffered.HAS_TRITON, False
-        try:
-            return buffered._weight_sqnorm_materialised(x, dy, chunk, True)
-        finally:
-            buffered.HAS_TRITON = has_triton
+    def exact(x, dy):
+        """(sum_b ||W_b||^2, dW) in float64, an example at a time."""
+        sq, dw = 0.0, 0.0
+        for b in range(x.shape[0]):
+            w = dy[b].double().mT @ x[b].double()
+            sq, dw = sq + w.square().sum(), dw + w
+        return sq, dw
 
-    rows, summary = [], []
-    print(f"bf16, {batch} x {tokens} tokens, ms (median of {reps}); x GEMM: time over torch's weight GEMM's; "
-          f"norm: the sum of squared per-example norms over the bmm path's, minus 1", flush=True)
-    print(f"{'layer':<12} {'K':>5} {'L':>5}  {'method':<28} {'ms':>8} {'x GEMM':>7} {'norm':>9}", flush=True)
-    for name, (K, L) in shapes.items():
-        g = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(batch, tokens, K, device=device, generator=g).bfloat16()
-        dy = torch.randn(batch, tokens, L, device=device, generator=g).bfloat16()
-        # each way: (what it runs, how its result gives the sum of the norms)
-        ways = {'torch GEMM dy^T x': (lambda: dy.reshape(-1, L).mT @ x.reshape(-1, K), None),
-                'kernel: dW + norms': (lambda: linear_gns_kernel.per_example_weight_grad(x, dy), lambda r: r[1].sum()),
-                'kernel: norms (shim)': (lambda: linear_gns_kernel.per_example_weight_grad(x, dy, False),
-                                         lambda r: r[1].sum()),
-                'bmm chunks: dW + norms': (lambda: bmm_path(x, dy), lambda r: r[0]),
-                'ghost: norms': (lambda: buffered._weight_sqnorm_ghost(x, dy, chunk), lambda r: r)}
-        ways.update({f'kernel {label}': ((lambda c=config: linear_gns_kernel._launch(x, dy, True, **c)),
-                                         lambda r: r[1].sum()) for label, config in configs.items()})
-        before = bmm_path(x, dy)[0].double()
-        ms = {}
-        for method, (fn, norm_of) in ways.items():
-            ms[method] = median_ms(fn)
-            gemm = ms['torch GEMM dy^T x']
-            norm = '' if norm_of is None else f"{(norm_of(fn()).double() / before).item() - 1:+.1e}"
-            rows.append(dict(layer=name, K=K, L=L, method=method, ms=f'{ms[method]:.4f}',
-                             vs_gemm=f'{ms[method] / gemm:.3f}', norm_vs_bmm=norm))
-            print(f"{name:<12} {K:>5} {L:>5}  {method:<28} {ms[method]:8.3f} {ms[method] / gemm:6.2f}x {norm:>9}",
-                  flush=True)
-        kernel = ms['kernel: dW + norms']
-        summary.append((kernel / ms['torch GEMM dy^T x'], kernel / ms['bmm chunks: dW + norms']))
-    with open(os.path.join(out, 'linear.csv'), 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    def write_rows(f):
+        writer = csv.DictWriter(f, fieldnames=buffered.ROUTE_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    over_gemm, over_bmm = zip(*summary)
-    print(f"kernel dW + norms: {min(over_gemm):.2f}x-{max(over_gemm):.2f}x the time of torch's GEMM, "
-          f"{min(over_bmm):.2f}x-{max(over_bmm):.2f}x that of the bmm path", flush=True)
+
+    rows, best = [], []
+    print(f"{card}, bf16, {batch} x {tokens} tokens, ms (median of {reps}); x GEMM: time over torch's weight "
+          f"GEMM's; norm, grad: relative error against float64", flush=True)
+    print(f"{'model':<12} {'layer':<12} {'K':>5} {'L':>6}  {'route':<28} {'ms':>8} {'x GEMM':>7} {'norm':>8} "
+          f"{'grad':>8}", flush=True)
+    for model, layers in shapes.items():
+        for layer, (K, L) in layers.items():
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(batch, tokens, K, device=device, generator=g).bfloat16()
+            dy = torch.randn(batch, tokens, L, device=device, generator=g).bfloat16()
+            want_sq, want_dw = exact(x, dy)
+            flat_x, flat_dy = x.reshape(-1, K), dy.reshape(-1, L)
+            # each route: what it runs, giving (sum of norms or None, dW)
+            routes = {'gemm': lambda: (None, flat_dy.mT @ flat_x)}
+            routes.update({route: (lambda r=route: buffered._weight_sqnorm_materialised(x, dy, chunk, True, route=r))
+                           for route in ('bmm', 'bmm-f32', *(f'kernel {t}' for t in tilings))})
+            if 2 * tokens * tokens < K * L:
+                routes['ghost'] = lambda: (buffered._weight_sqnorm_ghost(x, dy, chunk), flat_dy.mT @ flat_x)
+            ms = {}
+            for route, fn in routes.items():
+                try:
+                    ms[route] = median_ms(fn)
+                    sq, dw = fn()[:2]
+                except Exception as e:  # a tiling this card cannot run: no row, so never chosen
+                    print(f"{model:<12} {layer:<12} {K:>5} {L:>6}  {route:<28} failed: {str(e).splitlines()[0][:80]}",
+                          flush=True)
+                    continue
+                norm_err = '' if sq is None else f"{abs(sq.double().item() / want_sq.item() - 1):.1e}"
+                grad_err = f"{((dw.double() - want_dw).abs().max() / want_dw.abs().max()).item():.1e}"
+                rows.append(dict(card=card, model=model, layer=layer, B=batch, T=tokens, K=K, L=L, dtype='bfloat16',
+                                 route=route, ms=f'{ms[route]:.4f}', vs_gemm=f"{ms[route] / ms['gemm']:.3f}",
+                                 norm_err=norm_err, grad_err=grad_err))
+                print(f"{model:<12} {layer:<12} {K:>5} {L:>6}  {route:<28} {ms[route]:8.3f} "
+                      f"{ms[route] / ms['gemm']:6.2f}x {norm_err:>8} {grad_err:>8}", flush=True)
+            atomic_write(path, write_rows, 'w')  # what was measured stays, whenever the step is stopped
+            chosen = buffered.read_route_table(path)[(K, L, 'bfloat16')][tokens][0]
+            best.append(f"{model} {layer} {chosen} {ms[chosen] / ms['gemm']:.2f}x")
+    print(f"fastest exact route (time over the GEMM's): {'; '.join(best)}", flush=True)
     return 0
 
 
@@ -294,7 +311,7 @@ def main(argv=None):
                         help="eager/compiled: rounds over the settings at most, as many as the step's time holds "
                              "(default: %(default)s)")
     parser.add_argument('--time_linear', action='store_true',
-                        help="run the linear step's timing in this process instead of the steps (needs a CUDA GPU)")
+                        help="run the linear step's sweep in this process instead of the steps (needs a CUDA GPU)")
     parser.add_argument('--python', default=sys.executable, help="the python that has torch and triton (default: this one)")
     parser.add_argument('--budget', type=float, default=BUDGET,
                         help=f"seconds for all the steps together: each step gets at most what is left of it, and one "

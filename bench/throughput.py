@@ -101,16 +101,12 @@ SETTINGS = {
     'llama-rms-shim': dict(LLAMA, lnclass='shim'),
     'llama-rms-fused': dict(LLAMA, lnclass='fused'),
     'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
-    'all-gns-kernel': dict(linearclass='gns', embeddingclass='gns', lnclass='shim'),
-    'llama-all-gns-kernel': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
     'ln-fused-op': dict(lnclass='fused'),
     'llama-rms-fused-op': dict(LLAMA, lnclass='fused'),
 }
 # settings that differ by their environment alone, asked for until they have been shown exact and
-# fast on a GPU: the Linears' per-example-norm Triton kernel (buffered.LINEAR_KERNEL), and under
-# --compile the normalisations' Triton kernels as triton_ops (normgnorm.TRITON_OP)
-SETTING_ENV = {'all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'}, 'llama-all-gns-kernel': {'GNS_LINEAR_KERNEL': '1'},
-               'ln-fused-op': {'NORMGNORM_TRITON_OP': '1'}, 'llama-rms-fused-op': {'NORMGNORM_TRITON_OP': '1'}}
+# fast on a GPU: under --compile the normalisations' Triton kernels as triton_ops (normgnorm.TRITON_OP)
+SETTING_ENV = {'ln-fused-op': {'NORMGNORM_TRITON_OP': '1'}, 'llama-rms-fused-op': {'NORMGNORM_TRITON_OP': '1'}}
 DTYPES = ('float32', 'bfloat16', 'float16')
 GPT2_VOCAB = 50304  # train.py's vocabulary for a dataset without meta.pkl
 # (normal, --quick) defaults of the flags --quick changes; a flag given explicitly wins

@@ -77,64 +77,39 @@ def test_time_linear_without_a_gpu_is_one_line_and_exit_2(tmp_path):
     assert done.stderr == "bench/gpu_check.py: error: --time_linear needs a CUDA GPU\n"
 
 
-def test_time_linear_table_and_csv(tmp_path):
-    """The linear step's timing, run here on the CPU under the Triton interpreter at tiny shapes:
-    every way at every shape is timed and its norm compared with the bmm path's."""
+def test_the_linear_sweep_writes_the_routes_table_that_chooses_them(tmp_path):
+    """The linear step's sweep, run here on the CPU under the Triton interpreter at tiny shapes: every
+    route (the GEMM, the cuBLAS routes, the kernel at each tiling, the ghost norm where its Gram
+    matrices are the smaller) at every shape, each against float64, into the file buffered.py reads
+    (named by the card's family), which ranks the exact routes of each shape fastest first."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    import buffered
     code = ("import sys; sys.path.insert(0, 'bench'); import gpu_check; "
             f"sys.exit(gpu_check.time_linear({str(tmp_path)!r}, batch=2, tokens=3, reps=1, "
-            "shapes={'a': (20, 24), 'b': (40, 17)}, configs={'16x16': dict(block_l=16, block_k=16, block_t=16)}, "
+            "shapes={'toy': {'a': (20, 24), 'b': (40, 17)}}, tilings=('16x16 t16 w4 s1', '16x32 t16 w4 s1 split2'), "
             "device='cpu'))")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     done = gpu_check.subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = list(gpu_check.csv.DictReader(open(tmp_path / "linear.csv")))
-    methods = ["torch GEMM dy^T x", "kernel: dW + norms", "kernel: norms (shim)", "bmm chunks: dW + norms",
-               "ghost: norms", "kernel 16x16"]
-    assert [(r["layer"], r["method"]) for r in rows] == [(layer, m) for layer in "ab" for m in methods]
-    # bfloat16: the bmm path rounds each W_b to bfloat16 before squaring, the others square in float32
-    assert all(abs(float(r["norm_vs_bmm"])) < 2e-3 for r in rows if r["norm_vs_bmm"])
+    assert os.listdir(tmp_path) == ["linear-routes-cpu.csv"]
+    with open(tmp_path / "linear-routes-cpu.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == buffered.ROUTE_COLUMNS
+    routes = ["gemm", "bmm", "bmm-f32", "kernel 16x16 t16 w4 s1", "kernel 16x32 t16 w4 s1 split2", "ghost"]
+    assert [(r["layer"], r["route"]) for r in rows] == [(layer, route) for layer in "ab" for route in routes]
+    assert all((r["model"], r["T"], r["dtype"], r["card"]) == ("toy", "3", "bfloat16", "cpu") for r in rows)
+    for r in rows:
+        # float32 sums of exact bfloat16 products; "bmm" rounds each W_b to bfloat16 first
+        bound = buffered.ROUTE_TOLERANCE if r["route"] == "bmm" else 1e-5
+        assert r["norm_err"] == "" if r["route"] == "gemm" else float(r["norm_err"]) < bound, r
+        assert float(r["grad_err"]) < (1e-2 if r["route"] in ("gemm", "ghost", "bmm") else 1e-5), r
+    table = buffered.read_route_table(tmp_path / "linear-routes-cpu.csv")
+    for layer, shape in (("a", (20, 24)), ("b", (40, 17))):
+        timed = sorted((float(r["ms"]), r["route"]) for r in rows if r["layer"] == layer and r["route"] != "gemm")
+        assert table[(*shape, "bfloat16")] == {3: [route for _, route in timed]}
     last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("kernel dW + norms: ") and "the bmm path" in last
-
-
-def test_the_steps_share_one_budget_and_the_summary_says_what_was_not_run(tmp_path, monkeypatch):
-    """The steps' own limits sum to more than one device command may run: --budget bounds them all, so the
-    summary is written in time, naming each step there was no time left for."""
-    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
-    ok = [sys.executable, "-c", "print('1 passed in 0.1s')"]
-    monkeypatch.setattr(gpu_check, "MIN_STEP_SECONDS", 1)
-    monkeypatch.setattr(gpu_check, "STEPS", {"first": (60, "a.txt", lambda a, limit: [ok]),
-                                             "slow": (60, "a.txt", lambda a, limit: [sleep]),
-                                             "late": (60, "a.txt", lambda a, limit: [ok])})
-    assert gpu_check.main(["--out", str(tmp_path), "--budget", "3"]) == 1
-    summary = (tmp_path / "summary.txt").read_text().splitlines()
-    assert summary[0].startswith("first") and "1 passed" in summary[0]
-    assert summary[1].startswith("slow") and "stopped after" in summary[1]  # given what was left, not its 60 s
-    assert summary[2].startswith("late") and "not run: the --budget of 3 s was spent" in summary[2]
-
-
-def test_the_default_steps_each_get_their_own_time_within_the_budget_and_9_minutes():
-    planned = gpu_check.plan(list(gpu_check.STEPS), gpu_check.BUDGET)
-    assert planned == [(name, limit) for name, (limit, file, commands) in gpu_check.STEPS.items()]
-    assert sum(seconds for name, seconds in planned) <= gpu_check.BUDGET
-    assert gpu_check.BUDGET + 15 <= gpu_check.DEADLINE == 9 * 60  # python's start and the summary in the rest
-    # the binding's tests before the other tests, in a step of their own: they run whatever the others take
-    assert list(gpu_check.STEPS).index("binding") < list(gpu_check.STEPS).index("tests")
-    assert "-k" in gpu_check.STEPS["binding"][2](gpu_check.argparse.Namespace(python="python"), 75)[0]
-
-
-def test_a_smaller_budget_gives_each_step_what_is_left_and_skips_one_with_too_little():
-    steps = {"a": (100, "x.txt", None), "b": (50, "x.txt", None), "c": (40, "x.txt", None), "d": (5, "x.txt", None)}
-    original = dict(gpu_check.STEPS)
-    try:
-        gpu_check.STEPS.clear()
-        gpu_check.STEPS.update(steps)
-        assert gpu_check.plan(["a", "b", "c", "d"], 158) == [("a", 100), ("b", 50), ("c", 0), ("d", 5)]
-        assert gpu_check.plan(["b", "a"], 120) == [("b", 50), ("a", 70)]
-    finally:
-        gpu_check.STEPS.clear()
-        gpu_check.STEPS.update(original)
+    assert last.startswith("fastest exact route (time over the GEMM's): toy a ") and "; toy b " in last
 
 
 def test_the_throughput_steps_end_their_runs_in_time_and_keep_their_rows(tmp_path):

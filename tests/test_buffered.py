@@ -303,6 +303,200 @@ def test_linear_sqnorms_are_the_shim_layers_own(shape, dy_dtype, monkeypatch):
     assert buffered.linear_sqnorms(x, dy, weight=False)[0] is None and buffered.linear_sqnorms(x, dy, bias=False)[1] is None
 
 
+# ---- the materialised routes, the committed sweep table and the choice it makes
+
+def exact_weight_norms(x, dy):
+    """(sum_b ||dy_b^T x_b||^2, sum_b dy_b^T x_b) in float64 from x [B, T, K] and dy [B, T, L] as given."""
+    per_example = torch.bmm(dy.double().mT, x.double())
+    return per_example.square().sum(), per_example.sum(0)
+
+
+@pytest.mark.parametrize("route", ["bmm", "bmm-f32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("compiling", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("chunk", [1 << 24, 60], ids=["one-chunk", "chunks"])
+def test_the_cublas_routes_match_brute_force(route, dtype, compiling, chunk, monkeypatch):
+    """torch.bmm of each example's dy_b^T x_b (W_b in the compute dtype, or float32), then one pass
+    over W_b for both the squares and the weight gradient, a chunk of examples at a time: eager and
+    as the compiler traces it (the one-pass expression), against float64."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    g = torch.Generator().manual_seed(4)
+    x, dy = (torch.randn(5, 3, width, generator=g).to(dtype) for width in (6, 7))
+    sq, grad, _ = buffered._weight_sqnorm_materialised(x, dy, chunk, True, route=route)
+    want_sq, want_grad = exact_weight_norms(x, dy)
+    rtol = 1e-5 if dtype == torch.float32 or route == "bmm-f32" else 1e-2  # bfloat16 W_b, rounded
+    assert sq.dtype == torch.float32 and grad.dtype == torch.float32
+    torch.testing.assert_close(sq.double(), want_sq, rtol=rtol, atol=0)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=rtol, atol=rtol * want_grad.abs().max().item())
+    alone, none, _ = buffered._weight_sqnorm_materialised(x, dy, chunk, False, route=route)
+    assert none is None
+    torch.testing.assert_close(alone.double(), want_sq, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("route,per_chunk", [("bmm", 4), ("bmm-f32", 2)])
+def test_the_cublas_routes_bound_their_transient_by_its_bytes(route, per_chunk, monkeypatch):
+    """A chunk's W_b stay within max_chunk_numel float32 elements' worth: twice as many bfloat16 W_b
+    as float32 ones; the weight gradient is one float32 [L, K] whatever the chunks."""
+    K, L = 6, 7
+    outputs = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: outputs.append(bmm(*a, **k)) or outputs[-1])
+    x, dy = torch.randn(7, 3, K).bfloat16(), torch.randn(7, 3, L).bfloat16()
+    sq, grad, _ = buffered._weight_sqnorm_materialised(x, dy, 2 * K * L, True, route=route)
+    assert [w.shape[0] for w in outputs] == [per_chunk] * (7 // per_chunk) + [7 % per_chunk]
+    assert all(w.numel() * w.element_size() <= 2 * K * L * 4 for w in outputs)
+    assert grad.shape == (L, K) and grad.dtype == torch.float32
+    torch.testing.assert_close(sq.double(), exact_weight_norms(x, dy)[0], rtol=1e-2, atol=0)
+
+
+def test_one_read_gives_the_squares_and_the_sum():
+    """What a GPU's eager pass over float32 W_b computes in one read (var_mean over the examples):
+    the sum of squares and the sum over examples, against float64."""
+    g = torch.Generator().manual_seed(5)
+    per_example = 3 + torch.randn(4, 9, 11, generator=g)  # a mean far from 0: the identity's weak spot
+    sq, total = buffered._one_read_squares_and_sum(per_example)
+    torch.testing.assert_close(sq.double(), per_example.double().square().sum(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(total.double(), per_example.double().sum(0), rtol=1e-6, atol=1e-5)
+
+
+ROUTE_ROWS = [  # card, model, layer, B, T, K, L, dtype, route, ms, vs_gemm, norm_err, grad_err
+    ("NVIDIA H100 80GB HBM3", "gpt2-small", "mlp.c_fc", 8, 1024, 768, 3072, "bfloat16", "gemm", 0.09, 1.0, "", 1e-3),
+    ("NVIDIA H100 80GB HBM3", "gpt2-small", "mlp.c_fc", 8, 1024, 768, 3072, "bfloat16", "bmm", 0.20, 2.2, 1e-6, 1e-3),
+    ("NVIDIA H100 80GB HBM3", "gpt2-small", "mlp.c_fc", 8, 1024, 768, 3072, "bfloat16", "kernel 128x128 t64 w8 s3",
+     0.11, 1.2, 1e-6, 1e-3),
+    ("NVIDIA H100 80GB HBM3", "gpt2-small", "mlp.c_fc", 8, 1024, 768, 3072, "bfloat16", "kernel 64x64 t32 w4 s3",
+     0.05, 0.6, 0.3, 1e-3),  # fast and wrong: never chosen
+    ("NVIDIA H100 80GB HBM3", "gpt2-small", "mlp.c_fc", 8, 1024, 768, 3072, "bfloat16", "ghost", 1.5, 16.0, 1e-6, 1e-3),
+    ("NVIDIA H100 80GB HBM3", "toy", "fc", 8, 4, 768, 3072, "bfloat16", "ghost", 0.01, 0.1, 1e-6, 1e-3),
+    ("NVIDIA H100 80GB HBM3", "toy", "fc", 8, 4, 768, 3072, "bfloat16", "bmm-f32", 0.02, 0.2, 1e-6, 1e-3),
+]
+
+
+def write_route_table(path, rows=ROUTE_ROWS):
+    import csv
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(buffered.ROUTE_COLUMNS)
+        writer.writerows(rows)
+    return path
+
+
+def test_the_sweep_table_ranks_the_exact_routes_of_each_shape(tmp_path):
+    table = buffered.read_route_table(write_route_table(tmp_path / "linear-routes-h100.csv"))
+    assert table == {(768, 3072, "bfloat16"): {1024: ["kernel 128x128 t64 w8 s3", "bmm", "ghost"],
+                                               4: ["ghost", "bmm-f32"]}}
+    assert buffered.read_route_table(tmp_path / "none.csv") == {}
+    (tmp_path / "bad.csv").write_text("layer,ms\nmlp,0.1\n")
+    with pytest.raises(buffered.LinearRouteTableError, match="bench/gpu_check.py --steps linear"):
+        buffered.read_route_table(tmp_path / "bad.csv")
+
+
+@pytest.mark.parametrize("name,family", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100"),
+                                         ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA H200", "h200"),
+                                         ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Tesla T4", "t4")])
+def test_a_cards_table_is_named_by_its_family(name, family):
+    assert buffered.card_family(name) == family
+    assert buffered.route_table_path(name).endswith(os.path.join("bench", "results", f"linear-routes-{family}.csv"))
+
+
+def cuda_table(monkeypatch, device, rows=ROUTE_ROWS, tmp_path=None):
+    """The sweep table rows as the one device's card family has committed (a CPU device stands in)."""
+    import csv
+    import io
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(buffered.ROUTE_COLUMNS)
+    writer.writerows(rows)
+    path = tmp_path / "table.csv"
+    path.write_text(text.getvalue())
+    monkeypatch.setattr(buffered, "_route_tables", {str(device): buffered.read_route_table(path)})
+
+
+def test_a_gpu_takes_its_tables_fastest_exact_route_and_the_cublas_route_without_one(monkeypatch, tmp_path):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(buffered, "_route_tables", {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Z999")  # no table for it
+    assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, cuda) == "bmm"
+    assert buffered.table_method(1024, 768, 3072, torch.bfloat16, cuda) is None
+    cuda_table(monkeypatch, cuda, tmp_path=tmp_path)
+    monkeypatch.setattr(buffered, "HAS_TRITON", True)
+    assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, cuda) == "kernel 128x128 t64 w8 s3"
+    assert buffered.materialised_route(2048, 768, 3072, torch.bfloat16, cuda) == "kernel 128x128 t64 w8 s3"  # nearest T
+    assert buffered.materialised_route(4, 768, 3072, torch.bfloat16, cuda) == "bmm-f32"  # the ghost is not materialised
+    assert buffered.materialised_route(1024, 768, 768, torch.bfloat16, cuda) == "bmm"  # a shape it lacks
+    assert buffered.materialised_route(1024, 768, 3072, torch.float32, cuda) == "bmm"  # a dtype it lacks
+    assert buffered.table_method(1024, 768, 3072, torch.bfloat16, cuda) == "materialise"
+    assert buffered.table_method(4, 768, 3072, torch.bfloat16, cuda) == "ghost"
+    assert buffered.table_method(2048, 768, 3072, torch.bfloat16, cuda) is None  # not measured there: timed
+    monkeypatch.setattr(buffered, "HAS_TRITON", False)  # a kernel route needs Triton: the next exact one
+    assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, cuda) == "bmm"
+    assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, torch.device("cpu")) == "bmm"
+
+
+def test_auto_takes_the_tables_method_and_route_without_timing(monkeypatch, tmp_path):
+    """Where the card's table measured the layer's shape at its tokens per example, "auto" takes the
+    table's fastest route (no timing), "materialise" its fastest materialised one, "ghost" the ghost."""
+    clock = FakeClock(monkeypatch, ghost=1.0, materialise=2.0)
+    rows = [("card", "toy", "a", 4, 3, 6, 5, "float32", "bmm-f32", 0.1, 1.0, 1e-7, 1e-7),
+            ("card", "toy", "a", 4, 3, 6, 5, "float32", "ghost", 0.2, 2.0, 1e-7, 1e-7)]
+    cuda_table(monkeypatch, "cpu", rows, tmp_path)
+    routes = []
+    fn = buffered.materialised_route
+    monkeypatch.setattr(buffered, "materialised_route", lambda *a: routes.append(fn(*a)) or routes[-1])
+    for mode, method in (("auto", "materialise"), ("materialise", "materialise"), ("ghost", "ghost")):
+        torch.manual_seed(6)
+        layer, plain = twins(PEGradNormLinear, 6, 5)
+        layer.per_example_mode = mode
+        clock.runs.clear()
+        routes.clear()
+        check(layer, plain, float_batches(2, (4, 3, 6), 5))
+        assert layer.norm_method == method and len(clock.runs) == 2  # one run per backward, nothing timed
+        assert routes == ([] if method == "ghost" else ["bmm-f32", "bmm-f32"])
+
+
+def test_a_compiled_every_layer_gpt_takes_the_tables_routes_in_one_graph(monkeypatch, tmp_path):
+    """torch.compile (fullgraph: no graph break) of a GPT whose every layer is measured takes the method
+    and route the table gives each Linear shape (here the float32 cuBLAS route and the ghost norm), exact."""
+    from gns_fixtures import TINY_GPT, gpt_batches, tiny_gpt, gpt_loss, sqgradnorm_sums
+    from layer_config import classes_for_flags
+    T, D, V = TINY_GPT["block_size"], TINY_GPT["n_embd"], TINY_GPT["vocab_size"]
+    shapes = {(D, 3 * D): "bmm-f32", (D, D): "ghost", (D, 4 * D): "bmm-f32", (4 * D, D): "bmm-f32", (D, V): "ghost"}
+    rows = [("card", "tiny", "x", 2, T, K, L, "float32", route, 0.1, 1.0, 1e-7, 1e-7) for (K, L), route in shapes.items()]
+    rows += [("card", "tiny", "x", 2, T, K, L, "float32", "bmm", 0.5, 5.0, 1e-7, 1e-7) for K, L in shapes]
+    cuda_table(monkeypatch, "cpu", rows, tmp_path)
+    methods = []  # the table's, looked up in the layers' forward (a list the traced backward may not append to)
+    fn = buffered.table_method
+    monkeypatch.setattr(buffered, "table_method", lambda *a: methods.append(fn(*a)) or methods[-1])
+    layers = classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="shim")
+    model = tiny_gpt(**layers)
+    plain = tiny_gpt(**classes_for_flags())
+    plain.load_state_dict(model.state_dict())
+    batches = gpt_batches(2, 2)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for ids, targets in batches:
+            (compiled(ids, targets)[1] / 2).backward()
+    finally:
+        torch._dynamo.reset()
+    # traced: each layer's method from the table (the head's too), the materialised ones' route with it
+    assert methods and set(methods) == {"ghost", "materialise"}  # None: a shape the table would not know
+    assert buffered.materialised_route(T, D, 4 * D, torch.float32, torch.device("cpu")) == "bmm-f32"
+    assert {m.norm_method for _, m in buffered.measured_linears(model)} == {None}  # compiled: nothing kept
+    want = sqgradnorm_sums(plain, gpt_loss, batches)
+    for name, _, buf, _ in find_sqgradnorm_buffers(model):
+        torch.testing.assert_close(buf.double(), want[name], rtol=1e-5, atol=1e-12, msg=name)
+
+
+def test_no_environment_switch_chooses_the_linear_route():
+    """GNS_LINEAR_KERNEL is gone: the table chooses, and no code reads it any more."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = subprocess.run(["git", "grep", "-l", "GNS_LINEAR_KERNEL", "--", "*.py"], cwd=root,
+                           capture_output=True, text=True).stdout.split()
+    assert [f for f in found if not f.startswith("tests/")] == []
+
+
 @pytest.mark.parametrize("numel", [100, 65536, 3 * 65536, 3 * 65536 + 7, 1_000_003])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
 def test_sum_of_squares_is_precise_in_pieces(numel, dtype):

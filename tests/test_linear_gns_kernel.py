@@ -31,6 +31,7 @@ kernel_runs = pytest.mark.skipif(DEVICE is None, reason="the kernel runs on a GP
 this_process = pytest.mark.skipif(INTERPRETED, reason="runs in the parent process, without the interpreter")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+KERNEL_ROUTE = "kernel 16x16 t16 w4 s1"  # a route of buffered's routes table: small tiles for the interpreter
 
 
 def brute_force(x, dy):
@@ -143,7 +144,7 @@ def test_buffered_materialise_runs_the_kernel(monkeypatch, fused):
     launch = linear_gns_kernel._launch
     monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
     for on_kernel in (False, True):
-        monkeypatch.setattr(buffered, "_on_kernel", lambda x: on_kernel)
+        monkeypatch.setattr(buffered, "materialised_route", lambda *a: KERNEL_ROUTE if on_kernel else "bmm")
         launches.clear()
         torch.manual_seed(0)
         layer = cls(20, 24).to(DEVICE)
@@ -165,12 +166,27 @@ def test_a_tied_head_runs_the_kernel_and_gives_its_rows_at_the_ids(monkeypatch):
     launch = linear_gns_kernel._launch
     monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
     for on_kernel in (False, True):
-        monkeypatch.setattr(buffered, "_on_kernel", lambda x: on_kernel)
-        results[on_kernel] = buffered._weight_sqnorm_materialised(x, dy, 1 << 24, True, ids)
+        route = KERNEL_ROUTE if on_kernel else "bmm"
+        results[on_kernel] = buffered._weight_sqnorm_materialised(x, dy, 1 << 24, True, ids, route)
         assert len(launches) == on_kernel
     for got, want in zip(results[True], results[False]):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
     assert results[True][2].shape == (2, 3, 8)
+
+
+@kernel_runs
+def test_a_tiling_route_runs_the_kernel_with_its_tiling(monkeypatch):
+    """A kernel route of the routes table ("kernel <tiling>") launches the kernel with that tiling, and
+    its norms and gradient are brute force's."""
+    configs = []
+    launch = linear_gns_kernel._launch
+    monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: configs.append(k) or launch(*a, **k))
+    x, dy = inputs(3, 5, 40, 33, torch.bfloat16)
+    sq, dw, _ = buffered._weight_sqnorm_materialised(x, dy, 1 << 24, True, route="kernel 16x32 t16 w4 s2 split2")
+    assert configs == [dict(block_l=16, block_k=32, block_t=16, num_warps=4, num_stages=2, n_splits=2)]
+    want_dw, want_sq = brute_force(x, dy)
+    assert_close(dw, want_dw, torch.bfloat16)
+    assert_close(sq, want_sq.sum(), torch.bfloat16)
 
 
 @kernel_runs
@@ -183,7 +199,7 @@ def test_a_tied_gpt_on_the_kernel_measures_what_the_bmm_path_measures(monkeypatc
     layers = classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="shim")
     results = {}
     for on_kernel in (False, True):
-        monkeypatch.setattr(buffered, "_on_kernel", lambda x: on_kernel)
+        monkeypatch.setattr(buffered, "materialised_route", lambda *a: KERNEL_ROUTE if on_kernel else "bmm")
         model = tiny_gpt(**layers).to(DEVICE)
         buffered.set_per_example_mode(model, "materialise")
         for ids, targets in gpt_batches(2, 3):
@@ -233,7 +249,7 @@ def test_gpu_compiled_matches_eager():
 @pytest.mark.parametrize("fused", [True, False], ids=["gns", "shim"])
 def test_gpu_buffered_materialise_against_ghost(fused, monkeypatch):
     """On a GPU a measured Linear's "materialise" (the kernel) and "ghost" methods give one norm."""
-    monkeypatch.setattr(buffered, "LINEAR_KERNEL", True)  # GNS_LINEAR_KERNEL=1
+    monkeypatch.setattr(buffered, "materialised_route", lambda *a: "kernel 64x64 t32 w4 s3")
     cls = buffered.PEGradNormLinear if fused else buffered.PEGradNormShimLinear
     x, dy = inputs(4, 32, 64, 96, torch.float32, device="cuda")
     sums = {}
@@ -258,7 +274,7 @@ def test_kernel_interpreted():
                            os.path.abspath(__file__), "-k", "not gpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-    ran = sum(1 for name in CASES for _ in DTYPES) + 7
+    ran = sum(1 for name in CASES for _ in DTYPES) + 8
     assert f"{ran} passed" in done.stdout, done.stdout[-3000:]
 
 
@@ -295,7 +311,7 @@ def test_buffered_cpu_path_unchanged(monkeypatch, fused):
     layer = cls(20, 24)
     layer.per_example_mode = "materialise"
     (layer(x) * dy).sum().backward()
-    assert not buffered._on_kernel(x)
+    assert buffered.materialised_route(5, 20, 24, x.dtype, x.device) == "bmm"
     assert torch.equal(layer.weight_sqgradnorm, buffered.sum_of_squares(torch.bmm(dy.mT, x)))
 
 
@@ -355,6 +371,11 @@ def test_op_is_one_node_under_torch_compile():
     traced = make_fx(lambda x, dy: linear_gns_kernel._op(x, dy, False), tracing_mode="fake")(x, dy)
     outputs = [node for node in traced.graph.nodes if node.op == "output"][0].args[0]
     assert [tuple(o.meta["val"].shape) for o in outputs] == [(1,), (2,)]
+    # a tiling of the routes table (the examples in 2 runs): the op takes it, its dW partials summed
+    config = linear_gns_kernel.config_of("16x16 t16 w4 s1 split2")
+    traced = make_fx(lambda x, dy: linear_gns_kernel._op(x, dy, True, **config), tracing_mode="fake")(x, dy)
+    outputs = [node for node in traced.graph.nodes if node.op == "output"][0].args[0]
+    assert [tuple(o.meta["val"].shape) for o in outputs] == [(24, 20), (2,)]
 
 
 @this_process
@@ -393,15 +414,38 @@ def test_kernel_compiles_for_gpus_without_spilling(arch):
 
 
 @this_process
-def test_the_kernel_is_asked_for_until_a_gpu_has_shown_it(monkeypatch):
-    """GNS_LINEAR_KERNEL=1 turns it on; without it a GPU keeps the torch.bmm path."""
-    from types import SimpleNamespace
-    on_a_gpu = SimpleNamespace(is_cuda=True)
-    monkeypatch.setattr(buffered, "HAS_TRITON", True)
-    monkeypatch.setattr(buffered, "LINEAR_KERNEL", False)
-    assert not buffered._on_kernel(on_a_gpu)
-    monkeypatch.setattr(buffered, "LINEAR_KERNEL", True)
-    assert buffered._on_kernel(on_a_gpu)
-    result = subprocess.run([sys.executable, "-c", "import buffered; print(buffered.LINEAR_KERNEL)"], cwd=ROOT,
-                            env=dict(os.environ, GNS_LINEAR_KERNEL="1"), capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == "True", result.stderr
+def test_tiling_labels_name_plans_configurations():
+    """The sweep's table names a kernel route by its tiling: config_of reads it, label_of writes it back,
+    and anything else is one line that says how to write one."""
+    assert linear_gns_kernel.config_of("128x256 t64 w8 s4") == dict(block_l=128, block_k=256, block_t=64, num_warps=8,
+                                                                   num_stages=4)
+    for label in ("128x128 t32 w8 s3", "64x64 t32 w4 s3 split2"):
+        assert linear_gns_kernel.label_of(linear_gns_kernel.config_of(label)) == label
+    for bad in ("128x128", "128x128 w8 t32 s3", "128x128 t32 w8 s3 split", "big"):
+        with pytest.raises(ValueError, match="write it as 'LxK tT wW sS'"):
+            linear_gns_kernel.config_of(bad)
+
+
+@this_process
+def test_the_sweeps_tilings_compile_for_an_h100_and_only_the_widest_spill():
+    """The tilings bench/gpu_check.py's linear sweep times, compiled for sm_90 at GPT-2 small's MLP in
+    bfloat16: each compiles; the 128 x 256 tiles hold two float32 accumulators of 32K values each,
+    more than the registers of 8 warps, so they spill (the sweep times them all the same) and the
+    others do not."""
+    from normgnorm.triton_aot import Launch, compile_launch
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_check
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(
+                Launch(linear_gns_kernel._weight_grad_kernel, tuple(grid), args, dict(kwargs, enable_fp_fusion=True)))
+
+    tilings = sorted({label.split(" split")[0] for label in gpu_check.LINEAR_TILINGS})  # a split is no new compile
+    for label in tilings:
+        x = torch.empty(8, 1024, 768, dtype=torch.bfloat16, device="meta")
+        dy = torch.empty(8, 1024, 3072, dtype=torch.bfloat16, device="meta")
+        linear_gns_kernel._launch(x, dy, True, kernel=Recorder(), **linear_gns_kernel.config_of(label))
+    spilled = [label for label, launch in zip(tilings, launches) if compile_launch(launch, 90).stack_bytes]
+    assert spilled == [label for label in tilings if label.startswith("128x256")]
