@@ -48,7 +48,9 @@ the tied token embedding / output head, linked by tie_weights() (or measure()). 
 2022 ("Large Language Models Can Be Strong Differentially Private Learners").
 
 torch.compile: every class compiles (the buffers are handed to the autograd Functions as
-inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts).
+inputs and mutated with add_ in backward, which torch 2.13's AOTAutograd accepts; the
+normalisations instead hand their sums out of the compiled backward as the gradient of a sink,
+added to the buffers after it: _MeasuredNorm).
 """
 import functools
 import importlib.util
@@ -1209,6 +1211,85 @@ class PEGradNormShimEmbedding(_MeasuredEmbedding):
 
 
 # ---------------------------------------------------------------------------------------------
+# The normalisations under torch.compile: their per-example sums leave the backward as values
+
+class _MeasuredNorm(MeasuredLayer):
+    """
+    What the measured normalisations share. Under torch.compile their backward writes nothing: it
+    returns the per-example sums as the gradient of the layer's sink, a float32 leaf vector laid
+    out as sink_layout() (normgnorm.torch_path.SINK_SLOTS, then any per-coordinate buffers), and
+    autograd accumulates that gradient like any other. A hook run as it lands adds it to the
+    buffers and clears it, so the buffers stay what the estimators read, over any number of
+    micro-steps. (A buffer written inside a compiled backward costs copies, rules out CUDA graphs
+    and has open correctness bugs in torch.) In eager mode the backward adds to the buffers
+    itself, and the sink is not used.
+    The sink is neither a parameter nor a buffer (nothing optimises, saves, broadcasts or
+    all-reduces it). It lives where the weight does, made anew wherever the weight is moved or
+    assigned (measure() builds its layers on the meta device and then hands them their Parameters),
+    a buffer is registered, or the layer is copied or unpickled.
+    """
+
+    def sink_layout(self):
+        """(buffer name, size) of each part of the sink, in order; a part whose buffer the layer has not
+        (the bias's, without a bias) holds 0 and goes nowhere."""
+        coords = [(f"{name}_sqgrad_coords", self._buffers[f"{name}_sqgrad_coords"].numel())
+                  for name in ("weight", "bias") if self._buffers.get(f"{name}_sqgrad_coords") is not None]
+        return [(name, 1) for name in normgnorm.torch_path.SINK_SLOTS] + coords
+
+    def _new_sink(self):
+        """A fresh sink, with its hook, where the weight is; None while there is no weight, or no
+        buffers yet, or the weight is on the meta device."""
+        weight = self._parameters.get("weight")
+        if weight is None or weight.device.type == "meta" or "example_count" not in self._buffers:
+            self._sink = None
+            return
+        self._sink_parts = self.sink_layout()  # read once: the hook runs at every backward
+        sink = torch.zeros(sum(size for _, size in self._sink_parts), dtype=torch.float32, device=weight.device,
+                           requires_grad=True)
+        sink.register_post_accumulate_grad_hook(self._add_sink_grad)
+        self._sink = sink
+
+    def _add_sink_grad(self, sink):
+        """The hook: what the backward passes handed the sink, added to the buffers."""
+        grad, sink.grad = sink.grad, None
+        bufs, parts = [], []
+        for (name, _), part in zip(self._sink_parts, grad.split([size for _, size in self._sink_parts])):
+            buf = self._buffers.get(name)
+            if buf is not None:
+                bufs.append(buf)
+                parts.append(part.view(buf.shape))
+        with torch.no_grad():
+            torch._foreach_add_(bufs, parts)
+
+    def _measures(self):
+        """Whether a call now measures: grad is on, and a parameter of the layer's own trains."""
+        return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in self._parameters.values())
+
+    def _compiled_sink(self):
+        """The sink while compiling a call that measures; None in eager mode, where the backward adds
+        to the buffers itself."""
+        return self.__dict__.get("_sink") if torch.compiler.is_compiling() and self._measures() else None
+
+    def register_parameter(self, name, param):
+        super().register_parameter(name, param)
+        if name == "weight" and "example_count" in self._buffers:
+            self._new_sink()
+
+    def register_buffer(self, name, tensor, persistent=True):
+        super().register_buffer(name, tensor, persistent)
+        self._new_sink()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._new_sink()
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._new_sink()
+
+
+# ---------------------------------------------------------------------------------------------
 # LayerNorm
 
 class _LayerNormFn(torch.autograd.Function):
@@ -1216,11 +1297,12 @@ class _LayerNormFn(torch.autograd.Function):
     torch's layer_norm, whose backward also measures the affine part's per-example gradients
     dgamma_b = sum_t dy * xhat and dbeta_b = sum_t dy (float32). Forward and backward are torch's
     native kernels, so output and every gradient are torch's own; besides x (which torch saves
-    too) only the row statistics mean, rstd ([B, T, 1]) are kept for backward.
+    too) only the row statistics mean, rstd ([B, T, 1]) are kept for backward. Given a sink (under
+    torch.compile), the sums are its gradient (_MeasuredNorm) and the buffers are not touched.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_sq, b_sq, count, normalized_shape, eps, coords=(None, None)):
+    def forward(ctx, x, weight, bias, w_sq, b_sq, count, normalized_shape, eps, coords=(None, None), sink=None):
         # native_layer_norm has no autocast rule of its own: apply layer_norm's here. GPU
         # autocast runs layer_norm in float32; CPU autocast leaves it in the input's dtype.
         ctx.cast = x.device.type != "cpu" and torch.is_autocast_enabled(x.device.type)
@@ -1230,6 +1312,7 @@ class _LayerNormFn(torch.autograd.Function):
         ctx.bufs = (w_sq, b_sq, count)
         ctx.coords = coords  # per-coordinate sums (register_coordinate_buffers), or None
         ctx.normalized_shape = normalized_shape
+        ctx.sink = sink is not None
         return y
 
     @staticmethod
@@ -1246,6 +1329,11 @@ class _LayerNormFn(torch.autograd.Function):
         dw = dw.to(weight.dtype) if need_dw else None
         db = db.to(bias.dtype) if need_db else None
         B, N = _examples(x, len(shape)), weight.numel()
+        if ctx.sink:  # the sums as values, in ops the compiler fuses with torch's backward
+            sink_grad = normgnorm.torch_path.per_example_sums(
+                dy.reshape(B, -1, N), xc.reshape(B, -1, N), mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1),
+                w_sq is not None, b_sq is not None, tuple(c is not None for c in ctx.coords))
+            return dx, dw, db, None, None, None, None, None, None, sink_grad
         # the per-example dγ_b, dβ_b and their squared norms (on CPU in one native pass over x and dy)
         dw_b, db_b = normgnorm.cpu_ext.per_example_grads(dy.reshape(B, -1, N), xc.reshape(B, -1, N), mean.reshape(B, -1, 1),
                                                          rstd.reshape(B, -1, 1), need_dw, need_db, w_sq, b_sq)
@@ -1253,7 +1341,7 @@ class _LayerNormFn(torch.autograd.Function):
             if grads_b is not None and coords is not None:
                 coords.add_(grads_b.square().sum(0))
         count.add_(B)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 def _float32_unless_double(*tensors):
@@ -1304,7 +1392,7 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(**layernorm_arguments(type(self).__name__, args, kwargs))
 
 
-class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
+class PEGradNormSeparatedLayerNorm(_MeasuredNorm, LayerNorm):
     """
     nn.LayerNorm whose affine part y = gamma * xhat + beta is measured separately from the
     normalisation xhat: backward adds the per-example squared norms of dgamma_b = sum_t dy * xhat
@@ -1329,7 +1417,8 @@ class PEGradNormSeparatedLayerNorm(MeasuredLayer, LayerNorm):
                                   self.weight_sqgradnorm if w_trains else None,
                                   self.bias_sqgradnorm if b_trains else None,
                                   self.example_count, self.normalized_shape, self.eps,
-                                  (self._buffers.get("weight_sqgrad_coords"), self._buffers.get("bias_sqgrad_coords")))
+                                  (self._buffers.get("weight_sqgrad_coords"), self._buffers.get("bias_sqgrad_coords")),
+                                  self._compiled_sink())
 
     # The reference implementation's names: its separated LayerNorm held the gain and bias in a
     # submodule .affine (after a .layernorm without them); here they are the layer's own.
@@ -1347,15 +1436,17 @@ class _RMSNormTap(torch.autograd.Function):
     Identity on the output of torch's rms_norm; its backward adds sum_b ||dgamma_b||^2 with
     dgamma_b = sum_t dy * xhat (LayerNorm's rule without centring) and hands dy on untouched. xhat = x * rstd is
     recomputed from the input in float32 (float64 for float64), as torch computes it: CUDA
-    autocast runs rms_norm in float32, and a float32 copy of a half-precision x is exact.
+    autocast runs rms_norm in float32, and a float32 copy of a half-precision x is exact. Given a
+    sink (under torch.compile), the sums are its gradient (_MeasuredNorm), the buffers untouched.
     """
 
     @staticmethod
-    def forward(ctx, y, x, w_sq, count, normalized_shape, eps, coords=None):
+    def forward(ctx, y, x, w_sq, count, normalized_shape, eps, coords=None, sink=None):
         ctx.save_for_backward(x)
         ctx.bufs = (w_sq, count)
         ctx.coords = coords  # per-coordinate sums (register_coordinate_buffers), or None
         ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        ctx.sink = sink is not None
         return y.view_as(y)
 
     @staticmethod
@@ -1367,14 +1458,18 @@ class _RMSNormTap(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         mean_square = torch.linalg.vector_norm(x3, dim=-1, keepdim=True, dtype=acc).square_().div_(N)
         rstd = mean_square.add_(rms_norm_eps(ctx.eps, x.dtype)).rsqrt_()
+        if ctx.sink:  # the sums as values, in ops the compiler fuses with torch's backward
+            sink_grad = normgnorm.torch_path.per_example_sums(dy.reshape(B, -1, N), x3, None, rstd, True, False,
+                                                              (ctx.coords is not None, False))
+            return dy, None, None, None, None, None, None, sink_grad
         dw_b, _ = normgnorm.cpu_ext.per_example_grads(dy.reshape(B, -1, N), x3, None, rstd, True, False, w_sq, None)
         if ctx.coords is not None:
             ctx.coords.add_(dw_b.square().sum(0))
         count.add_(B)
-        return dy, None, None, None, None, None, None
+        return dy, None, None, None, None, None, None, None
 
 
-class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
+class PEGradNormSeparatedRMSNorm(_MeasuredNorm, nn.RMSNorm):
     """
     nn.RMSNorm (the same arguments, parameter and state_dict keys; eps None is torch's machine
     epsilon) whose backward also adds the per-example squared norms of its gain's gradient,
@@ -1394,7 +1489,8 @@ class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
         if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
             return y
         return _RMSNormTap.apply(y, x.detach(), self.weight_sqgradnorm, self.example_count,
-                                 self.normalized_shape, self.eps, self._buffers.get("weight_sqgrad_coords"))
+                                 self.normalized_shape, self.eps, self._buffers.get("weight_sqgrad_coords"),
+                                 self._compiled_sink())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1402,11 +1498,13 @@ class PEGradNormSeparatedRMSNorm(MeasuredLayer, nn.RMSNorm):
 # elsewhere) computes y and, in its backward, dx, dgamma, dbeta and the per-example norms together.
 # fused_gns.py, the reference implementation's home for them, imports them from here.
 
-class _FusedNorm(MeasuredLayer):
+class _FusedNorm(_MeasuredNorm):
     """
-    What the fused normalisations share: the torch class's arguments and `backend` (None:
-    NORMGNORM_BACKEND, else Triton on CUDA, PyTorch elsewhere). The kernel normalises over the
-    last dimension only; elementwise_affine=False leaves nothing to measure and runs torch's own.
+    What the fused normalisations share: the torch class's arguments and `backend`, the eager
+    implementation (None: Triton on CUDA, the CPU kernel on CPU; normgnorm.resolve_backend). Under
+    torch.compile every backend runs the one compiled route, the PyTorch path fused with the model.
+    The kernel normalises over the last dimension only; elementwise_affine=False leaves nothing to
+    measure and runs torch's own.
     """
     separated = None  # buffered.py's class for what the kernel does not take
 
@@ -1425,14 +1523,16 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
 
     def forward(self, x):
         self._check_call(_examples(x, len(self.normalized_shape)))
+        if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         params, bufs = self._parameters, self._buffers  # dict reads: a module attribute is two __getattr__
         weight = params.get("weight")
         if weight is not None and "bias" in params and x.shape[-1:] == weight.shape:
             # own parameters: the Function itself, without layer_norm()'s checks of buffers that this
             # layer registered (eager and compiled: the one path)
             return normgnorm._NormFn.apply(x, weight, params["bias"], bufs["weight_sqgradnorm"],
-                                           bufs.get("bias_sqgradnorm"), bufs["example_count"], self.eps,
-                                           self.backend or "", False)
+                                           bufs.get("bias_sqgradnorm"), bufs["example_count"], self._compiled_sink(),
+                                           self.eps, self.backend or "", False)
         if self.weight is None:
             return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
         return normgnorm.layer_norm(x, self.weight, self.bias,
@@ -1447,12 +1547,15 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
 
     def forward(self, x):
         self._check_call(_examples(x, len(self.normalized_shape)))
+        if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         weight = self._parameters.get("weight")
         if weight is not None and x.dim() and x.shape[-1:] == weight.shape:
             # own gain: the Function itself, without rms_norm()'s checks of this layer's own buffers
             bufs = self._buffers
             return normgnorm._NormFn.apply(x, weight, None, bufs["weight_sqgradnorm"], None, bufs["example_count"],
-                                           rms_norm_eps(self.eps, x.dtype), self.backend or "", True)
+                                           self._compiled_sink(), rms_norm_eps(self.eps, x.dtype), self.backend or "",
+                                           True)
         if self.weight is None:
             return F.rms_norm(x, self.normalized_shape, None, self.eps)
         return normgnorm.rms_norm(x, self.weight, self.weight_sqgradnorm, self.example_count, self.eps,

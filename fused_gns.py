@@ -2,7 +2,8 @@
 The fused normalisations under the reference implementation's module name (CerebrasResearch/nanoGNS,
 exact/fused_gns.py): PEGradNormFusedLayerNorm, a drop-in for nn.LayerNorm (same parameters, same
 state_dict keys, eps 1e-5, or the reference's (ndim, bias)) whose backward also accumulates the
-per-example squared gradient norms of its gain and bias with the fused kernel of normgnorm/, and
+per-example squared gradient norms of its gain and bias with the fused kernel of normgnorm/ (under
+torch.compile, normgnorm's PyTorch path, which the compiler fuses with the model), and
 PEGradNormFusedRMSNorm, the same for nn.RMSNorm. Both live in buffered.py beside the other
 measured layers (its registry builds them for --lnclass=fused and measure(norm="fused")); this
 module keeps the reference's import path:

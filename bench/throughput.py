@@ -101,12 +101,10 @@ SETTINGS = {
     'llama-rms-shim': dict(LLAMA, lnclass='shim'),
     'llama-rms-fused': dict(LLAMA, lnclass='fused'),
     'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
-    'ln-fused-op': dict(lnclass='fused'),
-    'llama-rms-fused-op': dict(LLAMA, lnclass='fused'),
 }
-# settings that differ by their environment alone, asked for until they have been shown exact and
-# fast on a GPU: under --compile the normalisations' Triton kernels as triton_ops (normgnorm.TRITON_OP)
-SETTING_ENV = {'ln-fused-op': {'NORMGNORM_TRITON_OP': '1'}, 'llama-rms-fused-op': {'NORMGNORM_TRITON_OP': '1'}}
+# settings that differ by their environment alone ({setting: {variable: value}}), run by default only
+# on a GPU until they have been shown exact and fast there
+SETTING_ENV = {}
 DTYPES = ('float32', 'bfloat16', 'float16')
 GPT2_VOCAB = 50304  # train.py's vocabulary for a dataset without meta.pkl
 # (normal, --quick) defaults of the flags --quick changes; a flag given explicitly wins

@@ -19,17 +19,19 @@ the LayerNorm code with the mean left out (`rms=True` in forward, `mean` None in
 
 Two functions, `layer_norm` and `rms_norm`, and one autograd Function behind both (_NormFn, which
 the measured layers call directly; the reference implementation's `PEGLayerNorm`, with its seven
-arguments, is an adapter onto its forward and backward, at the end), with four implementations:
+arguments, is an adapter onto its forward and backward, at the end), with four implementations in
+eager mode:
 - "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
 - "cpu": torch's forward and a backward in one native pass (normgnorm/cpu_ext.py, C built on
-  first use), the default on CPU in eager mode; what it does not take runs the PyTorch path;
-- "torch": pure PyTorch (normgnorm/torch_path.py): off GPU otherwise (mps, torch.compile).
-Choose with the `backend` argument or the NORMGNORM_BACKEND environment variable. Under
-torch.compile the Function runs the kernels as two torch.library custom ops (normgnorm::norm_fwd,
-normgnorm::norm_bwd), which the compiler treats as opaque nodes (no graph breaks), and the torch
-path is traced like any PyTorch code, so that its per-example sums fuse with the model's own ops;
-in eager mode it skips the ops' dispatch and calls the implementation directly.
+  first use), the default on CPU; what it does not take runs the PyTorch path;
+- "torch": pure PyTorch (normgnorm/torch_path.py): elsewhere (mps).
+Choose with the `backend` argument. Under torch.compile there is one route on every device,
+whatever the backend: the PyTorch path, traced like any PyTorch code, so that the compiler sees
+every op and fuses the per-example sums with the model's own kernels. The measured layers then
+hand the Function a "sink" (a float32 leaf vector): its backward returns the sums as the sink's
+gradient instead of writing them into the buffers, and the layer adds them to its buffers once
+autograd has accumulated them (buffered.py), so nothing is written inside the compiled backward.
 """
 import contextlib
 import functools
@@ -58,27 +60,27 @@ def _triton_importable():
 
 def resolve_backend(requested, x):
     """
-    The implementation that runs for input x. `requested` ("" for automatic) overrides
-    NORMGNORM_BACKEND. Off GPU the CPU kernel runs on CPU tensors in eager mode (automatic, or
-    "cpu" asked for), the torch path otherwise (under torch.compile, which fuses its ops with the
-    model's; on mps); never Triton, which would fail to find a driver, except "triton" under
-    TRITON_INTERPRET=1, which runs the kernels on CPU tensors.
+    The implementation that runs for input x; `requested` is the backend asked for ("" for
+    automatic). Under torch.compile the torch path, on every device and whatever was asked for:
+    the compiler sees its ops and fuses them with the model's. In eager mode on a GPU the Triton
+    kernels (or the CUDA C++ ones, asked for); off GPU the CPU kernel on CPU tensors unless "torch"
+    is asked for, the torch path elsewhere (mps); never Triton, which would fail to find a driver,
+    except "triton" under Triton's own TRITON_INTERPRET=1, which runs the kernels on CPU tensors.
     """
-    backend = requested or os.environ.get("NORMGNORM_BACKEND", "")
-    if backend not in ("",) + BACKENDS:
-        raise ValueError(f"unknown normgnorm backend {backend!r}; choose from {BACKENDS}")
-    if not x.is_cuda:
-        if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
-            return "triton"
-        # the kernel: asked for, or by default in eager mode (traced, the torch path fuses with the model)
-        if x.device.type == "cpu" and (backend == "cpu" or backend != "torch" and not torch.compiler.is_compiling()):
-            return "cpu"
+    if requested not in ("",) + BACKENDS:
+        raise ValueError(f"unknown normgnorm backend {requested!r}; choose from {BACKENDS}")
+    if torch.compiler.is_compiling():
         return "torch"
-    if backend in ("", "cpu"):  # (NORMGNORM_BACKEND=cpu names the CPU's path, not the GPU's)
+    if not x.is_cuda:
+        if requested == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+            return "triton"
+        return "cpu" if x.device.type == "cpu" and requested != "torch" else "torch"
+    if requested in ("", "cpu"):  # "cpu" names the CPU's kernel, not a GPU's
         return "triton" if _triton_importable() else "torch"
-    return backend
+    return requested
 
 
+@functools.cache  # (an import statement per call costs more than the lookup)
 def _implementation(backend):
     if backend == "triton":
         from . import triton_kernels
@@ -102,6 +104,9 @@ def _forward(x, weight, bias, eps, backend, rms=False):
     the kernels see x as rows [N, D] and give [N] statistics; torch's, which take any shape, [..., 1]."""
     if backend in ("torch", "cpu"):  # the paths off GPU, paid per layer and micro-step: no reshapes they do not need
         return torch_path.forward(x, weight, bias, eps, rms=rms)
+    if backend == "triton":  # takes x of any shape as its rows, y of x's shape: no reshape or view paid per call
+        return _implementation(backend).forward(x.contiguous(), weight.contiguous(),
+                                                None if bias is None else bias.contiguous(), eps, rms=rms)
     D = x.shape[-1]
     y2d, mean, rstd = _implementation(backend).forward(x.reshape(-1, D).contiguous(), weight.contiguous(),
                                                        None if bias is None else bias.contiguous(), eps, rms=rms)
@@ -117,55 +122,18 @@ def _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnor
     if N == 0:
         example_count.add_(num_examples)
         return torch.zeros_like(x), weight.new_zeros(D) if need_dw else None, weight.new_zeros(D) if need_db else None
-    if backend in ("torch", "cpu"):
-        return _implementation(backend).backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db,
-                                                 weight_sqgradnorm, bias_sqgradnorm, example_count)
+    if backend in ("torch", "cpu"):  # (not through the cached _implementation, which tracing would warn of)
+        return (cpu_ext if backend == "cpu" else torch_path).backward(dy, x, weight, mean, rstd, num_examples, need_dw,
+                                                                      need_db, weight_sqgradnorm, bias_sqgradnorm,
+                                                                      example_count)
+    if backend == "triton":  # (as in _forward)
+        return _implementation(backend).backward(dy.contiguous(), x.contiguous(), weight.contiguous(), mean, rstd,
+                                                 num_examples, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm,
+                                                 example_count)
     dx2d, dw, db = _implementation(backend).backward(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(),
                                                      weight.contiguous(), mean, rstd, num_examples, need_dw, need_db,
                                                      weight_sqgradnorm, bias_sqgradnorm, example_count)
     return dx2d.view(x.shape), dw, db
-
-
-# ---------------------------------------------------------------------------------------------
-# The registered ops: the kernels as torch.compile sees them, opaque nodes it keeps whole. One pair
-# for both normalisations (rms: no centring, no bias). _NormFn below calls them while compiling,
-# and the implementation directly in eager mode, where their dispatch would cost about as much
-# host time as a small normalisation itself.
-
-@torch.library.custom_op("normgnorm::norm_fwd", mutates_args=())
-def _norm_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float, backend: str,
-              rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """y and [N] statistics whatever the implementation; an RMSNorm's mean, which it has not, is empty."""
-    y, mean, rstd = _forward(x, weight, bias, eps, resolve_backend(backend, x), rms)
-    return y, (rstd.new_empty(0) if mean is None else mean.reshape(-1)), rstd.reshape(-1)
-
-
-@_norm_fwd.register_fake
-def _(x, weight, bias, eps, backend, rms):
-    rows = x.numel() // x.shape[-1]
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            x.new_empty((0 if rms else rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
-
-
-@torch.library.custom_op("normgnorm::norm_bwd", mutates_args=("weight_sqgradnorm", "bias_sqgradnorm", "example_count"))
-def _norm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, need_dw: bool, need_db: bool,
-              weight_sqgradnorm: Tensor, bias_sqgradnorm: Optional[Tensor], example_count: Tensor,
-              backend: str, rms: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """dx, and dw, db (empty where not needed: an op returns tensors), adding the norms to the buffers."""
-    dx, dw, db = _backward_impl(dy, x, weight, None if rms else mean, rstd, need_dw, need_db,
-                                weight_sqgradnorm, bias_sqgradnorm, example_count, resolve_backend(backend, x))
-    return dx, _tensor(dw, weight), _tensor(db, weight)
-
-
-def _tensor(grad, weight):
-    return weight.new_empty(0) if grad is None else grad
-
-
-@_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, need_dw, need_db, weight_sqgradnorm, bias_sqgradnorm, example_count, backend, rms):
-    D = weight.shape[-1]
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            weight.new_empty(D if need_dw else 0), weight.new_empty(D if need_db else 0))
 
 
 def _buffer_layout(name, buffer, pair_allowed=True):
@@ -239,19 +207,17 @@ def _autocast_off(ctx):
     return contextlib.nullcontext()
 
 
-def _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend, rms):
+def _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps, backend,
+                  rms):
     """The forward of the normalisations (_NormFn, and the reference's PEGLayerNorm): y, with what
-    the backward needs kept in ctx. In eager mode the implementation is called directly; while
-    compiling the kernels are the registered op, and the torch path is traced like any PyTorch code,
-    its ops fused with the model's."""
-    backend = resolve_backend(backend, x)  # once: the backward runs what the forward ran
+    the backward needs kept in ctx. The implementation is called directly; under torch.compile, and
+    wherever a sink is given, it is the torch path, traced with the model's ops."""
+    # once: the backward runs what the forward ran
+    backend = "torch" if sink is not None else resolve_backend(backend, x)
     x, weight, bias, ctx.autocast = _float32_under_autocast(x, weight, bias, rms)
-    ctx.backend, ctx.rms = backend, rms
-    if torch.compiler.is_compiling() and backend != "torch":
-        y, mean, rstd = _compiled_forward(x, weight, bias, eps, backend, rms)
-    else:
-        with _autocast_off(ctx):
-            y, mean, rstd = _forward(x, weight, bias, eps, backend, rms)
+    ctx.backend, ctx.rms, ctx.sink = backend, rms, sink is not None
+    with _autocast_off(ctx):
+        y, mean, rstd = _forward(x, weight, bias, eps, backend, rms)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
     ctx.has_bias = bias is not None
@@ -259,60 +225,44 @@ def _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, exam
 
 
 def _norm_backward(ctx, dy):
-    """dx, dγ, dβ (None where not needed), the per-example norms added to the buffers ctx keeps."""
+    """dx, dγ, dβ (None where not needed), and the sink's gradient: the per-example sums
+    (torch_path.per_example_sums) where the forward was given a sink, else None, the sums then
+    added to the buffers ctx keeps."""
     x, weight, mean, rstd = ctx.saved_tensors
     # only parameters that receive a gradient are measured
     need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-    if torch.compiler.is_compiling() and ctx.backend != "torch":
-        dx, dw, db = _compiled_backward(dy, x, weight, mean, rstd, need_dw, need_db, ctx.bufs, ctx.backend, ctx.rms)
-        return dx, (dw if need_dw else None), (db if need_db else None)
     with _autocast_off(ctx):
-        return _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
-
-
-# The Triton kernels as triton_ops under torch.compile: asked for with NORMGNORM_TRITON_OP=1 until
-# bench/gpu_check.py has shown them on a GPU; otherwise the custom ops, as before
-TRITON_OP = os.environ.get("NORMGNORM_TRITON_OP") == "1"
-
-
-def _compiled_forward(x, weight, bias, eps, backend, rms):
-    """The forward as torch.compile sees it: with TRITON_OP, on a GPU, the Triton kernels through
-    their triton_op (the compiler traces the launches and makes them its own); the CUDA C++
-    kernels, and the Triton ones under the CPU interpreter (which the tracing cannot run), through
-    the custom op."""
-    if backend != "triton" or not x.is_cuda or not TRITON_OP:
-        return _norm_fwd(x, weight, bias, eps, backend, rms)
-    D = x.shape[-1]
-    y2d, mean, rstd = _implementation("triton").forward_op(x.reshape(-1, D).contiguous(), weight.contiguous(),
-                                                            None if bias is None else bias.contiguous(), eps, rms)
-    return y2d.view(x.shape), mean, rstd
-
-
-def _compiled_backward(dy, x, weight, mean, rstd, need_dw, need_db, bufs, backend, rms):
-    """The backward as torch.compile sees it (see _compiled_forward); dw, db empty where not needed."""
-    num_examples, N = _examples_and_rows(x)
-    if backend != "triton" or not x.is_cuda or not TRITON_OP or N == 0:
-        return _norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *bufs, backend, rms)
-    D = x.shape[-1]
-    dx2d, dw, db = _implementation("triton").backward_op(dy.reshape(-1, D).contiguous(), x.reshape(-1, D).contiguous(),
-                                                          weight.contiguous(), mean, rstd, num_examples, need_dw,
-                                                          need_db, *bufs, rms)
-    return dx2d.view(x.shape), dw, db
+        if not ctx.sink:
+            return *_backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend), None
+        num_examples, N = _examples_and_rows(x)
+        if N == 0:
+            sink_grad = torch.zeros(3, dtype=torch.float32, device=x.device)
+            sink_grad[2] = num_examples
+            return (torch.zeros_like(x), weight.new_zeros(weight.shape) if need_dw else None,
+                    weight.new_zeros(weight.shape) if need_db else None, sink_grad)
+        return torch_path.sink_backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db)
 
 
 class _NormFn(torch.autograd.Function):
-    """The one autograd Function of both normalisations, eager and compiled (rms: RMSNorm, bias and
+    """
+    The one autograd Function of both normalisations, eager and compiled (rms: RMSNorm, bias and
     its buffer None): layer_norm, rms_norm and the measured layers run it. Under autocast it runs
-    in float32 with a float32 output where torch's own op does (autocast_runs_in_float32)."""
+    in float32 with a float32 output where torch's own op does (autocast_runs_in_float32).
+    sink None: the backward adds the per-example sums to the buffers. A sink, a float32 leaf
+    vector of 3 that requires grad (the measured layers pass theirs under torch.compile): the
+    backward runs the torch path and returns the sums as the sink's gradient,
+    [Σ_b ||dγ_b||², Σ_b ||dβ_b||², B] (torch_path.SINK_SLOTS), writing nothing.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend, rms):
-        return _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps,
+    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps, backend, rms):
+        return _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps,
                              backend, rms)
 
     @staticmethod
     def backward(ctx, dy):
-        return *_norm_backward(ctx, dy), None, None, None, None, None, None
+        dx, dw, db, sink_grad = _norm_backward(ctx, dy)
+        return dx, dw, db, None, None, None, sink_grad, None, None, None
 
 
 def _check_buffers(entry, **buffers):
@@ -338,7 +288,8 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         weight_sqgradnorm = fresh() if weight_sqgradnorm is None else weight_sqgradnorm
         bias_sqgradnorm = fresh() if bias is not None and bias_sqgradnorm is None else bias_sqgradnorm
         example_count = fresh() if example_count is None else example_count
-    return _NormFn.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps, backend or "", False)
+    return _NormFn.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, None, eps, backend or "",
+                         False)
 
 
 def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count: Tensor,
@@ -353,7 +304,7 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
     if x.dim() == 0 or weight.shape != x.shape[-1:]:
         raise ValueError(f"normgnorm.rms_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
                          f"must be ({x.shape[-1] if x.dim() else ''},) for input {tuple(x.shape)}")
-    return _NormFn.apply(x, weight, None, weight_sqgradnorm, None, example_count, rms_norm_eps(eps, x.dtype),
+    return _NormFn.apply(x, weight, None, weight_sqgradnorm, None, example_count, None, rms_norm_eps(eps, x.dtype),
                          backend or "", True)
 
 
@@ -393,11 +344,11 @@ class PEGLayerNorm(torch.autograd.Function):
                 for buf, pair in zip((weight_sqgradnorm, bias_sqgradnorm), pairs)]
         ctx.pairs = tuple(zip(pairs, (weight_sqgradnorm, bias_sqgradnorm), sums))
         return _norm_forward(ctx, x, weight, bias, *sums, example_count if example_count is not None else fresh(),
-                             eps, backend or "", False)
+                             None, eps, backend or "", False)
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dw, db = _norm_backward(ctx, dy)
+        dx, dw, db, _ = _norm_backward(ctx, dy)
         num_examples = _examples_and_rows(dy)[0]
         for (pair, buf, sq), grad in zip(ctx.pairs, (dw, db)):
             if pair and grad is not None:
@@ -410,8 +361,8 @@ __getattr__ = refuse_module_names(__name__, {
                      "bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps) (forward and backward)",
     "layernorm_bwd": "use normgnorm.PEGLayerNorm.apply (its backward adds the norms) or, for the per-example "
                      "dγ_b, dβ_b themselves, normgnorm.torch_path.per_example_affine_grads",
-    "normgnorm_cuda": "use normgnorm.PEGLayerNorm.apply(..., backend='cuda') or NORMGNORM_BACKEND=cuda: the "
-                      "CUDA extension (normgnorm.cuda_ext) is built on first use",
+    "normgnorm_cuda": "use normgnorm.PEGLayerNorm.apply(..., backend='cuda') or a fused layer's backend='cuda': "
+                      "the CUDA extension (normgnorm.cuda_ext) is built on first use",
     "current_dir": "use os.path.dirname(normgnorm.__file__)",
     "exists": "write `x is not None`",
 })

@@ -102,7 +102,7 @@ def kernel():
         except (RuntimeError, OSError) as e:
             _kernel = str(e)
             warnings.warn(f"normgnorm: the CPU kernel could not be built ({e}); the PyTorch path runs instead "
-                          "(slower; NORMGNORM_BACKEND=torch chooses it without trying)", stacklevel=2)
+                          "(slower; backend='torch' chooses it without trying)", stacklevel=2)
     return None if isinstance(_kernel, str) else _kernel
 
 

@@ -1,7 +1,8 @@
 """
 Pure-PyTorch LayerNorm and RMSNorm forward/backward with per-example dγ (and LayerNorm's dβ)
-norms: the path used off GPU (CPU, mps) and the reference the kernels are checked against.
-Statistics and gradients are computed in float32 whatever the input dtype (float64 stays float64).
+norms: the path used off GPU (CPU, mps), the one under torch.compile on every device, and the
+reference the kernels are checked against. Statistics and gradients are computed in float32
+whatever the input dtype (float64 stays float64).
 
 Rows are the flattened leading dims of x: x2d [N, D] with N = num_examples * T, example b
 owning rows b*T ... b*T + T - 1. LayerNorm's output and dx are torch's own native kernels,
@@ -110,6 +111,33 @@ def _as(t, dtype):
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _computed(dy, x, weight, mean, rstd, num_examples):
+    """The backward's operands in the type it computes in (float32 for half inputs): dy, x, weight
+    as they are shaped, and [B, T, D] views of dy and x with [B, T, 1] ones of the row statistics
+    (mean None: RMSNorm), which a [B, T, D] input already is."""
+    xc, dyc, wc = x, dy, weight
+    if x.dtype in (torch.float16, torch.bfloat16):
+        xc, dyc, wc = x.float(), dy.float(), weight.float()
+    stats = xc.shape[:-1] + (1,)
+    rstd = _as(rstd if rstd.dim() == xc.dim() else rstd.view(stats), xc.dtype)
+    if mean is not None:
+        mean = _as(mean if mean.dim() == xc.dim() else mean.view(stats), xc.dtype)
+    x3, dy3, rstd3, mean3 = xc, dyc, rstd, mean
+    if xc.dim() != 3 or xc.shape[0] != num_examples:
+        x3, dy3, rstd3 = (t.reshape(num_examples, -1, t.shape[-1]) for t in (xc, dyc, rstd))
+        mean3 = None if mean is None else mean.reshape(num_examples, -1, 1)
+    return dyc, xc, wc, mean, rstd, (dy3, x3, mean3, rstd3)
+
+
+def _input_grad(dyc, xc, wc, mean, rstd):
+    """dx of LayerNorm (mean None: RMSNorm) in the computing type, from the row statistics."""
+    if mean is None:  # RMSNorm: dx = rstd (w⊙dy - x̂ mean(x̂ ⊙ w⊙dy)), LayerNorm's without the centring term
+        xhat, wdy = xc * rstd, dyc * wc
+        return (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)).mul_(rstd)
+    D = xc.shape[-1]
+    return torch.ops.aten.native_layer_norm_backward(dyc, xc, (D,), mean, rstd, wc, None, [True, False, False])[0]
+
+
 def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count):
     """
     dx, and the parameter gradients dw, db (None where not needed; mean None: RMSNorm, which
@@ -118,25 +146,9 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
     dw and db are the sums of the per-example dγ_b, dβ_b: torch's own reduction is not run. Adds
     to the float32 buffers: weight_sq += sum_b ||dγ_b||², bias_sq += sum_b ||dβ_b||², count += num_examples.
     """
-    D = x.shape[-1]
-    xc, dyc, wc = x, dy, weight
-    if x.dtype in (torch.float16, torch.bfloat16):
-        xc, dyc, wc = x.float(), dy.float(), weight.float()
-    stats = xc.shape[:-1] + (1,)
-    rstd = _as(rstd if rstd.dim() == xc.dim() else rstd.view(stats), xc.dtype)
-    if mean is not None:
-        mean = _as(mean if mean.dim() == xc.dim() else mean.view(stats), xc.dtype)
-    # [B, T, D] and [B, T, 1] views, which a [B, T, D] input already is
-    x3, dy3, rstd3, mean3 = xc, dyc, rstd, mean
-    if xc.dim() != 3 or xc.shape[0] != num_examples:
-        x3, dy3, rstd3 = (t.reshape(num_examples, -1, t.shape[-1]) for t in (xc, dyc, rstd))
-        mean3 = None if mean is None else mean.reshape(num_examples, -1, 1)
-    dw_b, db_b = per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db, reuse_scratch=True)
-    if mean is None:  # RMSNorm: dx = rstd (w⊙dy - x̂ mean(x̂ ⊙ w⊙dy)), LayerNorm's without the centring term
-        xhat, wdy = xc * rstd, dyc * wc
-        dx = (wdy - xhat * (xhat * wdy).mean(-1, keepdim=True)).mul_(rstd)
-    else:
-        dx = torch.ops.aten.native_layer_norm_backward(dyc, xc, (D,), mean, rstd, wc, None, [True, False, False])[0]
+    dyc, xc, wc, mean, rstd, rows = _computed(dy, x, weight, mean, rstd, num_examples)
+    dw_b, db_b = per_example_affine_grads(*rows, need_dw, need_db, reuse_scratch=True)
+    dx = _input_grad(dyc, xc, wc, mean, rstd)
     measured = [(sq, g) for sq, g in ((weight_sq, dw_b), (bias_sq, db_b)) if g is not None]
     if measured:
         add_squared_norms(*map(list, zip(*measured)))
@@ -144,3 +156,62 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
     db = _as(db_b.sum(0), weight.dtype) if need_db else None
     count.add_(num_examples)
     return _as(dx, x.dtype), dw, db
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled route: the sums leave the backward as values, the gradient of a float32 "sink"
+# vector laid out as SINK_SLOTS and then any per-coordinate sums, and are added to the buffers
+# after it (buffered.py). Written in elementwise ops and sums, which the compiler fuses with the
+# model's own kernels: no batched matmul, no scratch, no buffer written.
+
+SINK_SLOTS = ("weight_sqgradnorm", "bias_sqgradnorm", "example_count")
+
+
+def per_example_sums(dy3, x3, mean3, rstd3, need_dw, need_db, coords=(False, False)):
+    """
+    The sink's gradient from dy3, x3 [B, T, D] and the row statistics mean3 (None: RMSNorm),
+    rstd3 [B, T, 1]: float32 [Σ_b ||dγ_b||², Σ_b ||dβ_b||², B], with dγ_b = Σ_t dy_bt ⊙ x̂_bt and
+    dβ_b = Σ_t dy_bt (0 where not needed), followed by the per-coordinate sums Σ_b dγ_b², Σ_b dβ_b²
+    where coords (weight, bias) asks for them. Compiled, one kernel reduces over each example's
+    tokens and one gives the three sums.
+    """
+    acc = torch.promote_types(dy3.dtype, torch.promote_types(x3.dtype, torch.float32))
+    B, D = x3.shape[0], x3.shape[-1]
+    dy3 = _as(dy3, acc)
+    dw_sq = db_sq = x3.new_zeros((B, D), dtype=acc)  # [B, D]: dγ_b², dβ_b²
+    if need_dw:
+        x3 = _as(x3, acc)
+        dw_sq = (dy3 * ((x3 if mean3 is None else x3 - mean3) * _as(rstd3, acc))).sum(1).square()
+    if need_db:
+        db_sq = dy3.sum(1).square()
+    # slot k of a [3, B, D] tensor: dγ_b², dβ_b², and one per example (in its first column), whose
+    # sums over (b, d) are the sink's three: elementwise selects that the compiler fuses into one reduction
+    slot = torch.arange(3, device=x3.device).view(3, 1, 1)
+    first_column = torch.arange(D, device=x3.device) == 0
+    parts = torch.where(slot == 0, dw_sq, torch.where(slot == 1, db_sq, first_column.to(acc)))
+    sink_grad = parts.sum((1, 2)).float()
+    tail = [squares.sum(0).float() for squares, wanted in zip((dw_sq, db_sq), coords) if wanted]
+    return torch.cat([sink_grad, *tail]) if tail else sink_grad
+
+
+def sink_backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db):
+    """
+    backward's dx, dw, db (None where not needed), without the buffers: the sums it adds to them
+    come back as the sink's gradient (per_example_sums), the last of the four results. LayerNorm's
+    dx, dw, db are torch's own backward, which the compiler fuses as it does nn.LayerNorm's;
+    RMSNorm's are written out (torch's _fused_rms_norm_backward has no CPU kernel).
+    """
+    dyc, xc, wc, mean, rstd, rows = _computed(dy, x, weight, mean, rstd, num_examples)
+    D = xc.shape[-1]
+    if mean is None:
+        dx, db = _input_grad(dyc, xc, wc, None, rstd), None
+        dw = (dyc * (xc * rstd)).reshape(-1, D).sum(0) if need_dw else None
+    else:
+        # (a bias tensor, only there to be asked for db: its values are not read)
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(dyc, xc, (D,), mean, rstd, wc,
+                                                               torch.zeros_like(wc) if need_db else None,
+                                                               [True, need_dw, need_db])
+    sink_grad = per_example_sums(*rows, need_dw, need_db)
+    dw = _as(dw, weight.dtype) if need_dw else None
+    db = _as(db, weight.dtype) if need_db else None
+    return _as(dx, x.dtype), dw, db, sink_grad

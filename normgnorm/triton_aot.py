@@ -27,8 +27,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from . import triton_kernels
 
-KERNELS = ("_forward_kernel", "_forward_kernel_looped", "_backward_kernel", "_backward_kernel_looped",
-           "_reduce_examples_kernel", "_finish_kernel")
+KERNELS = ("_forward_kernel", "_forward_kernel_looped", "_backward_kernel", "_backward_kernel_looped")
 
 
 @dataclass

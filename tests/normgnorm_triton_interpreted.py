@@ -82,7 +82,7 @@ KERNEL_CASES = {
                                dict(looped=True, n_chunks=1, examples_per_program=1)),
     "2-D, many examples": ((9, 24), dict(target_programs=4), dict(whole=True, examples_per_program=3)),
     # as on a GPU: the forward over several programs of 64 rows (the last one partial), the
-    # backward over two tiles of rows, the reductions over two column blocks (COLUMN_BLOCK 64)
+    # backward over two tiles of rows
     "whole, many rows": ((2, 65, 40), dict(target_programs=2), dict(whole=True, examples_per_program=1)),
     "split, two column blocks": ((2, 10, 100), dict(target_programs=8, min_rows_per_chunk=3),
                                  dict(whole=False, n_chunks=4)),
@@ -152,28 +152,39 @@ def test_triton_rms_kernels_several_tiles_a_program_or_frozen(monkeypatch, froze
     run_kernels(shape, torch.bfloat16, bias=False, need_dw=not frozen, need_db=False, rms=True, **plan_args)
 
 
-def test_finish_kernel_loops_over_many_tiles():
-    """On a GPU the finish kernel sums hundreds of partial rows (PART_TILE 32 at a time) and, in
-    whole mode, one square per program, over a thousand (SQ_TILE 1024): straight through the
-    kernel here (the whole backward with 1100 programs takes 10 s interpreted)."""
-    g = torch.Generator().manual_seed(5)
-    D, n_parts, n_sq, B = 70, 45, 1100, 7
-    part_w, part_b = torch.randn(n_parts, D, generator=g), torch.randn(n_parts, D, generator=g)
-    sq_w, sq_b = torch.rand(n_sq, generator=g), torch.rand(n_sq, generator=g)
-    dw, db = torch.empty(D), torch.empty(D)
-    weight_sq, bias_sq, count = torch.full((), 0.5), torch.full((), 0.25), torch.full((), 2.0)
-    block = triton_kernels.COLUMN_BLOCK
-    # the kernels take their float32 scratch as one workspace and where each array starts in it
-    work = torch.cat([part_w.flatten(), part_b.flatten(), sq_w, sq_b])
-    starts = [0, part_w.numel(), 2 * part_w.numel(), 2 * part_w.numel() + n_sq]
-    triton_kernels._finish_kernel[(plan.cdiv(D, block),)](
-        work, *starts, dw, db, weight_sq, bias_sq, count, n_parts, D, n_sq, B,
-        NEED_DW=True, NEED_DB=True, BLOCK_C=block, PART_TILE=32, SQ_TILE=1024)
-    torch.testing.assert_close(dw, part_w.sum(0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(db, part_b.sum(0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(weight_sq.double(), 0.5 + sq_w.double().sum(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(bias_sq.double(), 0.25 + sq_b.double().sum(), rtol=1e-5, atol=0)
-    assert count.item() == 2 + B
+# (shape, plan arguments, the finishing plan they must produce): several groups of several units
+FINISH_CASES = {
+    "whole": ((40, 2, 70), dict(target_programs=40), dict(whole=True, units_per_group=6, n_groups=7)),
+    "split": ((12, 6, 70), dict(target_programs=36, min_rows_per_chunk=2),
+              dict(whole=False, n_chunks=3, units_per_group=2, n_groups=6)),
+    "looped": ((4, 6, 24), dict(target_programs=12, min_rows_per_chunk=2, max_block_d=16),
+               dict(looped=True, n_chunks=3, units_per_group=1, n_groups=4)),
+}
+
+
+@pytest.mark.parametrize("case", list(FINISH_CASES))
+def test_triton_finishing_sums_over_many_groups_and_tiles(monkeypatch, case):
+    """On a GPU the backward's last programs sum hundreds of partial rows, in groups, a tile of
+    rows and columns at a time: here the tiles are tiny (one value a thread: one row of 32
+    columns) and the groups several, so that every sum walks several tiles of rows and columns."""
+    monkeypatch.setattr(triton_kernels, "FINISH_VALUES_PER_THREAD", 1)
+    monkeypatch.setattr(triton_kernels, "_backward_plans", {})
+    shape, plan_args, expected = FINISH_CASES[case]
+    run_kernels(shape, torch.float32, bias=True, **plan_args)
+    (plan,) = triton_kernels._backward_plans.values()
+    assert {k: plan[k] for k in expected} == expected
+    assert plan["launch"].meta["TILE"] == 1 and plan["launch"].meta["BLOCK_C"] == 32
+
+
+def test_triton_backward_twice_reuses_its_workspace_and_counters():
+    """The counters each launch counts with are zero again when it ends: a second launch on the
+    kept workspace (and a third of another plan, then the first again) is exact too."""
+    for case in ["split into chunks", "whole, three examples a program", "split into chunks"]:
+        shape, plan_args, _ = KERNEL_CASES[case]
+        run_kernels(shape, torch.float32, bias=True, **plan_args)
+        run_kernels(shape, torch.bfloat16, bias=True, **plan_args)
+    work, counters = triton_kernels._workspaces[torch.device("cpu")]
+    assert counters.count_nonzero() == 0
 
 
 def test_triton_kernels_no_bias_non_power_of_two():
@@ -187,11 +198,10 @@ def test_triton_op_matches_oracles(no_torch_path, dtype, bias, shape):
     check_op(SHAPES[shape], dtype, bias, backend="triton")
 
 
-@pytest.mark.parametrize("entry", ["op", "PEGLayerNorm"])
+@pytest.mark.parametrize("entry", ["PEGLayerNorm"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_triton_other_entries_match_oracles(no_torch_path, bias, entry):
-    """The registered op (what torch.compile runs) and the reference-style PEGLayerNorm call
-    reach the same kernels as layer_norm's eager call above."""
+    """The reference-style PEGLayerNorm call reaches the same kernels as layer_norm's eager call above."""
     check_op(SHAPES["3d"], torch.bfloat16, bias, backend="triton", layer_norm=ENTRIES[entry])
 
 
@@ -203,7 +213,9 @@ def test_triton_eager_call_skips_the_custom_op(no_torch_path):
 
 
 @pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm"])
-def test_triton_op_compiles_without_graph_breaks(no_torch_path, layer):
+def test_triton_layer_compiled_matches_its_eager_kernels(layer):
+    """Compiled, a layer asking for Triton runs the compiled route (the torch path); eagerly, the
+    kernels: the same gradients and buffers, and no graph break."""
     check_layer_compiled(LAYERS[layer], "triton")
 
 
@@ -213,36 +225,9 @@ def test_triton_rms_op_matches_oracles(no_torch_path, dtype, shape):
     check_op(SHAPES[shape], dtype, False, backend="triton", layer_norm=RMS_ENTRIES["rms eager"])
 
 
-def test_triton_rms_registered_op_matches_oracles(no_torch_path):
-    check_op(SHAPES["3d"], torch.bfloat16, False, backend="triton", layer_norm=RMS_ENTRIES["rms op"])
-
-
-def test_triton_peglayernorm_compiles_through_the_registered_ops(no_torch_path):
-    """Called directly under torch.compile, PEGLayerNorm must reach the kernels through the
-    registered ops: traced as they are, the kernels would run on fake tensors."""
+def test_triton_peglayernorm_compiles_to_the_torch_path():
+    """Called directly under torch.compile, PEGLayerNorm asking for Triton traces the torch path
+    (the kernels, traced as they are, would run on fake tensors): as its eager call of the kernels."""
     check_peglayernorm_compiled((2, 4, 40), "triton")
 
 
-@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
-def test_the_triton_ops_called_eagerly_run_the_kernels(rms):
-    """normgnorm::triton_forward and triton_backward (what a GPU's compiled step runs) called
-    outside torch.compile launch the kernels as forward() and backward() do: the same outputs."""
-    from normgnorm import triton_kernels
-    x, dy, weight, b = make_inputs((2, 3, 40), torch.float32, not rms, seed=3)
-    x2d, dy2d, bias = x.reshape(6, 40), dy.reshape(6, 40), None if rms else b
-    y, mean, rstd = triton_kernels.forward(x2d, weight, bias, EPS, rms)
-    op_y, op_mean, op_rstd = triton_kernels.forward_op(x2d, weight, bias, EPS, rms)
-    torch.testing.assert_close(op_y, y)
-    torch.testing.assert_close(op_rstd, rstd)
-    assert op_mean.numel() == 0 if rms else torch.equal(op_mean, mean)
-    results = []
-    for call in (triton_kernels.backward, triton_kernels.backward_op):
-        bufs = [torch.zeros(()), None if rms else torch.zeros(()), torch.zeros(())]
-        if call is triton_kernels.backward:
-            out = call(dy2d, x2d, weight, mean, rstd, 2, True, not rms, *bufs)
-        else:
-            out = call(dy2d, x2d, weight, op_mean, op_rstd, 2, True, not rms, *bufs, rms)
-        results.append([t for t in (*out, *bufs) if t is not None and t.numel()])
-    for got, want in zip(*results):
-        torch.testing.assert_close(got, want)
-    assert float(results[1][-1]) == 2  # the example count

@@ -35,6 +35,24 @@ def test_cpu_table_times_every_implementation_against_torch():
         assert ms > 0 and extra_us == pytest.approx((ms - torch_ms) * 1e3, abs=2) and ratio == pytest.approx(ms / torch_ms, rel=0.02, abs=0.01)
 
 
+def test_host_table_runs_the_gpu_route_with_its_launches_recorded():
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--host", "--shapes", "2x3x8", "--iters", "2",
+                           "--warmup", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.strip().startswith("2x3x8")]
+    assert [row[1:3] for row in rows] == [["torch", "nn.LayerNorm"], ["fused[triton]", "LayerNorm"],
+                                          ["torch", "nn.RMSNorm"], ["fused[triton]", "RMSNorm"]]
+    for torch_row, fused_row in (rows[0:2], rows[2:4]):
+        assert torch_row[-1] == "1.00x" and float(fused_row[3]) > 0
+        assert fused_row[-1] == "2"  # launches per forward+backward: one forward, one backward
+
+
+def test_host_without_device_cpu_is_one_line_and_exit_2():
+    done = subprocess.run([sys.executable, BENCH, "--host"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 2 and "--host is for --device cpu" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_cpu_with_a_gpu_only_option_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, BENCH, "--device", "cpu", "--sweep"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and "not --device cpu" in done.stderr and "Traceback" not in done.stderr
@@ -69,7 +87,7 @@ def test_compile_only_reports_kernels_without_a_gpu():
                            "--dtype", "float16"], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiled for sm_80 with 108 multiprocessors" in done.stdout
-    for kernel in ("_forward_kernel", "_backward_kernel", "_finish_kernel"):
+    for kernel in ("_forward_kernel", "_backward_kernel"):
         assert f"2x64x1000  {kernel}" in done.stdout, done.stdout
     assert "registers spilled to memory: none" in done.stdout
 
@@ -87,7 +105,7 @@ def test_sweep_groups_settings_by_their_launches():
     assert triton_kernels.BACKWARD_TUNING == before  # left as it was
     assert before in groups[0][0]  # the current setting's group first
     every = [s for settings, _ in groups for s in settings]
-    assert len(every) == len({tuple(s.values()) for s in every}) == 3 ** 4 == len(list(itertools.product(*SWEEP.values())))
+    assert len(every) == len({tuple(s.values()) for s in every}) == 3 ** 5 == len(list(itertools.product(*SWEEP.values())))
     signatures = [[(l.name, l.grid, l.kwargs["num_warps"]) for l in launches] for _, launches in groups]
     assert len(groups) > 1
     # the groups differ in what they launch: work split (grid) or tile (warps, rows)

@@ -8,7 +8,6 @@ tests/gns_fixtures.py (the squared norms). The pure-PyTorch path and the CPU ker
 Triton kernels run on CPU under the Triton interpreter (small shapes); the CUDA sources are compiled
 (no GPU here) and both GPU backends run against the oracles where a GPU exists.
 """
-import math
 import os
 import shutil
 import subprocess
@@ -71,28 +70,25 @@ def make_inputs(shape, dtype, bias, seed, device="cpu"):
     return x, dy, weight, b
 
 
-class _ThroughOps(torch.autograd.Function):
-    """The registered ops alone, forward and backward (what torch.compile runs of the kernels),
-    differentiated as normgnorm's Function does while compiling."""
+def sink_for(sq_w, sq_b, count):
+    """A sink as the measured layers keep one: a float32 leaf whose gradient, the per-example sums
+    [Σ_b ||dγ_b||², Σ_b ||dβ_b||², B], is added to the buffers as it lands."""
+    sink = torch.zeros(3, device=count.device, requires_grad=True)
 
-    @staticmethod
-    def forward(ctx, x, weight, b, sq_w, sq_b, count, eps, backend, rms):
-        y, mean, rstd = normgnorm._norm_fwd(x, weight, b, eps, backend, rms)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.bufs, ctx.backend, ctx.rms, ctx.has_bias = (sq_w, sq_b, count), backend, rms, b is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-        dx, dw, db = normgnorm._norm_bwd(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend, ctx.rms)
-        return dx, dw if need_dw else None, db if need_db else None, None, None, None, None, None, None
+    def add(sink):
+        grad, sink.grad = sink.grad, None
+        for buf, part in zip((sq_w, sq_b, count), grad):
+            if buf is not None:
+                buf.add_(part)
+    sink.register_post_accumulate_grad_hook(add)
+    return sink
 
 
-def through_op(x, weight, b, sq_w, sq_b, count, eps, backend):
-    """The registered ops, not the eager call of the implementation that normgnorm.layer_norm makes."""
-    return _ThroughOps.apply(x, weight, b, sq_w, sq_b, count, eps, backend or "", False)
+def through_sink(x, weight, b, sq_w, sq_b, count, eps, backend):
+    """The compiled route, called eagerly: the Function given a sink, whose backward runs the torch
+    path whatever the backend and hands the sums out as the sink's gradient."""
+    return normgnorm._NormFn.apply(x, weight, b, sq_w, sq_b, count, sink_for(sq_w, sq_b, count), eps, backend or "",
+                                   False)
 
 
 def reference_call(x, weight, b, sq_w, sq_b, count, eps, backend):
@@ -100,7 +96,7 @@ def reference_call(x, weight, b, sq_w, sq_b, count, eps, backend):
     return normgnorm.PEGLayerNorm.apply(x, weight, b, sq_w, sq_b, (x.shape[-1],), eps, count, backend)
 
 
-ENTRIES = {"eager": normgnorm.layer_norm, "op": through_op, "PEGLayerNorm": reference_call}
+ENTRIES = {"eager": normgnorm.layer_norm, "sink": through_sink, "PEGLayerNorm": reference_call}
 
 
 # RMSNorm's entries, called as the LayerNorm ones are (its bias and bias buffer are None)
@@ -109,13 +105,16 @@ def rms_eager(x, weight, b, sq_w, sq_b, count, eps, backend):
     return normgnorm.rms_norm(x, weight, sq_w, count, eps, backend)
 
 
-def rms_through_op(x, weight, b, sq_w, sq_b, count, eps, backend):
-    """The RMSNorm custom op itself, what torch.compile traces."""
+def rms_through_sink(x, weight, b, sq_w, sq_b, count, eps, backend):
+    """RMSNorm's compiled route, called eagerly (see through_sink)."""
     assert b is None and sq_b is None
-    return _ThroughOps.apply(x, weight, None, sq_w, None, count, rms_norm_eps(eps, x.dtype), backend or "", True)
+    return normgnorm._NormFn.apply(x, weight, None, sq_w, None, count, sink_for(sq_w, None, count),
+                                   rms_norm_eps(eps, x.dtype), backend or "", True)
 
 
-RMS_ENTRIES = {"rms eager": rms_eager, "rms op": rms_through_op}
+RMS_ENTRIES = {"rms eager": rms_eager, "rms sink": rms_through_sink}
+# the entries that run the backend asked for (the sink's run the torch path whatever the backend)
+BACKEND_ENTRIES = ["eager", "PEGLayerNorm", "rms eager"]
 
 
 def assert_close_summed(got, want, dtype):
@@ -194,7 +193,8 @@ def kernel_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
-@pytest.mark.parametrize("entry,bias", [(e, b) for e in ENTRIES for b in (True, False)] + [(e, False) for e in RMS_ENTRIES])
+@pytest.mark.parametrize("entry,bias", [(e, b) for e in ENTRIES if e in BACKEND_ENTRIES for b in (True, False)]
+                         + [(e, False) for e in RMS_ENTRIES if e in BACKEND_ENTRIES])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_cpu_kernel_matches_oracles(kernel_calls, bias, shape, entry, threads):
     layer_norm = {**ENTRIES, **RMS_ENTRIES}[entry]
@@ -341,9 +341,6 @@ def test_cpu_kernel_entry_points_refuse_sizes_they_would_read_past():
             cpu_ext.per_example_grads(dy, x, short, torch.ones(2, 8, 1), True, True, bufs[0], bufs[1])
         with pytest.raises(ValueError, match=r"dy \(2, 8, 39\) is not x's shape"):
             cpu_ext.per_example_grads(dy[..., :39], x, None, torch.ones(2, 8, 1), True, False, bufs[0], None)
-        # the registered op, as torch.compile calls it, with the CPU kernel behind it
-        with pytest.raises(ValueError, match="mean has 3 elements, not 16"):
-            torch.ops.normgnorm.norm_bwd(dy, x, weight, short, short, True, True, *bufs, "cpu", False)
 
 
 def test_cpu_kernel_under_create_graph_runs_the_differentiable_path(kernel_calls):
@@ -518,19 +515,20 @@ def test_torch_path_scratch_is_per_thread():
     assert seen["other"] is not mine and seen["other"].data_ptr() != mine.data_ptr()
 
 
-def test_eager_calls_skip_the_custom_op(monkeypatch):
-    x, _, weight, b = make_inputs((2, 3, 8), torch.float32, True, seed=2)
-    bufs = torch.zeros(()), torch.zeros(()), torch.zeros(())
+def test_a_sink_takes_the_sums_and_the_buffers_stay_untouched(kernel_calls):
+    """Given a sink, the backward returns the per-example sums as its gradient, runs the torch path
+    (not the kernel asked for) and writes nothing into the buffers."""
+    x, dy, weight, b = make_inputs((3, 5, 40), torch.float32, True, seed=2)
     x.requires_grad_()
-    ops = []
-    for name in ("_norm_fwd", "_norm_bwd"):  # the registered ops are not called in eager mode
-        op = getattr(normgnorm, name)
-        monkeypatch.setattr(normgnorm, name, lambda *a, op=op: ops.append(1) or op(*a))
-    y = normgnorm.layer_norm(x, weight, b, *bufs)
+    bufs = [torch.zeros(()) for _ in range(3)]
+    sink = torch.zeros(3, requires_grad=True)
+    y = normgnorm._NormFn.apply(x, weight.requires_grad_(), b.requires_grad_(), *bufs, sink, EPS, "cpu", False)
     assert type(y.grad_fn).__name__ == "_NormFnBackward"  # not the reference adapter
-    y.sum().backward()
-    through_op(x, weight, b, *bufs, EPS, "").sum().backward()
-    assert len(ops) == 2  # the test's own call of them
+    y.backward(dy)
+    ref = oracle(x, weight, b, dy)
+    assert [buf.item() for buf in bufs] == [0, 0, 0] and not kernel_calls
+    torch.testing.assert_close(sink.grad.double(), torch.stack([ref["sq_w"], ref["sq_b"], torch.tensor(3.0).double()]),
+                               **BUFFER_TOL)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -730,16 +728,12 @@ def test_only_parameters_with_gradients_are_measured(layer_norm, frozen):
     assert count.item() == 3
 
 
-def test_backend_choice_off_gpu(monkeypatch):
+def test_backend_choice_off_gpu():
     x = torch.zeros(2, 3)
     assert normgnorm.resolve_backend("", x) == "cpu"  # eager on CPU: the native backward
     for name in ("triton", "cuda", "cpu"):  # off GPU the GPU's names mean the CPU's path: never Triton
-        monkeypatch.setenv("NORMGNORM_BACKEND", name)
-        assert normgnorm.resolve_backend("", x) == "cpu"
         assert normgnorm.resolve_backend(name, x) == "cpu"
-    monkeypatch.setenv("NORMGNORM_BACKEND", "torch")  # pure PyTorch, asked for
-    assert normgnorm.resolve_backend("", x) == "torch"
-    assert normgnorm.resolve_backend("torch", x) == "torch"
+    assert normgnorm.resolve_backend("torch", x) == "torch"  # pure PyTorch, asked for
     with pytest.raises(ValueError, match="unknown normgnorm backend"):
         normgnorm.resolve_backend("cudnn", x)
 
@@ -748,14 +742,13 @@ def test_cpu_path_needs_no_triton():
     # with triton unimportable (and asked for), importing and running everything on CPU works
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, normgnorm, fused_gns\n"
-            "m = fused_gns.PEGradNormFusedLayerNorm(8)\n"
+            "m = fused_gns.PEGradNormFusedLayerNorm(8, backend='triton')\n"
             "m(torch.randn(2, 3, 8, requires_grad=True)).sum().backward()\n"
-            "r = fused_gns.PEGradNormFusedRMSNorm(8)\n"
+            "r = fused_gns.PEGradNormFusedRMSNorm(8, backend='triton')\n"
             "r(torch.randn(2, 3, 8, requires_grad=True)).pow(2).sum().backward()\n"
             "assert m.example_count.item() == r.example_count.item() == 2\n"
             "assert 'normgnorm.triton_kernels' not in sys.modules\n")
-    env = dict(os.environ, NORMGNORM_BACKEND="triton")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
 
@@ -818,15 +811,6 @@ def test_rms_norm_takes_a_last_dimension_gain_and_zero_dim_buffers_only():
         normgnorm.rms_norm(x, w, torch.zeros(2), torch.zeros(()))
     with pytest.raises(ValueError, match="rms_norm's example_count must be a float32 0-dim tensor, not"):
         normgnorm.rms_norm(x, w, torch.zeros(()), torch.zeros((), dtype=torch.int64))
-
-
-def test_rms_norm_eager_call_skips_the_custom_op():
-    x, _, weight, _ = make_inputs((2, 3, 8), torch.float32, False, seed=2)
-    x.requires_grad_()
-    y = normgnorm.rms_norm(x, weight, torch.zeros(()), torch.zeros(()))
-    assert type(y.grad_fn).__name__ == "_NormFnBackward"
-    assert "throughops" in type(rms_through_op(x, weight, None, torch.zeros(()), None, torch.zeros(()), EPS,
-                                                 "").grad_fn).__name__.lower()
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -898,22 +882,23 @@ def test_compile_inductor_matches_eager(layer):
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which(cpu_ext.compiler_command()[0]) is None, reason="no C compiler")
 @pytest.mark.parametrize("layer", ["LayerNorm without bias", "RMSNorm"])
-def test_compiled_through_the_custom_ops_matches_eager(layer):
-    """The path a GPU's compiled step takes by default, on the CPU: the kernel ("cpu", the C one,
-    asked for) as the registered ops inside the Function, compiled by inductor, against eager."""
+def test_compiled_route_matches_the_eager_kernel(layer):
+    """A layer asking for the CPU's C kernel runs it eagerly and the compiled route (the torch path,
+    fused by inductor) compiled: the same gradients and buffers."""
     check_layer_compiled(LAYERS[layer], "cpu", compiler="inductor")
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layer", ["LayerNorm", "RMSNorm"])
-@pytest.mark.parametrize("triton_op", [False, True], ids=["custom op", "triton_op"])
-def test_gpu_triton_compiled_matches_eager(layer, triton_op, monkeypatch):
-    """On a GPU the compiled layer runs the Triton kernels through their custom ops or (with
-    NORMGNORM_TRITON_OP=1) their triton_ops, which the compiler traces and launches itself: the
-    same results as the eager call of the kernels."""
-    pytest.importorskip("triton")
-    monkeypatch.setattr(normgnorm, "TRITON_OP", triton_op)
-    check_layer_compiled(LAYERS[layer], "triton", "inductor", device="cuda")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_compiled_matches_the_eager_kernels(layer, backend):
+    """On a GPU the compiled layer runs the compiled route (the torch path fused by inductor), the
+    eager one the kernels: the same results."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    elif cuda_ext.find_cuda_home() is None:
+        pytest.skip("no CUDA toolkit to build the extension")
+    check_layer_compiled(LAYERS[layer], backend, "inductor", device="cuda")
 
 
 def record_graphs(graphs):
@@ -923,43 +908,6 @@ def record_graphs(graphs):
         outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
         return lambda *args: [torch.zeros(()) for _ in outputs]
     return backend
-
-
-@pytest.mark.parametrize("rms", [False, True], ids=["LayerNorm", "RMSNorm"])
-def test_the_triton_ops_trace_as_one_node_each_with_fake_tensors(rms):
-    """What torch.compile sees of the Triton kernels on a GPU: normgnorm::triton_forward and
-    triton_backward, each one node of a full graph (no break), whose bodies run on fake tensors
-    (plans, workspaces, the launches through wrap_triton) and give the outputs' shapes; the
-    backward declares the buffers it adds to. On the CPU nothing runs: the graphs are only traced."""
-    triton_kernels = pytest.importorskip("normgnorm.triton_kernels")
-    x, dy, weight, b = make_inputs((2, 3, 40), torch.float32, not rms, seed=3)
-    x2d, dy2d = x.reshape(6, 40), dy.reshape(6, 40)
-    bias = None if rms else b
-    bufs = [torch.zeros(()), None if rms else torch.zeros(()), torch.zeros(())]
-    graphs = []
-    torch._dynamo.reset()
-    fwd = torch.compile(lambda x2d: triton_kernels.forward_op(x2d, weight, bias, EPS, rms), fullgraph=True,
-                        backend=record_graphs(graphs))
-    fwd(x2d)
-    mean, rstd = torch.zeros(0 if rms else 6), torch.ones(6)
-    bwd = torch.compile(lambda dy2d: triton_kernels.backward_op(dy2d, x2d, weight, mean, rstd, 2, True, not rms,
-                                                                 *bufs, rms), fullgraph=True, backend=record_graphs(graphs))
-    bwd(dy2d)
-    torch._dynamo.reset()
-    ops = [torch.ops.normgnorm.triton_forward.default, torch.ops.normgnorm.triton_backward.default]
-    for graph, op in zip(graphs, ops):
-        assert [n.target for n in graph.graph.nodes if n.op == "call_function"].count(op) == 1
-    assert not ops[0]._schema.is_mutable and ops[1]._schema.is_mutable
-    from torch.fx.experimental.proxy_tensor import make_fx
-    traced = make_fx(lambda x2d, weight, bias: triton_kernels.forward_op(x2d, weight, bias, EPS, rms),
-                     tracing_mode="fake")(x2d, weight, bias)
-    outputs = [n for n in traced.graph.nodes if n.op == "output"][0].args[0]
-    assert [tuple(o.meta["val"].shape) for o in outputs] == [(6, 40), (0,) if rms else (6,), (6,)]
-    traced = make_fx(lambda dy2d, x2d, weight, mean, rstd, sq_w, sq_b, count: triton_kernels.backward_op(
-        dy2d, x2d, weight, mean, rstd, 2, True, not rms, sq_w, sq_b, count, rms),
-        tracing_mode="fake")(dy2d, x2d, weight, mean, rstd, *bufs)
-    outputs = [n for n in traced.graph.nodes if n.op == "output"][0].args[0]
-    assert [tuple(o.meta["val"].shape) for o in outputs] == [(6, 40), (40,), (0,) if rms else (40,)]
 
 
 # ---------------------------------------------------------------- Triton kernels, interpreted on CPU
@@ -974,7 +922,6 @@ def test_triton_kernels_interpreted():
     if HAS_CUDA:  # the kernels run for real below; and Triton 3.6's interpreter fails with numpy >= 2.4
         pytest.skip("a CUDA GPU runs the kernels themselves (test_gpu_backends_*)")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env.pop("NORMGNORM_BACKEND", None)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            os.path.join(ROOT, "tests", "normgnorm_triton_interpreted.py")],
                           cwd=ROOT, env=env, capture_output=True, text=True)
@@ -1029,86 +976,12 @@ def test_triton_aot_records_launches_and_sees_spills():
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
     from normgnorm import triton_aot, triton_kernels
     launches = triton_aot.backward_launches((2, 10, 40), torch.float32, target_programs=8, min_rows_per_chunk=3)
-    assert [l.name for l in launches] == ["_backward_kernel", "_reduce_examples_kernel", "_finish_kernel"]
+    assert [l.name for l in launches] == ["_backward_kernel"]
     assert launches[0].grid == (8,) and launches[0].kwargs["WHOLE"] is False
     assert all(type(getattr(triton_kernels, name)).__name__ == "JITFunction" for name in triton_aot.KERNELS)
     # a whole 64k-wide float32 row held by one program's registers cannot fit: ptxas spills
     huge = triton_aot.forward_launches((2, 4, 65536), torch.float32, max_block_d=65536)[0]
     assert triton_aot.compile_launch(huge, 80).stack_bytes > 0
-
-
-class _FakeCompiled:
-    """Stands in for Triton's CompiledKernel: compiled[grid](*args) records the launch."""
-    packed_metadata = run = None
-
-    def __init__(self, launches):
-        self.launches = launches
-
-    def __getitem__(self, grid):
-        return lambda *args: self.launches.append(("compiled", grid, args))
-
-
-class _FakeKernel:
-    """Stands in for a triton.jit function of parameters (A, n, K: constexpr)."""
-    arg_names = ["A", "n", "K"]
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **meta):
-            self.launches.append(("jit", grid, args, meta))
-            return _FakeCompiled(self.launches)
-        return launch
-
-
-def test_triton_launch_goes_direct_after_the_first_launch_of_a_key(monkeypatch):
-    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    from normgnorm import triton_kernels
-    monkeypatch.setattr(triton_kernels, "_compiled", {})
-    kernel, a = _FakeKernel(), torch.zeros(4)
-    meta = dict(K=7, num_warps=4)
-    triton_kernels._launch(kernel, (2,), (a, 5), meta, key=("k",))
-    triton_kernels._launch(kernel, (3, 2), (a, 5), meta, key=("k",))
-    triton_kernels._launch(kernel, (2,), (a, 6), meta, key=None)  # unaligned, or NORMGNORM_TRITON_LAUNCH=jit
-    assert [l[0] for l in kernel.launches] == ["jit", "compiled", "jit"]
-    assert kernel.launches[0] == ("jit", (2,), (a, 5), meta)
-    # the compiled kernel takes every parameter in order, constexprs too, and a 3-D grid
-    assert kernel.launches[1] == ("compiled", (3, 2, 1), (a, 5, 7))
-
-
-def test_triton_launch_direct_only_where_every_pointer_is_aligned(monkeypatch):
-    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    from normgnorm import triton_kernels
-    t = torch.zeros(8)
-    assert triton_kernels._aligned(t, None, t[4:])       # 16 bytes in
-    assert not triton_kernels._aligned(t, t[1:])          # 4 bytes in
-    monkeypatch.setenv("NORMGNORM_TRITON_LAUNCH", "jit")
-    assert not triton_kernels._direct_launch_allowed()
-
-
-@pytest.mark.parametrize("shape,target,max_block_d", [((8, 1024, 768), 528, 8192), ((600, 4, 1000), 528, 8192),
-                                                      ((2, 10, 40), 8, 8192), ((2, 6, 24), 8, 16)])
-@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
-def test_backward_workspace_arrays_are_aligned_and_apart(shape, target, max_block_d, need):
-    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    from normgnorm import triton_kernels
-    B, D = shape[0], shape[-1]
-    T = math.prod(shape[1:-1])
-    plan = triton_kernels._backward_plan(B, T, D, *need, False, target, max_block_d, 3)
-    n_sq = plan["n_programs"] if plan["whole"] else B * plan["n_column_blocks"]
-    sizes = dict(part_w=plan["n_programs"] * D * need[0], part_b=plan["n_programs"] * D * need[1],
-                 ex_w=0 if plan["whole"] else B * D * need[0], ex_b=0 if plan["whole"] else B * D * need[1],
-                 sq_w=n_sq * need[0], sq_b=n_sq * need[1])
-    first = plan["first"][0]
-    starts = dict(zip(("part_w", "part_b", "sq_w", "sq_b"), first)) if len(first) == 4 else \
-        dict(zip(("part_w", "part_b"), first))
-    if "reduce" in plan:
-        starts.update(zip(("part_w", "part_b", "ex_w", "ex_b", "sq_w", "sq_b"), plan["reduce"][0]))
-    spans = sorted((starts[name], starts[name] + sizes[name]) for name in starts if sizes[name])
-    assert all(start % 4 == 0 for start, _ in spans)  # 16 bytes of float32
-    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
-    assert spans[-1][1] <= plan["workspace"]
 
 
 def test_programs_per_sm():
@@ -1233,14 +1106,3 @@ def test_gpu_backends_agree_with_torch_path(backend, rms):
         results[name] = bufs
     for a, c in zip(results[backend], results["torch"]):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=0)
-
-
-def test_the_triton_ops_are_asked_for_until_a_gpu_has_shown_them():
-    """NORMGNORM_TRITON_OP=1 turns the triton_ops of the compiled path on; without it the custom ops run."""
-    code = "import normgnorm; print(normgnorm.TRITON_OP)"
-    for value, expected in (("", "False"), ("1", "True")):
-        env = {k: v for k, v in os.environ.items() if k != "NORMGNORM_TRITON_OP"}
-        if value:
-            env["NORMGNORM_TRITON_OP"] = value
-        run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        assert run.stdout.strip() == expected, run.stderr
