@@ -13,8 +13,11 @@ import lightning
 import torch
 
 from lightning_gns import GNSCallback
+import buffered
 from stopping import leave
 from test_lightning_gns import ACCUMULATION, BATCH, MAX_GRAD_NORM, STEPS, CausalLM
+
+buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 
 torch.set_num_threads(1)
 rows_path, out_dir = sys.argv[1:3]

@@ -11,8 +11,11 @@ import sys
 import torch
 
 from gnsmeter import GNSMeter
+import buffered
 from model import GPT, GPTConfig, fully_shard_gpt
 from stopping import leave
+
+buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 
 ACCUMULATION, BATCH = 2, 4  # micro-steps per optimizer step, examples per micro-batch over all ranks
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gns_fixtures import one_thread, tiny_hf  # noqa: F401  (one_thread: autouse)
+from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: F401  (one_thread, shapes_rule: autouse)
 from gnsmeter import GNSMeter
 from loop_fixtures import (gns_columns, largest_difference, own_loop, run_readme_example, token_rows,
                            torchrun_two_ranks)

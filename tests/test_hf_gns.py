@@ -18,7 +18,7 @@ import transformers  # noqa: E402
 
 import buffered  # noqa: E402
 
-from gns_fixtures import one_thread, tiny_hf  # noqa: E402,F401  (one_thread: autouse)
+from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: E402,F401  (one_thread, shapes_rule: autouse)
 from hf_gns import GNSCallback  # noqa: E402
 from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, largest_difference, own_loop,  # noqa: E402
                            run_readme_example, token_rows, torchrun_two_ranks)

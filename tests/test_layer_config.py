@@ -219,7 +219,8 @@ def test_a_class_added_to_the_table_is_a_bench_setting(tmp_path, monkeypatch):
     assert load_bench().main([*BENCH_TINY, "--settings", "linearclass=probe", "--csv", str(out), "--no_memory"]) == 0
     with open(out) as f:
         rows = list(csv.DictReader(f))
-    assert [(r["setting"], r["flags"]) for r in rows] == [("nn", "(plain nn)"), ("linearclass=probe", "--linearclass=probe")]
+    assert [(r["setting"], r["flags"]) for r in rows] == [("nn", "(plain nn)"), ("nn-null", "(plain nn)"),
+                                                          ("linearclass=probe", "--linearclass=probe")]
     assert marker.read_text() == "built\n" * (1 * 4 + 1)  # timed (not for memory), a 1-block GPT
 
 
