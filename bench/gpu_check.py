@@ -31,7 +31,8 @@ Steps (in this order), and the file each writes into:
                                (--time_linear); its rows into linear-routes-<card family>.csv, the
                                table that, committed under bench/results/, chooses the routes
     eager      throughput.txt  bench/throughput.py, eager: nn, nn-null, ln-fused, ln-shim, every
-                               layer, llama-nn and llama-rms-fused, taking turns round by round for
+                               layer, llama-nn, llama-rms-fused and the Llama-style model's every
+                               layer (llama-all-gns), taking turns round by round for
                                as many rounds as the step's time holds (throughput.csv)
     compiled   throughput.txt  the same under --compile=True (throughput.csv)
     profile    profile.txt     torch.profiler over nn and ln-fused, eager: top ops by host and by
@@ -58,7 +59,7 @@ TESTS = ['tests/test_normgnorm.py', 'tests/test_fused_gns.py', 'tests/test_bench
          'tests/test_linear_gns_kernel.py']
 BINDING_TESTS = 'cuda_binding or cuda_kernels_compile'
 PYTEST = ['-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider']
-SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused'  # and nn-null, which throughput.py adds
+SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused,llama-all-gns'  # and nn-null, which throughput.py adds
 
 
 def _workers(python):
