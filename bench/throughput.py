@@ -102,9 +102,6 @@ SETTINGS = {
     'llama-rms-fused': dict(LLAMA, lnclass='fused'),
     'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
 }
-# settings that differ by their environment alone ({setting: {variable: value}}), run by default only
-# on a GPU until they have been shown exact and fast there
-SETTING_ENV = {}
 DTYPES = ('float32', 'bfloat16', 'float16')
 GPT2_VOCAB = 50304  # train.py's vocabulary for a dataset without meta.pkl
 # (normal, --quick) defaults of the flags --quick changes; a flag given explicitly wins
@@ -304,8 +301,8 @@ def write_dataset(folder, vocab_size, block_size, seed):
 
 
 def run_env(setting, args, memory=False):
-    """The environment of a run of train.py: the setting's own, the compile cache every run shares."""
-    env = dict(os.environ, WANDB_MODE='disabled', **COMPILE_CACHES, **SETTING_ENV.get(setting, {}))
+    """The environment of a run of train.py: the compile cache every run shares."""
+    env = dict(os.environ, WANDB_MODE='disabled', **COMPILE_CACHES)
     if args.compile_cache:
         env['TORCHINDUCTOR_CACHE_DIR'] = args.compile_cache
     if args.threads:
@@ -555,9 +552,8 @@ def parse_args(argv):
     for repo in args.repo:
         if not os.path.isfile(os.path.join(repo, 'train.py')):
             parser.error(f"--repo {repo}: there is no train.py in it")
-    if args.settings is None:  # on the CPU the GPU-only switches change nothing: not timed twice
-        args.settings = {name: flags for name, flags in SETTINGS.items()
-                         if args.device.startswith('cuda') or name not in SETTING_ENV}
+    if args.settings is None:
+        args.settings = dict(SETTINGS)
     args.settings = {BASELINE: SETTINGS[BASELINE], NULL: SETTINGS[NULL], **args.settings, **(args.profile or {})}
     for name, flags in args.settings.items():
         taken = [k for k in flags if k in train_flags(args, '', '', 1)]

@@ -281,19 +281,12 @@ def test_profile_passes_sets_how_many_profiled_runs_each_setting_gets(tmp_path, 
     assert profiled == ["nn", "ln-shim"] and "vs nn" not in capsys.readouterr().out
 
 
-def test_settings_that_differ_by_their_gpu_environment_alone_run_by_default_only_on_a_gpu(monkeypatch):
+def test_no_setting_is_chosen_by_the_environment():
+    """Every route is chosen by flags or by measurement: no setting exists to set an environment switch."""
     throughput = load_bench()
-    # the normalisations' compiled route is chosen by nothing in the environment: no setting sets it
-    assert not {"ln-fused-op", "llama-rms-fused-op"} & set(throughput.SETTINGS)
-    assert not [v for env in throughput.SETTING_ENV.values() for v in env if v.startswith("NORMGNORM_")]
-    monkeypatch.setitem(throughput.SETTINGS, "ln-fused-env", dict(lnclass='fused'))  # one such setting, made up
-    monkeypatch.setitem(throughput.SETTING_ENV, "ln-fused-env", {"SOME_SWITCH": "1"})
-    on_cpu = throughput.parse_args(["--quick"]).settings
-    monkeypatch.setattr(throughput.torch.cuda, "is_available", lambda: True)  # as on a GPU machine
-    on_gpu = throughput.parse_args(["--quick", "--device", "cuda"]).settings
-    assert set(throughput.SETTING_ENV) <= set(on_gpu) and not set(throughput.SETTING_ENV) & set(on_cpu)
-    assert set(on_gpu) == set(throughput.SETTINGS) and "ln-fused" in on_cpu
-    assert "ln-fused-env" in throughput.parse_args(["--settings", "ln-fused-env"]).settings  # asked for: run
+    assert not {"ln-fused-op", "llama-rms-fused-op", "all-gns-kernel"} & set(throughput.SETTINGS)
+    assert not hasattr(throughput, "SETTING_ENV")
+    assert set(throughput.parse_args(["--quick"]).settings) == set(throughput.SETTINGS)
 
 
 def test_the_null_setting_and_the_baseline_are_in_every_run():
