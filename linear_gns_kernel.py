@@ -2,7 +2,7 @@
 A Linear's weight gradient and each example's squared norm of it, in one Triton GEMM that never
 writes the per-example gradients.
 
-For an input x [B, T, K] and the output gradient dy [B, T, L] (DESIGN.md section 2; the
+For an input x [B, T, K] and the output gradient dy [B, T, L] (buffered.py's materialised route; the
 materialised per-example gradient of Goodfellow 2015, "Efficient Per-Example Gradient
 Computations", and Rochette et al. 2019, "Efficient Per-Example Gradient Computations in
 Convolutional Neural Networks"):
@@ -13,8 +13,7 @@ torch.bmm would write every W_b ([B, L, K]) and read it back to square and sum i
 program owns one BLOCK_L x BLOCK_K tile of [L, K] and walks the examples: it accumulates the
 tile of W_b over example b's tokens in float32 with tl.dot (tensor cores on a GPU), adds the
 tile's sum of squares to example b's norm, adds the tile to its running sum of dW, and after the
-last example stores that sum once. W_b only ever lives in registers. (DESIGN.md section 7, "Every
-layer"; the idea is FlashDP's.)
+last example stores that sum once. W_b only ever lives in registers. (The idea is FlashDP's.)
 
 Sums have a fixed order, so two runs agree to the bit (no atomics, whose float32 adds would land
 in whatever order the programs finish):

@@ -125,3 +125,24 @@ def test_import_model_does_not_import_the_estimators():
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == ""
+
+
+def test_no_docstring_names_a_file_the_repository_does_not_have():
+    """A module's text that names a .md file names one this checkout has (by its path from the root or
+    from the module's folder, or, for a bare name, anywhere in the project)."""
+    import re
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    if tracked.returncode != 0:
+        import pytest
+        pytest.skip("not a git checkout")
+    files = set(tracked.stdout.splitlines())
+    names = {os.path.basename(f) for f in files}
+    missing = []
+    for module, path in our_modules().items():
+        with open(path) as f:
+            text = f.read()
+        for named in set(re.findall(r"\b([\w./-]+\.md)\b", text)):
+            folder = os.path.relpath(os.path.dirname(path), REPO)
+            if named not in files and os.path.normpath(os.path.join(folder, named)) not in files and named not in names:
+                missing.append(f"{module}: {named}")
+    assert missing == []
