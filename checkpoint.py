@@ -17,7 +17,7 @@ import torch
 
 from configurator import dataset_folder
 from model import ARCHITECTURE_CHOICES, GPT, GPTConfig
-from tracker import atomic_write
+from nanogns.runlog import atomic_write
 
 
 class CheckpointError(Exception):
@@ -405,7 +405,7 @@ def training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonf
     estimators' states (gnstracking.load_states) and the batch-size controller's, if the run has one
     (schedules.controller_for_run).
     """
-    import gnstracking  # here: sample.py reads checkpoints without the estimators
+    import nanogns.estimators.exact as gnstracking  # here: sample.py reads checkpoints without the estimators
     run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
                  'best_val_loss': best_val_loss, 'config': config, 'data_order': data_order_state,
                  'nonfinite_steps': nonfinite_steps, 'dataset_fingerprint': dataset_fingerprint(config.get('dataset'))}

@@ -289,9 +289,9 @@ def check_train_config(config, places=None):
     both units from one place is an error.
     """
     places = places or {}
-    from buffered import PER_EXAMPLE_MODES
-    from layer_config import FLAG_CLASSES  # here: imports torch
-    from schedules import LR_DECAY_SHAPES
+    from nanogns.layers import PER_EXAMPLE_MODES
+    from nanogns.layers.config import FLAG_CLASSES  # here: imports torch
+    from nanogns.schedules import LR_DECAY_SHAPES
     choices = {**{flag: tuple(values) for flag, values in FLAG_CLASSES.items()},
                'gns_hooks': ('none', 'sogns', 'exact'), 'dtype': ('float32', 'bfloat16', 'float16'),
                'lr_decay_shape': LR_DECAY_SHAPES, 'per_example_mode': PER_EXAMPLE_MODES}
@@ -363,7 +363,7 @@ def check_train_config(config, places=None):
     out_dir = config['out_dir']
     if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
         die(f"--out_dir={out_dir!r} must name a directory")
-    from tracker import directory_problem
+    from nanogns.runlog import directory_problem
     problem = directory_problem(out_dir)  # a dangling symbolic link on the way, say
     if problem:
         die(f"--out_dir={out_dir!r} cannot be made: {problem}")
@@ -387,7 +387,7 @@ def check_train_config(config, places=None):
             config[f'{key}_tokens'] = (iters if iters is not None else default_iters) * tokens_per_iter
     points = config['bs_schedule_points']
     if points:  # what out_dir/grad_accum_schedule.txt would be written from, checked as it would be read
-        from schedules import max_accumulation_steps
+        from nanogns.schedules import max_accumulation_steps
         bound = max_accumulation_steps(config['max_tokens'], config['batch_size'], config['block_size'], world_size)
         shown = repr(points) if len(repr(points)) <= 80 else repr(points)[:77] + '...'
         for point in points:

@@ -12,8 +12,8 @@ module keeps the reference's import path:
     with set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm, RMSNorm=PEGradNormFusedRMSNorm):
         model = GPT(config)
 """
-from buffered import LayerNorm, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm  # noqa: F401
-from reference_names import refuse_module_names
+from nanogns.layers import LayerNorm, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm  # noqa: F401
+from nanogns.refusals import refuse_module_names
 
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names. Kept: PEGradNormFusedLayerNorm(ndim, bias) and LayerNorm

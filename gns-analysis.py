@@ -37,12 +37,12 @@ import sys
 import numpy as np
 import pandas as pd
 
-from csv_tools import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
+from nanogns.logread import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        run_main, x_axis)
-from gnsmath import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
+from nanogns.maths import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
                      debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
-from reference_names import refuse_module_names
-from tracker import atomic_write
+from nanogns.refusals import refuse_module_names
+from nanogns.runlog import atomic_write
 
 # known estimators, in the order they are tried as the main one and listed; others follow, ddp last
 # train/gnshooks: the hooks' prefix before it became train/hooks_gns (the reference's readers

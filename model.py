@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from layer_config import get_contextual_config, tie_weights
+from nanogns.layers.config import get_contextual_config, tie_weights
 
 # Peak dense FLOP/s used as the MFU denominator. The first entries are datasheet bfloat16
 # numbers; the *_eflops entries are empirically reachable ceilings for devices whose datasheet

@@ -22,9 +22,9 @@ import sys
 
 import pandas as pd
 
-from csv_tools import LogError, ToolParser, figure, load_log, log10_positive, log_columns, run_main, x_axis
-from gnsmath import X_COLUMNS, parse_column
-from reference_names import refuse_module_names
+from nanogns.logread import LogError, ToolParser, figure, load_log, log10_positive, log_columns, run_main, x_axis
+from nanogns.maths import X_COLUMNS, parse_column
+from nanogns.refusals import refuse_module_names
 
 DEFAULT_COLUMNS = ["train/loss", "val/loss"]
 MAX_LINES = 8  # lines per plot; more are hard to tell apart

@@ -23,7 +23,7 @@ from contextlib import nullcontext
 import torch
 
 from configurator import ConfigError, check_device, configure, die, read_meta
-from tracker import read_text_file
+from nanogns.runlog import read_text_file
 
 # -----------------------------------------------------------------------------
 init_from = 'resume'  # 'resume' (from out_dir) or a GPT-2 variant: gpt2, gpt2-medium, gpt2-large, gpt2-xl

@@ -12,24 +12,24 @@ import sys
 import time
 from contextlib import nullcontext
 
-from stopping import interrupt_in_one_line
+from nanogns.stopping import interrupt_in_one_line
 interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
 if hasattr(sys.stdout, 'reconfigure'):  # each status line reaches a redirected file as it is printed
     sys.stdout.reconfigure(line_buffering=True)
 import numpy as np
 import torch
 
-import gnstracking
+import nanogns.estimators.exact as gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
                         resumed_counts, save_training_state, step_seed, training_run_state)
 from configurator import check_resources, configure_train, dataset_vocab_size, die
-from buffered import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
-from layer_config import classes_for_flags, set_contextual_config
+from nanogns.layers import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
+from nanogns.layers.config import classes_for_flags, set_contextual_config
 from model import clip_unscaled, fully_shard_gpt, grad_scaler, gradient_norm, step_unless_nonfinite
-from pending import PendingSteps
-from schedules import lr_at, step_sizes_for_run
-from stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
-from tracker import OutDirInUse, lock_out_dir, log_for_run
+from nanogns.pending import PendingSteps
+from nanogns.schedules import lr_at, step_sizes_for_run
+from nanogns.stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
+from nanogns.runlog import OutDirInUse, lock_out_dir, log_for_run
 
 # -----------------------------------------------------------------------------
 # default config values: a GPT-2 (124M) on OpenWebText, as in nanoGPT

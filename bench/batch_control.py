@@ -45,8 +45,8 @@ import pandas as pd
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.runs import add_run_options, check_train_flags, train_once  # noqa: E402
-from csv_tools import ToolParser, figure, load_log  # noqa: E402
-from tracker import atomic_write  # noqa: E402
+from nanogns.logread import ToolParser, figure, load_log  # noqa: E402
+from nanogns.runlog import atomic_write  # noqa: E402
 
 BATCH, BLOCK, FLOOR, CEILING = 4, 64, 1, 8  # micro-batch examples and tokens; accumulation floor and ceiling
 TRAIN_FLAGS = dict(

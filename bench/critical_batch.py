@@ -60,10 +60,10 @@ from bench.runs import check_train_flags, train_once  # noqa: E402
 from checkpoint import (CheckpointError, config_from_checkpoint, dataset_difference, dataset_fingerprint,  # noqa: E402
                         load_weights, read_checkpoint)
 from configurator import ConfigError, check_dataset, check_device, check_train_config, configure  # noqa: E402
-from csv_tools import ToolParser  # noqa: E402
-from gnsmath import PREFIXES, critical_batch_interval, fit_critical_batch  # noqa: E402
+from nanogns.logread import ToolParser  # noqa: E402
+from nanogns.maths import PREFIXES, critical_batch_interval, fit_critical_batch  # noqa: E402
 from model import GPT  # noqa: E402
-from tracker import atomic_write  # noqa: E402
+from nanogns.runlog import atomic_write  # noqa: E402
 
 CONFIG = os.path.join(ROOT, 'config', 'train_shakespeare_char_cpu.py')
 BRANCH_COLUMNS = ['family', 'seed', 'branch_tokens', 'batch_size', 'learning_rate', 'best', 'steps', 'examples',

@@ -27,7 +27,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from csv_tools import ToolParser  # noqa: E402
+from nanogns.logread import ToolParser  # noqa: E402
 
 # A 4-layer, 128-wide character-level GPT (as in the CPU demo), 32 examples of 64 tokens per
 # optimizer step in the fixed run: a few minutes on 2 CPU cores

@@ -29,7 +29,7 @@ Steps (in this order), and the file each writes into:
                                tilings, the ghost norm) at GPT-2 small's five weight shapes and a
                                Llama-style model's, each against torch's weight GEMM and float64
                                (--time_linear); its rows into linear-routes-<card family>.csv, the
-                               table that, committed under bench/results/, chooses the routes
+                               table that, committed under nanogns/layers/routes/, chooses the routes
     eager      throughput.txt  bench/throughput.py, eager: nn, nn-null, ln-fused, ln-shim, every
                                layer, llama-nn, llama-rms-fused and the Llama-style model's every
                                layer (llama-all-gns), taking turns round by round for
@@ -50,7 +50,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from csv_tools import ToolParser  # noqa: E402
+from nanogns.logread import ToolParser  # noqa: E402
 
 GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n_embd', '768', '--n_head', '12',
               '--block_size', '1024', '--batch_size', '8', '--vocab_size', '50304']
@@ -128,15 +128,15 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=LINEAR_SHAPES, tiling
     where the host is the slower), the time over the GEMM's, and the sum of the norms' and the weight
     gradient's relative errors against float64. A table on stdout; the rows (buffered.ROUTE_COLUMNS) in
     out/linear-routes-<card family>.csv, rewritten after each shape: the file that, committed under
-    bench/results/, chooses the routes on that family's cards. device 'cpu' (under TRITON_INTERPRET=1,
+    nanogns/layers/routes/, chooses the routes on that family's cards. device 'cpu' (under TRITON_INTERPRET=1,
     with tiny shapes) is for the tests.
     """
     import torch
     if device == 'cuda' and not torch.cuda.is_available():
         print('bench/gpu_check.py: error: --time_linear needs a CUDA GPU', file=sys.stderr)
         return 2
-    import buffered
-    from tracker import atomic_write
+    import nanogns.layers as buffered
+    from nanogns.runlog import atomic_write
     chunk = buffered.PEGradNormLinear.max_chunk_numel
     card = torch.cuda.get_device_name() if device == 'cuda' else device
     path = os.path.join(out, os.path.basename(buffered.route_table_path(card)))

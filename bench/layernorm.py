@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fused_gns import PEGradNormFusedLayerNorm  # noqa: E402
-from buffered import register_sqgradnorm_buffers  # noqa: E402
+from nanogns.layers import register_sqgradnorm_buffers  # noqa: E402
 
 DEFAULT_SHAPES = ["8x1024x768", "8x1024x1600", "8x2048x2048", "8x1024x4096", "8x2048x8192"]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -97,7 +97,7 @@ class LocalSeparatedLayerNorm(nn.LayerNorm):
 
 def separated_layernorm(ndim):
     try:
-        from buffered import PEGradNormSeparatedLayerNorm
+        from nanogns.layers import PEGradNormSeparatedLayerNorm
         return PEGradNormSeparatedLayerNorm(ndim), "separated (buffered.py)"
     except ImportError:
         return LocalSeparatedLayerNorm(ndim), "separated (local shim)"
@@ -111,7 +111,7 @@ def fused_backends():
         names.append("triton")
     except ImportError:
         print("(triton not installed: no fused[triton])")
-    from normgnorm import cuda_ext
+    from nanogns.normgnorm import cuda_ext
     try:
         cuda_ext.build()
         names.append("cuda")
@@ -194,7 +194,7 @@ def time_graphed(layer, x, dy, iters, replays=10):
 
 def compile_report(shapes, dtype, arch, sms):
     """The Triton kernels' launches for each shape, compiled for sm_<arch>; False if any spills."""
-    from normgnorm import triton_aot
+    from nanogns.normgnorm import triton_aot
     print(f"Triton kernels compiled for sm_{arch} with {sms} multiprocessors, {dtype} (nothing runs)")
     header = (f"{'shape':>16}  {'kernel':<24}{'grid':>12}{'warps':>6}{'regs':>6}{'spill B':>8}"
               f"{'per SM':>7}{'waves':>7}")
@@ -224,7 +224,7 @@ SWEEP = dict(programs_per_sm=[2, 4, 8], min_rows_per_chunk=[16, 32, 64], max_til
 @contextlib.contextmanager
 def tuning_restored():
     """normgnorm.triton_kernels.BACKWARD_TUNING, to change freely: put back as it was on exit."""
-    from normgnorm import triton_kernels
+    from nanogns.normgnorm import triton_kernels
     tuning = triton_kernels.BACKWARD_TUNING
     saved = dict(tuning)
     try:
@@ -240,7 +240,7 @@ def sweep_settings(shape, dtype, sm_count):
     with sm_count multiprocessors (many choices launch the same kernels): a list of
     (settings, launches), the current BACKWARD_TUNING's group first. Nothing runs.
     """
-    from normgnorm import triton_aot
+    from nanogns.normgnorm import triton_aot
     groups = {}
     with tuning_restored() as tuning:
         current = tuple(tuning[k] for k in SWEEP)
@@ -271,7 +271,7 @@ def sweep(shapes, dtype, warmup, iters, device="cuda", timer=gpu_time):
     the best setting over all shapes. (device and timer let the tests run it on CPU under the
     Triton interpreter.)
     """
-    from normgnorm import triton_kernels
+    from nanogns.normgnorm import triton_kernels
     saved = dict(triton_kernels.BACKWARD_TUNING)
     if device == "cuda":
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -321,7 +321,7 @@ def launches_recorded():
     nothing but count (the first launch of a plan goes through the stand-in "JIT", as on a GPU
     through Triton's). Yields the list of launches; everything is put back on exit."""
     import triton
-    from normgnorm import triton_kernels
+    from nanogns.normgnorm import triton_kernels
     launched = []
 
     class Compiled:
@@ -367,7 +367,7 @@ def launches_recorded():
 def host_table(shapes, dtype, warmup, iters):
     """Host microseconds of a forward+backward on the CPU: torch's nn.LayerNorm and RMSNorm against
     the fused layers' GPU route (Triton's), its launches recorded instead of run."""
-    from buffered import PEGradNormFusedRMSNorm
+    from nanogns.layers import PEGradNormFusedRMSNorm
     print(f"cpu, {torch.get_num_threads()} threads, {dtype}, host µs of one forward+backward, median of {iters} "
           f"after {warmup} warmup.\ntorch's rows run their arithmetic on the CPU (small at these shapes); the "
           "fused rows run the GPU route's Python,\nthe kernels' launches recorded, not run (the launcher's own "

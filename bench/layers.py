@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import buffered  # noqa: E402
-from csv_tools import ToolParser  # noqa: E402
-from layer_config import classes_for_flags, set_contextual_config  # noqa: E402
+import nanogns.layers as buffered  # noqa: E402
+from nanogns.logread import ToolParser  # noqa: E402
+from nanogns.layers.config import classes_for_flags, set_contextual_config  # noqa: E402
 
 # train.py's layer flags of each setting, every value the registry's (buffered.MEASURED_CLASSES);
 # the normalisations have no gns class, their separated one serves both

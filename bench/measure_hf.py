@@ -30,11 +30,11 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import buffered  # noqa: E402
-import gnstracking  # noqa: E402
-from csv_tools import ToolParser  # noqa: E402
-from layer_config import classes_for_flags, set_contextual_config  # noqa: E402
-from tracker import atomic_write  # noqa: E402
+import nanogns.layers as buffered  # noqa: E402
+import nanogns.estimators.exact as gnstracking  # noqa: E402
+from nanogns.logread import ToolParser  # noqa: E402
+from nanogns.layers.config import classes_for_flags, set_contextual_config  # noqa: E402
+from nanogns.runlog import atomic_write  # noqa: E402
 
 # setting -> measure()'s arguments; our GPT gets the same through train.py's layer flags
 SETTINGS = {

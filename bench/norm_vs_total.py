@@ -24,8 +24,8 @@ import pandas as pd
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.runs import add_run_options, check_train_flags, train_once  # noqa: E402
-from csv_tools import ToolParser  # noqa: E402
-from tracker import atomic_write  # noqa: E402
+from nanogns.logread import ToolParser  # noqa: E402
+from nanogns.runlog import atomic_write  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(ROOT, "gns-analysis.py"))
 gns_analysis = importlib.util.module_from_spec(spec)

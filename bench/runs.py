@@ -10,7 +10,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from csv_tools import load_log  # noqa: E402
+from nanogns.logread import load_log  # noqa: E402
 
 
 def add_run_options(parser, out_dir, seeds_per, max_tokens, max_tokens_help):

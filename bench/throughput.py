@@ -78,8 +78,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from csv_tools import ToolParser  # noqa: E402
-from tracker import atomic_write  # noqa: E402
+from nanogns.logread import ToolParser  # noqa: E402
+from nanogns.runlog import atomic_write  # noqa: E402
 
 # train.py's flags of a Llama-style model (model.GPTConfig's options)
 LLAMA = dict(norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False)

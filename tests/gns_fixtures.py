@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
-from buffered import (PEGradNormEmbedding, PEGradNormSeparatedLayerNorm, PEGradNormShimLinear,
+from nanogns.layers import (PEGradNormEmbedding, PEGradNormSeparatedLayerNorm, PEGradNormShimLinear,
                       register_sqgradnorm_buffers)
-from layer_config import set_contextual_config
+from nanogns.layers.config import set_contextual_config
 from model import GPT, GPTConfig
 
 # ---------------------------------------------------------------- the oracle
@@ -134,7 +134,7 @@ def shapes_rule(monkeypatch):
     first step (per_example_mode "auto"): two runs compared to 1e-5 must not take different methods
     because one ran on a busier machine (both exact, they round apart by about 1e-5 where the ghost
     norm's token pairs cancel). Autouse where imported."""
-    import buffered
+    import nanogns.layers as buffered
     monkeypatch.setattr(buffered._MeasuredLinear, "per_example_mode", "shapes")
 
 

@@ -8,9 +8,9 @@ import sys
 import torch
 
 from test_hf_gns import ACCUMULATION, BATCH, STEPS, trainer
-from hf_gns import GNSCallback
-import buffered
-from stopping import leave
+from nanogns.hf import GNSCallback
+import nanogns.layers as buffered
+from nanogns.stopping import leave
 
 buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 

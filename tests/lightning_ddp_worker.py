@@ -12,9 +12,9 @@ import os
 import lightning
 import torch
 
-from lightning_gns import GNSCallback
-import buffered
-from stopping import leave
+from nanogns.lightning import GNSCallback
+import nanogns.layers as buffered
+from nanogns.stopping import leave
 from test_lightning_gns import ACCUMULATION, BATCH, MAX_GRAD_NORM, STEPS, CausalLM
 
 buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)

@@ -28,7 +28,7 @@ def own_loop(out_dir, rows, batch, accumulation, steps, max_grad_norm, model=Non
     """Train tiny_hf('gpt2') (or `model`) on `rows` in order with our loop; returns the model, the
     optimizer and the meter (closed). first_step: the step to start at (a resume: model, optimizer
     state and meter_state given)."""
-    from gnsmeter import GNSMeter
+    from nanogns.meter import GNSMeter
     model = tiny_hf("gpt2").train() if model is None else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     meter = GNSMeter(model, out_dir=out_dir)

@@ -10,10 +10,10 @@ import sys
 
 import torch
 
-from gnsmeter import GNSMeter
-import buffered
+from nanogns.meter import GNSMeter
+import nanogns.layers as buffered
 from model import GPT, GPTConfig, fully_shard_gpt
-from stopping import leave
+from nanogns.stopping import leave
 
 buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 

@@ -15,8 +15,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 pytest.importorskip("triton")
 
-import normgnorm  # noqa: E402
-from normgnorm import plan, triton_kernels  # noqa: E402
+import nanogns.normgnorm as normgnorm  # noqa: E402
+from nanogns.normgnorm import plan, triton_kernels  # noqa: E402
 from test_normgnorm import (BUFFER_TOL, DTYPES, ENTRIES, EPS, LAYERS, RMS_ENTRIES, SHAPES, TOL,  # noqa: E402
                             check_layer_compiled, check_op, check_peglayernorm_compiled, make_inputs, oracle)
 

@@ -18,8 +18,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import gnstracking  # noqa: E402
-import schedules  # noqa: E402
+import nanogns.estimators.exact as gnstracking  # noqa: E402
+import nanogns.schedules as schedules  # noqa: E402
 
 record_dir, sys.argv = sys.argv[1], [os.path.join(REPO, "train.py"), *sys.argv[2:]]
 rank = int(os.environ.get("RANK", 0))

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import gnstracking
-from adamgns import AdamGNS
-from buffered import PEGradNormSeparatedRMSNorm, measure
+import nanogns.estimators.exact as gnstracking
+from nanogns.estimators.adam import AdamGNS
+from nanogns.layers import PEGradNormSeparatedRMSNorm, measure
 from gns_fixtures import one_thread  # noqa: F401  (autouse: tiny tensors, one thread)
 from gns_fixtures import per_example_grads
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from gnsmath import fit_critical_batch
+from nanogns.maths import fit_critical_batch
 
 SCRIPT = os.path.join(REPO, "bench", "critical_batch.py")
 

@@ -83,7 +83,7 @@ def test_the_linear_sweep_writes_the_routes_table_that_chooses_them(tmp_path):
     matrices are the smaller) at every shape, each against float64, into the file buffered.py reads
     (named by the card's family), which ranks the exact routes of each shape fastest first."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    import buffered
+    import nanogns.layers as buffered
     code = ("import sys; sys.path.insert(0, 'bench'); import gpu_check; "
             f"sys.exit(gpu_check.time_linear({str(tmp_path)!r}, batch=2, tokens=3, reps=1, "
             "shapes={'toy': {'a': (20, 24), 'b': (40, 17)}}, tilings=('16x16 t16 w4 s1', '16x32 t16 w4 s1 split2'), "

@@ -99,7 +99,7 @@ def test_sweep_groups_settings_by_their_launches():
         from layernorm import SWEEP, sweep_settings
     finally:
         sys.path.remove(os.path.join(ROOT, "bench"))
-    from normgnorm import triton_kernels
+    from nanogns.normgnorm import triton_kernels
     before = dict(triton_kernels.BACKWARD_TUNING)
     groups = sweep_settings((8, 1024, 768), torch.bfloat16, sm_count=132)
     assert triton_kernels.BACKWARD_TUNING == before  # left as it was
@@ -117,7 +117,7 @@ SWEEP_ON_CPU = """
 import sys, torch
 sys.path.insert(0, "bench")
 import layernorm
-from normgnorm import triton_kernels
+from nanogns.normgnorm import triton_kernels
 
 timed = []
 def fake_timer(layer, x, dy, warmup, iters):

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import buffered  # noqa: E402
-from reference_names import ReferenceNameError  # noqa: E402
-from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
+import nanogns.layers as buffered  # noqa: E402
+from nanogns.refusals import ReferenceNameError  # noqa: E402
+from nanogns.layers import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
                       PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding, PEGradNormShimLinear,
                       find_sqgradnorm_buffers, tie_weights, zero_sqgradnorm_buffers)
 from gns_fixtures import output_grad_loss, sqgradnorm_sums  # noqa: E402
@@ -396,7 +396,7 @@ def test_the_sweep_table_ranks_the_exact_routes_of_each_shape(tmp_path):
                                          ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("Tesla T4", "t4")])
 def test_a_cards_table_is_named_by_its_family(name, family):
     assert buffered.card_family(name) == family
-    assert buffered.route_table_path(name).endswith(os.path.join("bench", "results", f"linear-routes-{family}.csv"))
+    assert buffered.route_table_path(name).endswith(os.path.join("nanogns", "layers", "routes", f"linear-routes-{family}.csv"))
 
 
 def cuda_table(monkeypatch, device, rows=ROUTE_ROWS, tmp_path=None):
@@ -458,7 +458,7 @@ def test_a_compiled_every_layer_gpt_takes_the_tables_routes_in_one_graph(monkeyp
     """torch.compile (fullgraph: no graph break) of a GPT whose every layer is measured takes the method
     and route the table gives each Linear shape (here the float32 cuBLAS route and the ghost norm), exact."""
     from gns_fixtures import TINY_GPT, gpt_batches, tiny_gpt, gpt_loss, sqgradnorm_sums
-    from layer_config import classes_for_flags
+    from nanogns.layers.config import classes_for_flags
     T, D, V = TINY_GPT["block_size"], TINY_GPT["n_embd"], TINY_GPT["vocab_size"]
     shapes = {(D, 3 * D): "bmm-f32", (D, D): "ghost", (D, 4 * D): "bmm-f32", (4 * D, D): "bmm-f32", (D, V): "ghost"}
     rows = [("card", "tiny", "x", 2, T, K, L, "float32", route, 0.1, 1.0, 1e-7, 1e-7) for (K, L), route in shapes.items()]
@@ -1325,7 +1325,7 @@ def test_reference_module_names_not_kept_say_what_to_use(name):
 
 
 def test_reference_names_kept():
-    from buffered import LayerNorm, zero_sqgradnorm_buffers as zero  # noqa: F401
+    from nanogns.layers import LayerNorm, zero_sqgradnorm_buffers as zero  # noqa: F401
     assert zero is zero_sqgradnorm_buffers
 
 

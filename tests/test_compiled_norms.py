@@ -17,11 +17,11 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import normgnorm  # noqa: E402
-from buffered import (PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm, PEGradNormSeparatedLayerNorm,  # noqa: E402
+import nanogns.normgnorm as normgnorm  # noqa: E402
+from nanogns.layers import (PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm, PEGradNormSeparatedLayerNorm,  # noqa: E402
                       PEGradNormSeparatedRMSNorm, find_sqgradnorm_buffers, measure, register_coordinate_buffers)
 from gns_fixtures import gpt_loss, one_thread, sqgradnorm_sums  # noqa: E402,F401  (one_thread: autouse)
-from layer_config import classes_for_flags, set_contextual_config  # noqa: E402
+from nanogns.layers.config import classes_for_flags, set_contextual_config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 LAYERS = {

@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from csv_tools import LogError, load_log, log_columns
-from tracker import LogWrapper
+from nanogns.logread import LogError, load_log, log_columns
+from nanogns.runlog import LogWrapper
 
 
 def write(path, content, mode="w"):
@@ -91,7 +91,7 @@ def test_a_directory_without_a_log(tmp_path):
 
 
 def test_load_csv_is_the_reference_name_for_the_frame(tmp_path):
-    from csv_tools import load_csv
+    from nanogns.logread import load_csv
     write(tmp_path / "log.csv", "step,a\n0,1\n1,2\n")
     assert load_csv(str(tmp_path)).equals(load_log(str(tmp_path))[0])
 
@@ -123,7 +123,7 @@ def test_missing_cells_as_pandas_reads_them_or_as_written(tmp_path):
 
 def test_the_missing_value_words_are_pandas_own():
     parsers = pytest.importorskip("pandas._libs.parsers")
-    from csv_tools import PANDAS_NA
+    from nanogns.logread import PANDAS_NA
     assert set(PANDAS_NA) == set(parsers.STR_NA_VALUES)
 
 
@@ -153,7 +153,7 @@ def test_log_columns_reads_the_header_alone(tmp_path):
 
 
 def test_a_log_that_cannot_be_read(tmp_path, monkeypatch):
-    import csv_tools
+    import nanogns.logread as csv_tools
     write(tmp_path / "log.csv", "step,a\n0,1\n")
 
     def refuse(path, *args, **kwargs):  # as root, file permissions do not stop a read
@@ -166,7 +166,7 @@ def test_a_log_that_cannot_be_read(tmp_path, monkeypatch):
 
 def test_a_long_log_is_streamed_not_held_as_text(tmp_path, monkeypatch):
     """The rows reach pandas in pieces: the text of the file is never one string."""
-    import csv_tools
+    import nanogns.logread as csv_tools
     rows = "".join(f"{i},{i * 0.5}\n" for i in range(200_000))
     write(tmp_path / "log.csv", "step,a\n" + rows + "200000,1")  # ~2.5 MB, last line cut
     largest = []
@@ -185,7 +185,7 @@ def test_a_long_log_is_streamed_not_held_as_text(tmp_path, monkeypatch):
 
 def test_header_and_rows_come_from_one_file(tmp_path, monkeypatch):
     """A LogWrapper swapping in a longer header (os.replace) between reading the header and the rows."""
-    import csv_tools
+    import nanogns.logread as csv_tools
     write(tmp_path / "log.csv", "step,a\n0,1\n1,2\n")
     read_header = csv_tools._read_header
 
@@ -204,7 +204,7 @@ def test_a_figure_without_colour_tells_its_curves_apart():
     """Written to a file or a pipe (stdout is not a terminal under pytest), every curve has its own character,
     shown in the legend: without colour they would all be the same braille dots."""
     import numpy as np
-    from csv_tools import MARKERS, figure
+    from nanogns.logread import MARKERS, figure
     x = np.arange(40.0)
     text = figure([(x, np.sin(x / 5), "first"), (x, np.cos(x / 5), "second")], "x", "y", width=40, height=8)
     legend = text[text.index("Legend"):]

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import REPO, made_once
-from ddpgns import DDPGradientStatsHook, GradientNoiseScale, ddp_gns_log
+from nanogns.estimators.ddp import DDPGradientStatsHook, GradientNoiseScale, ddp_gns_log
 from gns_fixtures import MEASURED, gpt_loss, per_example_grads, tiny_gpt, tiny_hf
-from reference_names import ReferenceNameError
+from nanogns.refusals import ReferenceNameError
 
 WORLD = 2
 
@@ -244,7 +244,7 @@ def one_process_reference(ddp_worker):
     and micro-batch estimators through the interface, and each rank's own gradient (the mean of its
     examples' gradients by the shared oracle, through a plain GPT at the same weights) for the DDP
     estimator's brute force."""
-    import gnstracking
+    import nanogns.estimators.exact as gnstracking
     from model import GPT
     raw = tiny_gpt(0, **MEASURED)
     estimators = gnstracking.estimators_for(raw, hooks='exact', microbatch=True)
@@ -323,8 +323,8 @@ def test_measured_hugging_face_gpt2_on_two_ranks_equals_one_process(ddp_worker_r
     global batch (the per-example buffers summed over ranks and rescaled, McCandlish App. A)."""
     pytest.importorskip("transformers")
     import ddp_worker
-    import gnstracking
-    from buffered import measure
+    import nanogns.estimators.exact as gnstracking
+    from nanogns.layers import measure
     got = [r['hf'] for r in ddp_worker_ranks]
     assert got[0] == got[1]  # every rank alike
     raw = measure(tiny_hf("gpt2").train())
@@ -351,7 +351,7 @@ def test_adam_preconditioned_gns_on_two_ranks_equals_one_process(ddp_worker_rank
     exact estimator's buffers are, and P is AdamW's (replicated) state: each LayerNorm parameter's
     preconditioned norms are one process's on the same global batch."""
     import ddp_worker
-    import gnstracking
+    import nanogns.estimators.exact as gnstracking
     got = [r['adam'] for r in ddp_worker_ranks]
     assert got[0] == got[1]  # every rank alike
     raw = tiny_gpt(0, **MEASURED)

@@ -9,15 +9,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import buffered
+import nanogns.layers as buffered
 import fused_gns
-import normgnorm
-from buffered import PEGradNormSeparatedRMSNorm, find_sqgradnorm_buffers, zero_sqgradnorm_buffers
+import nanogns.normgnorm as normgnorm
+from nanogns.layers import PEGradNormSeparatedRMSNorm, find_sqgradnorm_buffers, zero_sqgradnorm_buffers
 from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
 from gns_fixtures import gpt_loss, sqgradnorm_sums, with_rmsnorms
-from layer_config import set_contextual_config
+from nanogns.layers.config import set_contextual_config
 from model import GPT, GPTConfig
-from reference_names import ReferenceNameError
+from nanogns.refusals import ReferenceNameError
 from test_buffered import AUTOCAST_RTOL, BAD_LAYERNORM_CALLS, LAYERNORM_CALLS, REFUSED_LAYER_NAMES, RMSNORM_CALLS
 
 

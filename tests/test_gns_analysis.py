@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from csv_tools import load_log
+from nanogns.logread import load_log
 from gns_fixtures import (ToyGPT, example_sqnorms, measure, mse, per_example_grads, regression_loss, train_step,
                          with_rmsnorms)
-from gnsmath import WRITER, WRITER_KEY
-from gnstracking import AccumulateMeasurements, MeasurementTracker
-from tracker import LogWrapper
+from nanogns.maths import WRITER, WRITER_KEY
+from nanogns.estimators.exact import AccumulateMeasurements, MeasurementTracker
+from nanogns.runlog import LogWrapper
 
 from conftest import peak_rss, write_long_log  # noqa: E402
 
@@ -378,9 +378,9 @@ def multi_estimator_log(out_dir, steps=30, m=4, b=4, ranks=2, lr=0.2):
     from vmap, and the DDP columns of `ranks` simulated ranks (each rank's gradient the mean over
     its share of the batch) through ddpgns' own logging. Returns the per-step brute-force numbers.
     """
-    from ddpgns import GradientNoiseScale, ddp_gns_log
-    from gnshooks import add_exact_hooks, add_hooks_to_model, add_sogns_hooks, hook_measurements, zero_hook_results
-    from microbatch_gns import MicrobatchGNS
+    from nanogns.estimators.ddp import GradientNoiseScale, ddp_gns_log
+    from nanogns.estimators.hooks import add_exact_hooks, add_hooks_to_model, add_sogns_hooks, hook_measurements, zero_hook_results
+    from nanogns.estimators.microbatch import MicrobatchGNS
 
     torch.manual_seed(0)
     model, oracle = LinearLayerNormNet(), LinearLayerNormNet()  # the oracle: no hooks inside vmap
@@ -815,7 +815,7 @@ def test_help_names_the_reference_columns_and_why_they_differ():
 
 
 def test_the_reference_names_not_kept_are_refused():
-    from reference_names import ReferenceNameError
+    from nanogns.refusals import ReferenceNameError
     for name, hint in (("analyze_gns", "use analyze(load_log(out_dir)[0]"), ("compute_ema", "use debiased_ema"),
                        ("compute_total_norms", "sgn and spegn"), ("get_aligned_columns", "use find_estimators"),
                        ("unbiased_stats", "use unbiased_estimates"), ("create_plots", "use plots(")):

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import buffered
+import nanogns.layers as buffered
 from gns_fixtures import one_thread  # noqa: F401  (an autouse fixture)
 from gns_fixtures import example_sqnorms, gpt_batches, output_grad_loss, per_example_grads, sqgradnorm_sums, tiny_gpt
-from gnshooks import (add_exact_hooks, add_hooks_to_model, add_sogns_hooks, exact_linear_sqnorms,
+from nanogns.estimators.hooks import (add_exact_hooks, add_hooks_to_model, add_sogns_hooks, exact_linear_sqnorms,
                       gather_hook_results, hook_measurements, zero_hook_results)
 
 

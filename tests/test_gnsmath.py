@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-import gnsmath
+import nanogns.maths as gnsmath
 from conftest import REPO
 
 
@@ -57,7 +57,7 @@ def test_column_names():
         assert gnsmath.parse_column(col) == ("train/hooks_gns", name, col.rsplit("/", 1)[1])
     assert gnsmath.parse_column("train/lossf") is None and gnsmath.parse_column("a/b/gns") is None
     # the DDP estimator's totals: Measurement's fields, as ddp_gns_log writes them
-    import ddpgns
+    import nanogns.estimators.ddp as ddpgns
     totals = gnsmath.total_columns("ddp")
     gns = gnsmath.GradientNoiseScale()
     gns.update(4.0, 1.0, 2, 8)

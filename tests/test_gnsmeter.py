@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: F401  (one_thread, shapes_rule: autouse)
-from gnsmeter import GNSMeter
+from nanogns.meter import GNSMeter
 from loop_fixtures import (gns_columns, largest_difference, own_loop, run_readme_example, token_rows,
                            torchrun_two_ranks)
 
@@ -56,7 +56,7 @@ def test_a_step_with_accumulation_matches_one_backward_per_example():
         assert values[f"train/gns/{name}/pegn"] ** 2 == pytest.approx(small, rel=1e-4, abs=1e-12), name
     assert values["gns/total"] > 0 and values["gns/LayerNorm"] > 0
     # step() zeroed the buffers: the next step starts from nothing
-    assert all(sq.item() == 0 for _, _, sq, _ in __import__("buffered").find_sqgradnorm_buffers(model))
+    assert all(sq.item() == 0 for _, _, sq, _ in __import__("nanogns.layers", fromlist=["x"]).find_sqgradnorm_buffers(model))
 
 
 def test_the_log_is_what_gns_analysis_reads(tmp_path):
@@ -87,7 +87,7 @@ def test_a_resume_through_state_dict_continues_the_run(tmp_path):
     checkpoint = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     resumed = tiny_hf("gpt2").train()
     resumed.load_state_dict(checkpoint["model"])
-    from gnsmeter import GNSMeter as Meter
+    from nanogns.meter import GNSMeter as Meter
     meter = Meter(resumed, out_dir=str(cut))
     meter.load_state_dict(checkpoint["gns"])
     optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3, weight_decay=0.0)
@@ -266,7 +266,7 @@ def test_discard_drops_an_abandoned_micro_step_and_a_count_other_than_examples_i
     assert len(said) == 1 and "\n" not in said[0] and "12" in said[0] and "8" in said[0], said
     assert not any(k.startswith("train/gns/") for k in values)  # not measured: no invented row
     assert meter.live() == live  # nor averaged into the live GNS
-    assert all(sq.item() == 0 for _, _, sq, _ in __import__("buffered").find_sqgradnorm_buffers(model))
+    assert all(sq.item() == 0 for _, _, sq, _ in __import__("nanogns.layers", fromlist=["x"]).find_sqgradnorm_buffers(model))
 
 
 def test_the_readme_example_names_discard():
@@ -344,7 +344,7 @@ def test_the_state_is_strict_json_after_a_non_finite_step_and_keeps_the_skipped_
 
 
 def test_a_used_out_dir_is_refused_with_the_projects_exception(tmp_path):
-    from tracker import OutDirInUse
+    from nanogns.runlog import OutDirInUse
     out = tmp_path / "taken"
     own_loop(str(out), token_rows(8), batch=4, accumulation=1, steps=1, max_grad_norm=1.0)
     meter = GNSMeter(tiny_hf("gpt2").train(), out_dir=str(out))
@@ -355,7 +355,7 @@ def test_a_used_out_dir_is_refused_with_the_projects_exception(tmp_path):
 
 
 def test_a_resume_while_an_earlier_meter_of_this_process_holds_the_out_dir_says_to_close_it(tmp_path):
-    from tracker import OutDirInUse
+    from nanogns.runlog import OutDirInUse
     out = str(tmp_path / "run")
     model = tiny_hf("gpt2").train()
     interrupted = GNSMeter(model, out_dir=out)
@@ -392,7 +392,7 @@ def test_the_buffers_stay_out_of_ddps_broadcast_and_a_broadcasting_wrapper_is_re
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    import buffered
+    import nanogns.layers as buffered
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -477,7 +477,7 @@ class SequenceFirstWithPositions(SequenceFirst):
 
 
 def test_batch_dim_refusals_are_one_line():
-    import buffered
+    import nanogns.layers as buffered
     measured = buffered.measure(two_linears())
     with pytest.raises(ValueError, match="measured with batch_dim=0, not 1") as error:
         GNSMeter(measured, batch_dim=1)

@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-import buffered
-import ddpgns
-import gnsmath
-import gnstracking
+import nanogns.layers as buffered
+import nanogns.estimators.ddp as ddpgns
+import nanogns.maths as gnsmath
+import nanogns.estimators.exact as gnstracking
 from conftest import REPO
-from csv_tools import load_log
+from nanogns.logread import load_log
 from gns_fixtures import (MEASURED, ToyGPT, brute_force_norms, fill_buffers, gpt_batches, measure, per_example_grads,
                           regression_loss, tiny_gpt, train_step)
-from gnstracking import AccumulateMeasurements, Measurement, MeasurementTracker
-from reference_names import ReferenceNameError
-from tracker import LogWrapper
+from nanogns.estimators.exact import AccumulateMeasurements, Measurement, MeasurementTracker
+from nanogns.refusals import ReferenceNameError
+from nanogns.runlog import LogWrapper
 
 
 def make_model(seed=0):
@@ -488,12 +488,12 @@ REFERENCE_STYLE_SCRIPT = textwrap.dedent('''
     import json, math, sys
     import torch
     sys.path.insert(0, {root!r})
-    import layer_config as lc
-    from buffered import (PEGradNormLinear, PEGradNormEmbedding, PEGradNormSeparatedLayerNorm,
+    import nanogns.layers.config as lc
+    from nanogns.layers import (PEGradNormLinear, PEGradNormEmbedding, PEGradNormSeparatedLayerNorm,
                           zero_sqgradnorm_buffers)
-    import gnstracking
-    import ddpgns
-    from tracker import LogWrapper
+    import nanogns.estimators.exact as gnstracking
+    import nanogns.estimators.ddp as ddpgns
+    from nanogns.runlog import LogWrapper
 
     with lc.set_contextual_config(Linear=PEGradNormLinear, Embedding=PEGradNormEmbedding,
                                   LayerNorm=PEGradNormSeparatedLayerNorm):
@@ -615,8 +615,8 @@ def backward(model, micro_batches, scaler):
 def todays_run(model, steps, hooks, scaler):
     """The loop as train.py ran each estimator before the interface: the exact tracker before
     scaler.unscale_, the hooks and micro-batch ones after it, each zeroed its own way."""
-    import gnshooks
-    from microbatch_gns import MicrobatchGNS
+    import nanogns.estimators.hooks as gnshooks
+    from nanogns.estimators.microbatch import MicrobatchGNS
     logs = AccumulateMeasurements(prefix="train/gns")
     tracker = MeasurementTracker.from_model(model, callback=logs, scaler=scaler)
     live_gns = gnstracking.GradientNoiseScale(beta=0.99)
@@ -837,7 +837,7 @@ def test_the_layernorm_group_has_a_live_gns_of_its_own():
 
 
 def test_measured_groups_put_layernorm_first_when_it_is_all_that_is_measured():
-    from layer_config import classes_for_flags
+    from nanogns.layers.config import classes_for_flags
     only_ln = gnstracking.estimators_for(tiny_gpt(0, **classes_for_flags(lnclass="shim")))
     assert gnstracking.measured_groups(only_ln) == ["LayerNorm", "total"]
     no_ln = gnstracking.estimators_for(tiny_gpt(0, **classes_for_flags(linearclass="gns")))
@@ -849,7 +849,7 @@ def test_measured_groups_put_layernorm_first_when_it_is_all_that_is_measured():
 def test_the_gradients_squared_norms_from_one_multi_tensor_kernel_are_the_dots():
     """On a GPU the tracker takes every ||grad||^2 from torch._foreach_norm (one launch, not one per
     gradient); they are the per-gradient dots' numbers within float32 rounding."""
-    from gnstracking import _grad_sqnorms
+    from nanogns.estimators.exact import _grad_sqnorms
     generator = torch.Generator().manual_seed(0)
     grads = [torch.randn(shape, generator=generator) * scale
              for shape, scale in (((7,), 1e-3), ((33, 17), 1.0), ((512, 96), 30.0), ((1,), 0.0))]
@@ -864,7 +864,7 @@ def test_a_step_the_optimizer_skips_is_skipped_by_the_estimator_too():
     """One decision: the optimizer's (from the norm of every gradient, measured or not). A step it skips,
     here for a non-finite gradient of a parameter no layer measures, neither enters the live GNS nor
     gives finite cells; a step it takes does both."""
-    from pending import PendingSteps
+    from nanogns.pending import PendingSteps
     model = make_model()
     estimator, = gnstracking.estimators_for(model)
     pending = PendingSteps()

@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("accelerate")
 import transformers  # noqa: E402
 
-import buffered  # noqa: E402
+import nanogns.layers as buffered  # noqa: E402
 
 from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: E402,F401  (one_thread, shapes_rule: autouse)
-from hf_gns import GNSCallback  # noqa: E402
+from nanogns.hf import GNSCallback  # noqa: E402
 from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, largest_difference, own_loop,  # noqa: E402
                            run_readme_example, token_rows, torchrun_two_ranks)
 

@@ -26,11 +26,16 @@ def project_files(folder):
 
 
 def our_modules():
-    """{module name: file} for the top-level scripts and modules and the normgnorm package's files."""
+    """{module name: file} for the top-level scripts and modules and every file of our packages
+    (nanogns and its subpackages, the normgnorm name it keeps)."""
     found = {name[:-3]: os.path.join(REPO, name) for name in project_files(REPO)}
-    package = os.path.join(REPO, "normgnorm")
-    for name in project_files(package):
-        found["normgnorm" if name == "__init__.py" else f"normgnorm.{name[:-3]}"] = os.path.join(package, name)
+    for package in ("nanogns", "normgnorm"):
+        for folder, _, _ in os.walk(os.path.join(REPO, package)):
+            if not os.path.isfile(os.path.join(folder, "__init__.py")):
+                continue
+            dotted = os.path.relpath(folder, REPO).replace(os.sep, ".")
+            for name in project_files(folder):
+                found[dotted if name == "__init__.py" else f"{dotted}.{name[:-3]}"] = os.path.join(folder, name)
     return found
 
 
@@ -104,8 +109,8 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_our_modules_import_each_other_without_circles():
     graph = import_graph()
-    assert {"model", "checkpoint", "gnstracking", "ddpgns", "estimator", "buffered"} <= set(graph)
-    assert "checkpoint" in graph["train"] and "buffered" in graph["gnstracking"]  # the graph sees imports
+    assert {"model", "checkpoint", "nanogns.estimators.exact", "nanogns.estimators.ddp", "nanogns.layers"} <= set(graph)
+    assert "checkpoint" in graph["train"] and "nanogns.layers" in graph["nanogns.estimators.exact"]  # it sees imports
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
@@ -120,8 +125,8 @@ def test_every_module_imports_in_a_fresh_interpreter():
 
 def test_import_model_does_not_import_the_estimators():
     code = ("import sys, model\n"
-            "print(' '.join(m for m in ('gnstracking', 'estimator', 'ddpgns', 'gnshooks', 'microbatch_gns', "
-            "'checkpoint', 'tracker') if m in sys.modules))")
+            "print(' '.join(m for m in sys.modules if m.startswith('nanogns.estimators') or m in "
+            "('checkpoint', 'nanogns.runlog')))")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == ""

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch.nn as nn
 
-import layer_config as lc
-from buffered import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
+import nanogns.layers.config as lc
+from nanogns.layers import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
                       PEGradNormShimEmbedding, PEGradNormShimLinear)
 from conftest import REPO, TINY
 from fused_gns import PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm
@@ -194,8 +194,8 @@ def test_a_class_added_to_the_table_passes_the_whole_model_check(probe_in_the_ta
 SITECUSTOMIZE = """
 import sys
 sys.path.insert(0, {root!r})
-import layer_config
-from buffered import PEGradNormShimLinear
+import nanogns.layers.config as layer_config
+from nanogns.layers import PEGradNormShimLinear
 
 
 class ProbeLinear(PEGradNormShimLinear):
@@ -225,7 +225,7 @@ def test_a_class_added_to_the_table_is_a_bench_setting(tmp_path, monkeypatch):
 
 
 def test_flag_table_is_derived_from_the_registry():
-    from buffered import MEASURED_CLASSES
+    from nanogns.layers import MEASURED_CLASSES
     assert lc.FLAG_CLASSES["linearclass"] == {"nn": nn.Linear, **MEASURED_CLASSES["linear"]}
     assert lc.FLAG_CLASSES["embeddingclass"] == {"nn": nn.Embedding, **MEASURED_CLASSES["embedding"]}
     assert list(lc.FLAG_CLASSES["lnclass"]) == ["nn", *MEASURED_CLASSES["layernorm"]] == ["nn", "shim", "fused"]

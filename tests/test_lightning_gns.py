@@ -14,7 +14,7 @@ import torch
 lightning = pytest.importorskip("lightning")
 
 from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: E402,F401  (one_thread, shapes_rule: autouse)
-from lightning_gns import GNSCallback  # noqa: E402
+from nanogns.lightning import GNSCallback  # noqa: E402
 from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, largest_difference, own_loop,  # noqa: E402
                            run_readme_example, token_rows, torchrun_two_ranks)
 

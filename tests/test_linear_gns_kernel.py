@@ -17,9 +17,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-import buffered  # noqa: E402
-import linear_gns_kernel  # noqa: E402
-from linear_gns_kernel import per_example_weight_grad, plan, reference  # noqa: E402
+import nanogns.layers as buffered  # noqa: E402
+import nanogns.layers.linear_kernel as linear_gns_kernel  # noqa: E402
+from nanogns.layers.linear_kernel import per_example_weight_grad, plan, reference  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -195,7 +195,7 @@ def test_a_tied_gpt_on_the_kernel_measures_what_the_bmm_path_measures(monkeypatc
     per-example sums of every parameter (the tied weight's cross term included) and the gradients
     agree with the kernel and without it."""
     from gns_fixtures import gpt_batches, tiny_gpt
-    from layer_config import classes_for_flags
+    from nanogns.layers.config import classes_for_flags
     layers = classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="shim")
     results = {}
     for on_kernel in (False, True):
@@ -384,7 +384,7 @@ def test_kernel_compiles_for_gpus_without_spilling(arch):
     """The launches TUNING gives GPT-2 small's MLP, compiled by Triton's GPU compiler for A100
     (sm_80) and H100 (sm_90) with no GPU here: code that the interpreter runs but that does not
     lower (tl.dot's shapes and dtypes) fails, and so does a tile that spills its registers."""
-    from normgnorm.triton_aot import Launch, compile_launch
+    from nanogns.normgnorm.triton_aot import Launch, compile_launch
 
     class Recorder:
         def __init__(self):
@@ -432,7 +432,7 @@ def test_the_sweeps_tilings_compile_for_an_h100_and_only_the_widest_spill():
     bfloat16: each compiles; the 128 x 256 tiles hold two float32 accumulators of 32K values each,
     more than the registers of 8 warps, so they spill (the sweep times them all the same) and the
     others do not."""
-    from normgnorm.triton_aot import Launch, compile_launch
+    from nanogns.normgnorm.triton_aot import Launch, compile_launch
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu_check
     launches = []

@@ -24,9 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import buffered  # noqa: E402
-from buffered import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
-from csv_tools import load_log  # noqa: E402
+import nanogns.layers as buffered  # noqa: E402
+from nanogns.layers import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
+from nanogns.logread import load_log  # noqa: E402
 from gns_fixtures import tiny_hf  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
 
@@ -704,8 +704,8 @@ def test_readme_example_runs_as_written(tmp_path):
 def test_measured_llama_through_the_estimators_log_and_analysis(tmp_path):
     """estimators_for / measure_all / reset_all, gradient accumulation, log.csv and the analysis on a
     measured Llama: its RMSNorms (model.layers.N.input_layernorm: no GPT name) are the RMSNorm group."""
-    import gnstracking
-    from tracker import LogWrapper
+    import nanogns.estimators.exact as gnstracking
+    from nanogns.runlog import LogWrapper
     plain, batches, expected, _ = hf_reference("llama")
     model = measure(copy.deepcopy(plain))
     estimators = gnstracking.estimators_for(model)
@@ -765,7 +765,7 @@ def test_a_copy_of_a_measured_model_keeps_its_own_forward_state():
 def test_layer_config_built_layer_applied_twice_is_an_error_naming_it():
     # built with the measured class directly, as layer_config does (no measure(), no forward state):
     # the tracker's count check names the parameter and the likely cause
-    from gnstracking import MeasurementTracker
+    from nanogns.estimators.exact import MeasurementTracker
 
     class TwiceBuilt(Twice):
         def __init__(self):
@@ -793,7 +793,7 @@ def test_what_the_fused_kernel_cannot_take_is_left_unmeasured_with_the_reason():
 @pytest.mark.parametrize("options", [(), (("norm", "rmsnorm"), ("pos_emb", "rope"), ("tie_embeddings", False))])
 def test_our_gpt_measured_equals_our_gpt_built_measured(options):
     """measure() on a plain GPT of model.py gives what layer_config's classes give the same GPT."""
-    from layer_config import classes_for_flags, set_contextual_config
+    from nanogns.layers.config import classes_for_flags, set_contextual_config
     from model import GPT, GPTConfig
     config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=T, vocab_size=V, dropout=0.0, bias=True, **dict(options))
     torch.manual_seed(0)

@@ -8,8 +8,8 @@ import torch
 
 from gns_fixtures import one_thread  # noqa: F401  (an autouse fixture)
 from gns_fixtures import gpt_batches, gpt_loss, per_example_grads, tiny_gpt
-from microbatch_gns import MicrobatchGNS
-from stopping import leave
+from nanogns.estimators.microbatch import MicrobatchGNS
+from nanogns.stopping import leave
 
 
 def direct(model, batches):
@@ -93,7 +93,7 @@ def test_gpt_loop_with_accumulation_all_finite():
 def _ddp_worker(rank, world_size, port, out_path):
     """Two processes, two micro-steps each under no_sync, on the same 8 examples as the
     single-process run in the test; rank 0 saves its measurements."""
-    import gnshooks
+    import nanogns.estimators.hooks as gnshooks
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
     torch.distributed.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}',
@@ -124,7 +124,7 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
     """The rank rescaling: 2 processes x 2 micro-steps x 2 examples log what 1 process x 4
     micro-steps x 2 examples logs on the same examples (micro-batch and hook estimators)."""
     import socket
-    import gnshooks
+    import nanogns.estimators.hooks as gnshooks
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]

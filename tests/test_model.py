@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gns_fixtures import ARCHITECTURES, LLAMA, arch_id, one_thread  # noqa: F401  (one_thread: autouse)
-from layer_config import get_contextual_config, set_contextual_config
+from nanogns.layers.config import get_contextual_config, set_contextual_config
 from model import GPT, GPTConfig
 
 CFG = dict(block_size=16, vocab_size=65, n_layer=2, n_head=2, n_embd=32)

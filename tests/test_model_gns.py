@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from buffered import (PEGradNormEmbedding, PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding,  # noqa: E402
+from nanogns.layers import (PEGradNormEmbedding, PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding,  # noqa: E402
                       PEGradNormShimLinear, find_sqgradnorm_buffers, set_per_example_mode,
                       zero_sqgradnorm_buffers)
-from layer_config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
+from nanogns.layers.config import FLAG_CLASSES, classes_for_flags, set_contextual_config  # noqa: E402
 from gns_fixtures import ARCHITECTURES, LLAMA, TINY_GPT, arch_id, gpt_loss, sqgradnorm_sums  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
 from model import GPT, GPTConfig  # noqa: E402
@@ -295,7 +295,7 @@ def test_a_compiled_training_step_is_not_recompiled_after_the_first(flags):
     zeroing the buffers, the optimizer step) change nothing its guards watch. Dynamo's own backend, no
     code generation: a recompile is decided by the guards alone."""
     import torch._dynamo
-    import gnstracking
+    import nanogns.estimators.exact as gnstracking
     torch._dynamo.reset()
     torch.manual_seed(0)
     with set_contextual_config(**classes_for_flags(**flags)):

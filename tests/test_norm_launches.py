@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
-import normgnorm  # noqa: E402
-from normgnorm import triton_kernels  # noqa: E402
+import nanogns.normgnorm as normgnorm  # noqa: E402
+from nanogns.normgnorm import triton_kernels  # noqa: E402
 
 
 class _Compiled:

@@ -19,10 +19,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import normgnorm
+import nanogns.normgnorm as normgnorm
 from gns_fixtures import output_grad_loss, sqgradnorm_sums
-from normgnorm import cpu_ext, cuda_ext
-from normgnorm.torch_path import rms_norm_eps
+from nanogns.normgnorm import cpu_ext, cuda_ext
+from nanogns.normgnorm.torch_path import rms_norm_eps
 
 EPS = 1e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -665,11 +665,11 @@ def test_layer_norm_takes_zero_dim_buffers_only():
                                        ("normgnorm_cuda", "backend='cuda'"), ("current_dir", "normgnorm.__file__"),
                                        ("exists", "is not None")])
 def test_reference_names_not_kept_say_what_to_use(name, hint):
-    from reference_names import ReferenceNameError
+    from nanogns.refusals import ReferenceNameError
     with pytest.raises(ReferenceNameError, match=rf"normgnorm\.{name} is the reference .*: (use|write) .*{hint}"):
         exec(f"from normgnorm import {name}", {})
     assert getattr(normgnorm, "no_such_name", None) is None
-    from normgnorm import plan  # noqa: F401  (submodules still import)
+    from nanogns.normgnorm import plan  # noqa: F401  (submodules still import)
 
 
 def test_oracle_per_example_norms_by_loop():
@@ -946,7 +946,7 @@ AOT_CASES = {
 
 
 def aot_compiled(arch):
-    from normgnorm import triton_aot
+    from nanogns.normgnorm import triton_aot
     compiled = []
     for shape, dtype, bias, need_db, kwargs in AOT_CASES.values():
         launches = (triton_aot.forward_launches(shape, dtype, bias, **kwargs)
@@ -963,7 +963,7 @@ def test_triton_kernels_compile_for_gpus_without_spilling(arch):
     fails here, and so does a tile that no longer fits in registers (ptxas spills to memory).
     """
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    from normgnorm import triton_aot
+    from nanogns.normgnorm import triton_aot
     compiled = aot_compiled(arch)
     assert {c.name for _, c in compiled} == set(triton_aot.KERNELS)
     spilled = [f"{shape}: {c}" for shape, c in compiled if c.stack_bytes]
@@ -974,7 +974,7 @@ def test_triton_kernels_compile_for_gpus_without_spilling(arch):
 def test_triton_aot_records_launches_and_sees_spills():
     """The recorder leaves the real kernels in place, and a tile too big for registers is reported."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-    from normgnorm import triton_aot, triton_kernels
+    from nanogns.normgnorm import triton_aot, triton_kernels
     launches = triton_aot.backward_launches((2, 10, 40), torch.float32, target_programs=8, min_rows_per_chunk=3)
     assert [l.name for l in launches] == ["_backward_kernel"]
     assert launches[0].grid == (8,) and launches[0].kwargs["WHOLE"] is False
@@ -985,7 +985,7 @@ def test_triton_aot_records_launches_and_sees_spills():
 
 
 def test_programs_per_sm():
-    from normgnorm.triton_aot import programs_per_sm
+    from nanogns.normgnorm.triton_aot import programs_per_sm
     assert programs_per_sm(90, registers=40, num_warps=16, shared_bytes=2048) == 3   # 1280 registers a warp
     assert programs_per_sm(90, registers=76, num_warps=16, shared_bytes=8192) == 1   # 2560: 25 warps
     assert programs_per_sm(80, registers=32, num_warps=4, shared_bytes=0) == 16      # the 64-warp limit

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-import gnstracking
+import nanogns.estimators.exact as gnstracking
 from gns_fixtures import brute_force_norms, regression_loss, train_step
-from pending import PendingSteps
+from nanogns.pending import PendingSteps
 from test_gnstracking import make_batch, make_model
 
 

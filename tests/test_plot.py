@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tracker import LogWrapper
+from nanogns.runlog import LogWrapper
 
 from conftest import peak_rss, write_long_log  # noqa: E402
 
@@ -131,7 +131,7 @@ def test_the_reference_command_line(run_dir, capsys):
 
 
 def test_the_reference_plot_metric_is_refused():
-    from reference_names import ReferenceNameError
+    from nanogns.refusals import ReferenceNameError
     with pytest.raises(ReferenceNameError, match="plot_metric .* use csv_tools.figure"):
         plot_tool.plot_metric
     with pytest.raises(AttributeError):

@@ -4,7 +4,7 @@ import types
 import pytest
 import torch.nn as nn
 
-from reference_names import ReferenceNameError, refuse_module_names, refused
+from nanogns.refusals import ReferenceNameError, refuse_module_names, refused
 
 
 def test_a_refused_module_name_says_what_to_use_on_import_and_on_access(monkeypatch):

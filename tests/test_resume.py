@@ -29,7 +29,7 @@ FLAGS = [*TINY, "--dropout=0.1", "--gradient_accumulation_steps=2", "--eval_inte
 SLOW_ROWS = """
 import sys, time
 sys.path.insert(0, {root!r})
-import tracker
+import nanogns.runlog as tracker
 step = tracker.LogWrapper.step
 def slow_step(self):
     step(self)

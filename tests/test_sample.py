@@ -20,7 +20,7 @@ import torch
 from conftest import REPO, TINY, run_train
 from gns_fixtures import LLAMA
 from test_data import fallback_only, gpt2_ranks, pip_fails  # noqa: F401  (gpt2_ranks is a fixture)
-from layer_config import classes_for_flags, set_contextual_config
+from nanogns.layers.config import classes_for_flags, set_contextual_config
 from model import GPT, GPTConfig
 
 SAMPLE = os.path.join(REPO, "sample.py")

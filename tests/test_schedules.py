@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-import schedules
-from schedules import (MAX_SCHEDULE_BYTES, GradAccumSchedule, format_schedule, lr_at, max_accumulation_steps,
+import nanogns.schedules as schedules
+from nanogns.schedules import (MAX_SCHEDULE_BYTES, GradAccumSchedule, format_schedule, lr_at, max_accumulation_steps,
                        parse_schedule, read_schedule_file, steps_at)
 
 

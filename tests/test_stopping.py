@@ -9,7 +9,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from stopping import StopSignals, diverged_message, log_step_or_stop, stopped_message  # noqa: E402
+from nanogns.stopping import StopSignals, diverged_message, log_step_or_stop, stopped_message  # noqa: E402
 
 
 @pytest.fixture
@@ -69,7 +69,7 @@ def test_the_diverged_message_says_what_was_skipped_and_what_ckpt_pt_keeps():
 
 def test_a_failed_log_write_stops_the_run_with_code_1_and_its_row_dropped(tmp_path, capsys):
     import errno
-    from tracker import LogWrapper, LogWriteError
+    from nanogns.runlog import LogWrapper, LogWriteError
 
     class FullDisk(LogWrapper):
         def step(self):
@@ -93,7 +93,7 @@ def test_a_failed_log_write_stops_the_run_with_code_1_and_its_row_dropped(tmp_pa
 GLOO_CALLBACK_AT_EXIT = """
 import os, sys, threading, time, torch, torch.distributed as dist
 sys.path.insert(0, {repo!r})
-from stopping import leave
+from nanogns.stopping import leave
 dist.init_process_group("gloo", init_method="file://" + {store!r}, rank=0, world_size=1)
 running = threading.Event()
 def busy(fut):  # on a gloo thread: keeps releasing the GIL and taking it back, for 3 s
@@ -118,7 +118,7 @@ def test_a_torchrun_rank_leaves_with_its_code_while_gloo_threads_still_run(tmp_p
 IN_A_LONG_CALL = """
 import os, sys, time, torch
 sys.path.insert(0, {repo!r})
-import stopping
+import nanogns.stopping as stopping
 stopping.FORWARDED_REPEAT_S = {window}
 s = stopping.StopSignals(announce={announce}, checkpoint_held=lambda: 'iter 7', distributed={distributed})
 a = torch.randn(2000, 2000) / 60

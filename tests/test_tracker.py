@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-import tracker as tracker_module
-from csv_tools import load_log
-from gnsmath import WRITER, WRITER_KEY
-from reference_names import ReferenceNameError
-from tracker import LogWrapper, LogWriteError, NotALogError, transform_format_string
+import nanogns.runlog as tracker_module
+from nanogns.logread import load_log
+from nanogns.maths import WRITER, WRITER_KEY
+from nanogns.refusals import ReferenceNameError
+from nanogns.runlog import LogWrapper, LogWriteError, NotALogError, transform_format_string
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +140,7 @@ def test_a_crash_during_a_header_rewrite_leaves_the_old_file_whole(tmp_path, mon
 CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from tracker import LogWrapper
+    from nanogns.runlog import LogWrapper
     log = LogWrapper(out_dir={out!r}, resume_step={resume})
     for step in range({start}, 10 ** 9):
         row = {{"iter_num": step, "loss": step / 7}}
@@ -424,7 +424,7 @@ def test_reference_csv_machinery_is_refused_with_what_to_use(tmp_path, name, hin
 
 def test_module_exists_is_refused():
     with pytest.raises(ReferenceNameError, match=r"tracker\.exists .*is not None"):
-        from tracker import exists  # noqa: F401
+        from nanogns.runlog import exists  # noqa: F401
     assert not hasattr(tracker_module, "something_else")
 
 
@@ -458,7 +458,7 @@ def test_each_row_is_appended_with_one_write_of_the_whole_line(tmp_path, monkeyp
 KILLED_MID_WRITE = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
-    import tracker
+    import nanogns.runlog as tracker
     log = tracker.LogWrapper(out_dir={out!r})
     write = os.write
 
@@ -828,7 +828,7 @@ def test_a_missing_or_empty_log_says_which_steps_are_gone(tmp_path, content):
 
 
 def test_log_for_run_writes_the_config_and_layer_kinds_and_nothing_with_eval_only(tmp_path):
-    from tracker import log_for_run
+    from nanogns.runlog import log_for_run
     config = dict(out_dir=str(tmp_path / "out"), eval_only=False, wandb_log=False, wandb_project="owt",
                   wandb_run_name="gpt2")
     for resume_step, lr in ((None, 0.1), (1, 0.2)):  # a resumed run's rows follow the kept ones
@@ -981,7 +981,7 @@ def test_a_row_that_is_not_one_csv_row_is_reported_for_what_it_is(tmp_path, raw,
 
 
 def test_read_text_file_reads_only_a_regular_file_and_only_so_much(tmp_path):
-    from tracker import read_text_file
+    from nanogns.runlog import read_text_file
     (tmp_path / "prompt.txt").write_text("héllo", encoding="utf-8")
     assert read_text_file(str(tmp_path / "prompt.txt"), 6) == "héllo"
     with pytest.raises(ValueError, match="larger than 5 bytes"):

@@ -98,7 +98,7 @@ def test_resume_continues_iter_num_and_tokens_exactly(tiny_dataset, tmp_path):
     assert ckpt['iter_num'] == 8 and ckpt['model']['tokens_processed'].item() == 8 * 2 * 4 * 16
     # log.csv holds both runs, once each: steps 0-7, each with its GNS; the final evaluations of
     # both runs sit on their last steps' rows (4 and 7) and the one at 5 on step 5's
-    from csv_tools import load_log
+    from nanogns.logread import load_log
     df = load_log(out)[0]
     assert df.step.tolist() == list(range(8)) and (df.iter_num == df.step).all()
     assert df.tokens_processed.tolist() == [i * 2 * 4 * 16 for i in range(1, 9)]
@@ -571,7 +571,7 @@ def test_the_llama_style_config_trains_measures_and_resumes_as_itself(tiny_datas
     """config/train_shakespeare_char_llama_cpu.py for two iterations (the demo's model, little evaluation),
     then two more from its checkpoint with GPT-2's architecture on the command line: the checkpoint's wins."""
     from gns_fixtures import LLAMA
-    from layer_config import classes_for_flags
+    from nanogns.layers.config import classes_for_flags
     out = tmp_path / "out"
     step = 12 * 64  # the config's tokens per iteration
     common = [LLAMA_CONFIG, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_iters=1", "--eval_interval=2",

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository root
-from tracker import atomic_write  # noqa: E402  (every file written whole goes through it)
+from nanogns.runlog import atomic_write  # noqa: E402  (every file written whole goes through it)
 
 # `datasets`, `tiktoken` and `tqdm` are imported where they are used, so that --help is instant.
 

@@ -28,9 +28,9 @@ import math
 
 import torch
 
-from buffered import allreduce_buffers, layer_kinds, register_coordinate_buffers
-from estimator import Estimator, current_scale, unwrap
-from gnsmath import EMA_BETA, NORM_KINDS, PREFIXES, GradientNoiseScale, parameter_columns
+from nanogns.layers import allreduce_buffers, layer_kinds, register_coordinate_buffers
+from nanogns.estimators.base import Estimator, current_scale, unwrap
+from nanogns.maths import EMA_BETA, NORM_KINDS, PREFIXES, GradientNoiseScale, parameter_columns
 
 
 class AdamGNS(Estimator):

@@ -29,7 +29,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from gnsmath import LOG_NAME, X_COLUMNS
+from nanogns.maths import LOG_NAME, X_COLUMNS
 REFERENCE_PAIR = ("log_header.csv.tmp", "log_data.csv.tmp")  # the reference's log while its run lasts
 TENSOR_CELL = re.compile(r"^\s*tensor\(\s*([^,()\s]+)\s*(?:,[^()]*)?\)\s*$")
 _EXTRA = "\0cells beyond the header"  # a column no header has: catches rows longer than the header

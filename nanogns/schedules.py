@@ -8,7 +8,7 @@ batch sizes follow the same schedule.
 import math
 import os
 
-from tracker import atomic_write, read_text_file
+from nanogns.runlog import atomic_write, read_text_file
 
 # A schedule is a few lines. A bigger file is a mistake (a log or a dataset copied over it):
 # refused unread, so it can neither stall a step nor fill the log.
@@ -308,7 +308,7 @@ def controller_for_run(config, estimators, world_size, ddp_device=None, checkpoi
     from a checkpoint's state. Without a measured GNS the batch stays at bs_min_accum (said once).
     Raises ValueError for a group that is not measured.
     """
-    import gnstracking
+    import nanogns.estimators.exact as gnstracking
     measured = gnstracking.measured_groups(estimators)
     group = config['bs_gns_group'] or (measured[0] if measured else 'total')
     if measured and group not in measured:

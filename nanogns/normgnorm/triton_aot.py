@@ -9,7 +9,7 @@ Launches are recorded, not run: the launchers are called on meta tensors of the 
 and dtypes with the kernels swapped for recorders, and each recorded call is specialised the
 way a real launch is (Triton's own argument binder: dtypes, 16-byte alignment, divisibility).
 
-    from normgnorm import triton_aot
+    from nanogns.normgnorm import triton_aot
     for launch in triton_aot.backward_launches((8, 2048, 768), torch.bfloat16, sm_count=132):
         print(triton_aot.compile_launch(launch, arch=90))
 """

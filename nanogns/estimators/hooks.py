@@ -23,9 +23,9 @@ from collections import namedtuple
 import torch
 import torch.nn as nn
 
-from buffered import linear_sqnorms
-from estimator import Estimator, current_scale, distributed_world_size
-from gnsmath import PREFIXES, parameter_columns
+from nanogns.layers import linear_sqnorms
+from nanogns.estimators.base import Estimator, current_scale, distributed_world_size
+from nanogns.maths import PREFIXES, parameter_columns
 
 # (name, parameter, sum of per-example squared norms as the layer saw them [float32 0-dim
 #  tensor], example count [int], SOGNS surrogate big-batch gradient [L-vector] or None where

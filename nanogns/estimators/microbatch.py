@@ -12,8 +12,8 @@ GradScaler scale s, the mean squared norm of the micro-batch mean gradients is
 """
 import torch
 
-from estimator import Estimator, current_scale, distributed_world_size
-from gnsmath import PREFIXES, parameter_columns
+from nanogns.estimators.base import Estimator, current_scale, distributed_world_size
+from nanogns.maths import PREFIXES, parameter_columns
 
 
 class MicrobatchGNS:

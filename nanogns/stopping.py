@@ -137,7 +137,7 @@ def log_step_or_stop(logger, distributed=False, norm_methods=None, row=None):
     """logger.log(row), given, then logger.step() and, given, the measured Linears' norm_methods
     (logger.record_norm_methods); a failed write (a full disk) ends the run with code 1: log.csv
     keeps its complete rows, from which the run resumes."""
-    from tracker import LogWriteError  # here: this module loads before the slow imports
+    from nanogns.runlog import LogWriteError  # here: this module loads before the slow imports
     if row is not None:
         logger.log(row)
     try:

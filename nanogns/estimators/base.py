@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from gnsmath import KINDS
+from nanogns.maths import KINDS
 
 
 class Estimator:

@@ -1,0 +1,1 @@
+"""The gradient noise scale estimators."""

@@ -1,0 +1,541 @@
+"""
+What a training run measures the gradient noise scale with: the exact per-example estimator and
+the small interface every estimator offers train.py's loop. The maths (McCandlish et al. 2018,
+App. A: the unbiased estimates, their bias-corrected EMA) and log.csv's column names are
+gnsmath.py's, imported here.
+
+The exact per-example estimator (b = 1) reads, after the last micro-step and before
+scaler.unscale_ and clipping, |G_B|^2 = ||p.grad||^2 and the per-example-norm buffers
+(buffered.py), which hold S = sum_b ||g_b / B||^2, so |G_1|^2 = B S. Under DDP over W ranks each
+rank's layers see its own mean loss; once buffers and counts are summed over ranks,
+|G_1|^2 = B S / W^2 (under FSDP too; there p.grad is each rank's shard and |G_B|^2 the sum over
+ranks of the shards' squares). Under a float16 GradScaler gradients carry s and buffers s^2.
+
+Every estimator (ExactGNS here, ddpgns.DDPGNS, microbatch_gns.MicrobatchEstimator,
+gnshooks.HooksEstimator) is an estimator.Estimator; estimators_for() builds a run's list:
+
+    estimators = estimators_for(raw_model, ddp_model=model if ddp else None, world_size=W,
+                                hooks='none', microbatch=False)
+    ... micro-steps: scaler.scale(loss / grad_accum_steps).backward()
+    row = measure_all(estimators, iter_num, B, scaler)   # every rank, before scaler.unscale_
+    ... scaler.unscale_, clipping, scaler.step, scaler.update, zero_grad
+    reset_all(estimators)
+    ... logger.log(row); print(f"... {status_line(estimators)}")
+"""
+import math
+
+import torch
+
+import nanogns.estimators.adam as adamgns
+import nanogns.estimators.ddp as ddpgns
+import nanogns.estimators.hooks as gnshooks
+import nanogns.estimators.microbatch as microbatch_gns
+from nanogns.layers import (agree_linear_norm_methods, all_sqgradnorm_buffers, allreduce_buffers, find_sqgradnorm_buffers,
+                      layer_kinds, linear_norm_methods, measured_linears, set_linear_norm_methods, sum_of_squares)
+# the interface every estimator offers, from its leaf module (importable from here, as before)
+from nanogns.estimators.base import Estimator, Measurement, current_scale, distributed_world_size, unwrap  # noqa: F401
+# the maths and the column names, from their torch-free home; imported here by the estimators
+from nanogns.maths import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
+                     layer_kind, layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
+from nanogns.refusals import ReferenceNameError, refuse_module_names, refused
+
+# ---------------------------------------------------------------------------------------------
+# The exact per-example estimator's measurements
+
+def _grad_sqnorms(grads, device, foreach=None):
+    """||grad||^2 of each gradient, float32 0-dim tensors on `device`. FSDP's gradients are DTensor
+    shards: each rank squares its own shard and one all-reduce of them all sums the ranks' squares
+    (never a gather of the full gradients). foreach (default: on a GPU): all the norms from one
+    multi-tensor kernel, where a launch per gradient costs host time each step; on the CPU one dot
+    each (sum_of_squares: more precise there)."""
+    mesh = getattr(grads[0], "device_mesh", None)
+    foreach = device.type == "cuda" if foreach is None else foreach
+    if mesh is None and foreach and all(g.dtype == torch.float32 and g.device == device for g in grads):
+        norms = torch.stack(torch._foreach_norm(grads))
+        return list((norms * norms).unbind())
+    if mesh is None:
+        return [sum_of_squares(g).to(device) for g in grads]
+    if not all(pl.is_shard() for g in grads for pl in g.placements):
+        raise ValueError("the gradients are DTensors that are not sharded (FSDP shards them): "
+                         "summing each rank's squares would count them more than once")
+    squares = torch.stack([sum_of_squares(g.to_local()).to(device) for g in grads])
+    torch.distributed.all_reduce(squares, group=mesh.get_group())
+    return list(squares.unbind())
+
+
+class MeasurementTracker:
+    """
+    Reads, once per optimizer step, every measured parameter's gradient and per-example-norm
+    buffer, and emits one Measurement per parameter.
+
+    entries: list of (name, parameter, sqgradnorm buffer, count buffer), as returned by
+        buffered.find_sqgradnorm_buffers; from_model() finds them.
+    callback: None, a callable, or a list of callables; each is called with every Measurement.
+        A callback may return a replacement Measurement (or any object) to be returned by step()
+        in place of the original; at most one callback may do so per measurement.
+    scaler: the torch.amp.GradScaler in use, if any; its scale s is divided out (grads carry s,
+        buffers s^2). A disabled scaler is the same as none.
+    world_size: number of DDP ranks whose buffers and counts have been summed (all-reduced)
+        before step() is called; 1 without DDP.
+
+    measurements: every Measurement kept, over all steps: each one when there is no callback,
+        else what a callback returned (train.py's AccumulateMeasurements returns nothing, so it
+        stays empty). Without a callback it grows by one per parameter per step: clear it.
+    step_count: the calls to step() so far; the default "step" in the metadata.
+    skipped_steps: steps with an inf/nan gradient or buffer (see step()).
+
+    Zeroing: step() zeroes every buffer it tracks after reading it, on every call, including
+    steps it skips. On an optimizer step where step() is not called, the caller must call
+    buffered.zero_sqgradnorm_buffers(model) instead, or the next step sees two steps' sums
+    (which step() then reports as a count mismatch).
+    """
+
+    def __init__(self, entries, callback=None, scaler=None, world_size=1):
+        entries = list(entries)
+        if not all(isinstance(e, (tuple, list)) and len(e) == 4 for e in entries):
+            raise ValueError("MeasurementTracker entries are (name, parameter, sqgradnorm buffer, count buffer) "
+                             "tuples, as buffered.find_sqgradnorm_buffers returns; or use MeasurementTracker.from_model")
+        self.entries = entries
+        self.callback = callback
+        self.scaler = scaler
+        self.world_size = int(world_size)
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.step_count = 0
+        self.skipped_steps = 0
+        self.measurements = []
+        # the count buffer is shared by all parameters of a module: zero each buffer once
+        unique = {}
+        for _, _, sq, count in self.entries:
+            unique[id(sq)], unique[id(count)] = sq, count
+        self._buffers = list(unique.values())
+
+    @classmethod
+    def from_model(cls, model, callback=None, enforce_coverage=False, scaler=None, world_size=1):
+        """
+        Track every trainable parameter of `model` (or of the model inside a DDP/compile wrapper)
+        that has buffers. enforce_coverage: raise a ValueError if a trainable parameter has none.
+        """
+        model = unwrap(model)
+        entries = find_sqgradnorm_buffers(model)
+        if not entries:
+            raise ValueError("the model has no per-example gradient norm buffers: build it with the "
+                             "per-example-norm layer classes (layer_config.set_contextual_config)")
+        if enforce_coverage:
+            measured = {id(p) for _, p, _, _ in entries}
+            for name, p in model.named_parameters():
+                if p.requires_grad and id(p) not in measured:
+                    raise ValueError(f"enforce_coverage: the trainable parameter {name} has no per-example "
+                                     f"gradient norm buffer (its layer is not a per-example-norm class, or it is "
+                                     f"a tied weight only one of whose layers measures)")
+        return cls(entries, callback=callback, scaler=scaler, world_size=world_size)
+
+    @property
+    def names(self):
+        """The tracked parameters' names, in model.named_parameters() order."""
+        return [name for name, _, _, _ in self.entries]
+
+    @torch.no_grad()
+    def step(self, batch_size=None, step=None):
+        """
+        Measure the current gradients and buffers; returns this step's list of Measurements.
+
+        Call after the last micro-step's backward (and the DDP all-reduce of the buffers), before
+        scaler.unscale_ and gradient clipping. batch_size is B, the examples in the whole
+        optimizer step over all ranks and micro-steps; every buffer's count must equal it
+        (default: take B from the counts). step goes into the metadata (default: step_count,
+        the number of earlier calls). Parameters without a gradient or with a zero count this
+        step are left out.
+
+        A step with an inf/nan gradient or buffer (float16 overflow, which GradScaler skips too,
+        or a diverged run) is counted in skipped_steps and still gives every parameter its
+        Measurement, with inf norms and the real batch size: each log row keeps its GNS cells
+        (readers check one batch size per row), and a sum of squared norms over the step is
+        inf or nan, never a number that silently leaves something out.
+        """
+        values, finish = self.collect(batch_size, step)
+        return finish(values.tolist() if values is not None else [])
+
+    @torch.no_grad()
+    def collect(self, batch_size=None, step=None, skipped=None):
+        """step()'s reads, kept on the device: (values, finish), where values is one float32 device
+        tensor of everything step() reads (None when no parameter has a gradient) and finish(host),
+        given values.tolist(), returns step()'s Measurements. The buffers are zeroed now, so a
+        training loop may read the values of several steps at once, later, and finish them in order.
+        skipped: the optimizer's decision, a 0-dim device tensor (non-zero: it skips this step), so
+        that a step it skips is skipped here too, whatever made its gradient non-finite (a
+        parameter this tracker does not measure, say)."""
+        step = self.step_count if step is None else step
+        self.step_count += 1
+        live = [(n, p, sq, count) for n, p, sq, count in self.entries if p.grad is not None]
+        if not live:
+            self._zero_buffers()
+            return None, lambda host: []
+        # everything in one tensor: one device-to-host copy, whenever it is read
+        scale = current_scale(self.scaler)
+        device = live[0][1].grad.device
+        values = _grad_sqnorms([p.grad for _, p, _, _ in live], device)
+        values += [sq.to(device) for _, _, sq, _ in live]
+        values += [count.to(device) for _, _, _, count in live]
+        if isinstance(scale, torch.Tensor):
+            values.append(scale.to(device=device, dtype=torch.float32).reshape(()))
+        if skipped is not None:
+            local = skipped.to_local() if hasattr(skipped, "to_local") else skipped  # FSDP: a replicated DTensor
+            values.append(local.to(device=device, dtype=torch.float32).reshape(()))
+        values = torch.stack(values)
+        self._zero_buffers()
+        names = [name for name, _, _, _ in live]
+        return values, lambda host: self._finish(names, host, scale, batch_size, step, skipped is not None)
+
+    def _finish(self, names, host, scale, batch_size, step, decided):
+        n = len(names)
+        grad_sqnorms, sq_sums, counts = host[:n], host[n:2 * n], host[2 * n:3 * n]
+        if isinstance(scale, torch.Tensor):
+            scale = host[3 * n]
+        skipped = decided and host[-1] != 0
+        finite = (all(math.isfinite(v) for v in grad_sqnorms + sq_sums) and math.isfinite(scale) and scale > 0
+                  and not skipped)
+        if not finite:
+            self.skipped_steps += 1
+
+        measurements = []
+        for name, grad_sqnorm, sq_sum, count in zip(names, grad_sqnorms, sq_sums, counts):
+            if count == 0:
+                continue  # module not run this step: no per-example information
+            B = int(round(count)) if batch_size is None else int(batch_size)
+            if count != B:
+                times = count / B if B and count > B and count % B == 0 else None
+                twice = (f"was its layer applied {times:g} times in one forward (a per-example norm would need the "
+                         f"cross terms between the uses: not measured)? or " if times else "")
+                raise ValueError(
+                    f"{name}: the buffers counted {count:g} examples but batch_size={B}; {twice}were the buffers "
+                    f"zeroed after the previous step, and under DDP were the counts summed over ranks?")
+            big_norm = small_norm = math.inf
+            if finite:
+                # grads carry the loss scale s, buffers s^2; see the module docstring for B / W^2
+                big_norm = math.sqrt(grad_sqnorm / scale ** 2)
+                small_norm = math.sqrt(max(B * (sq_sum / scale ** 2) / self.world_size ** 2, 0.0))
+            m = Measurement(big_batch_norm=big_norm, small_batch_norm=small_norm, big_batch_size=B,
+                            small_batch_size=1, metadata={"name": name, "step": step})
+            measurements.append(self._run_callbacks(m))
+        return measurements
+
+    def _run_callbacks(self, m):
+        if not self.callback:  # None or an empty list
+            self.measurements.append(m)
+            return m
+        callbacks = self.callback if isinstance(self.callback, (list, tuple)) else [self.callback]
+        kept = None
+        for callback in callbacks:
+            result = callback(m)
+            if result is not None:
+                if kept is not None:
+                    raise ValueError("more than one callback returned a value for the same measurement; "
+                                     "at most one may (the others must return None)")
+                kept = result
+        if kept is None:
+            return m
+        self.measurements.append(kept)
+        return kept
+
+    def _zero_buffers(self):
+        if self._buffers:
+            torch._foreach_zero_(self._buffers)  # one call for all of them
+
+    # the reference implementation's constructor and attributes, not kept here: refused by name
+    def __new__(cls, entries=(), *args, **keywords):
+        _refuse_reference_constructor(entries, keywords)
+        return super().__new__(cls)
+
+    params_and_buffers = refused("MeasurementTracker.params_and_buffers",
+                                 "use .entries: (name, parameter, sqgradnorm buffer, count buffer) per parameter")
+    indexes = refused("MeasurementTracker.indexes", "use .names (the parameters' names) or .entries")
+    shared_params = refused("MeasurementTracker.shared_params",
+                            "a tied weight is tracked once, under its first name, with the exact per-example norm "
+                            "of its summed gradient (buffered.tie_weights)")
+
+
+class AccumulateMeasurements:
+    """
+    Callback that collects one step's measurements as a flat dict for the logger:
+
+        {prefix}{name}/norm        |G_B|, the big-batch gradient norm
+        {prefix}{name}/pegn        |G_1| = sqrt(mean_b ||g_b||^2), the per-example gradient norm
+        {prefix}{name}/batch_size  B
+        {prefix}{name}/small_batch_size  b, only where it is not 1
+
+    e.g. train/gns/transformer.h.0.ln_1.weight/norm (column()), with a '/' added to a prefix that
+    does not end in one. pop() (or get_msg()) returns the dict `msg` and starts a new one; a measurement
+    from a new step (its metadata "step", kept in `step`) also starts a new one, so a missed
+    pop() never leaks stale values into the next step's row.
+    """
+
+    def __init__(self, prefix="train/gns/"):
+        self.prefix = prefix
+        self.msg = {}
+        self.step = None
+
+    def __call__(self, m):
+        step = m.metadata.get("step")
+        if step != self.step:
+            self.msg, self.step = {}, step
+        # a small batch of b > 1 must be written down, or a reader takes the pegn for b = 1's
+        small = m.small_batch_size if m.small_batch_size != 1 else None
+        self.msg.update(parameter_columns(self.prefix, m.metadata["name"], m.big_batch_norm, m.small_batch_norm,
+                                          m.big_batch_size, small))
+        return None
+
+    def pop(self):
+        msg, self.msg = self.msg, {}
+        return msg
+
+    # the reference implementation's name for pop()
+    def get_msg(self):
+        """pop(), under the reference implementation's name."""
+        return self.pop()
+
+
+class ExactGNS(Estimator):
+    """
+    The exact per-example estimator (b = 1): every parameter whose layer keeps per-example-norm
+    buffers (buffered.py), read by a MeasurementTracker, the buffers first summed over the DDP
+    ranks when world_size > 1. Its live GNS, for the status line, is an EMA (beta EMA_BETA) of the
+    estimates from the totals over all measured parameters, carried across a resume; and one of
+    the normalisation group's alone when it has measured LayerNorms or RMSNorms (live_gns() reads
+    either; the group is called 'LayerNorm' there, --bs_gns_group's value, whichever they are).
+    Under DDP each rank's measured Linears time their own ghost/materialise choice (buffered.py's
+    per_example_mode "auto"); measure() then gives every rank rank 0's, in one broadcast of them
+    all, on the step in which a layer first chose (the same step on every rank, which run the same
+    layers on the same shapes).
+    """
+    name = PREFIXES["exact"]
+    label = "gns"
+
+    def __init__(self, model, world_size=1, beta=EMA_BETA):
+        self.model = unwrap(model)
+        self.logs = AccumulateMeasurements(prefix=self.name)
+        self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
+        # every buffer, the untracked ones too (a layer whose parameters are frozen, or shared): found once,
+        # as the tracker's entries are, not by a walk over the model's modules twice a step
+        self.buffers = all_sqgradnorm_buffers(self.model)
+        self.gns = GradientNoiseScale(beta=beta)
+        self.groups = {"total": self.gns}
+        kinds = layer_kinds(self.model)  # as measured, not by name: any model's normalisation layers
+        self.norm_names = {n for n in self.tracker.names if layer_kind(n, kinds) in NORM_KINDS}
+        if self.norm_names:
+            self.groups["LayerNorm"] = GradientNoiseScale(beta=beta)
+        self.linears = [layer for _, layer in measured_linears(self.model)]
+        self.agreed_methods = None  # how many Linears had a method when the ranks last agreed on them
+
+    @property
+    def skipped_steps(self):
+        return self.tracker.skipped_steps
+
+    def measure(self, step, examples, scaler):
+        values, finish = self.collect(step, examples, scaler)
+        return finish(values.tolist() if values is not None else [])
+
+    def collect(self, step, examples, scaler, skipped=None):
+        if self.tracker.world_size > 1:
+            allreduce_buffers(self.buffers)  # the global batch's sums, not one rank's
+            methods = sum(layer.norm_method is not None for layer in self.linears)
+            if methods != self.agreed_methods:  # a layer chose this step: rank 0's choices for all
+                agree_linear_norm_methods(self.model)
+                self.agreed_methods = sum(layer.norm_method is not None for layer in self.linears)
+        self.tracker.scaler = scaler
+        values, finish = self.tracker.collect(batch_size=examples, step=step, skipped=skipped)
+        return values, lambda host: self._finish(finish(host), examples)
+
+    def _finish(self, measurements, examples):
+        if examples is None and measurements:  # B from the layers' own example counts, which must agree
+            by_count = {}
+            for m in measurements:
+                by_count.setdefault(m.big_batch_size, []).append(m.metadata["name"])
+            if len(by_count) > 1:
+                seen = "; ".join(f"{count} by {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+                                 for count, names in by_count.items())
+                raise ValueError(f"the measured layers counted different numbers of examples this step ({seen}): "
+                                 f"pass the step's batch size, or see which layer ran on other inputs")
+            examples = measurements[0].big_batch_size
+        if measurements and examples > 1:  # one example: no small batch below it
+            for group, gns in self.groups.items():
+                members = [m for m in measurements if group == "total" or m.metadata["name"] in self.norm_names]
+                gns.update(sum(m.small_batch_norm ** 2 for m in members),
+                           sum(m.big_batch_norm ** 2 for m in members), 1, examples)
+        return self.logs.pop()
+
+    def reset(self):
+        torch._foreach_zero_(self.buffers)
+
+    def state_dict(self):
+        return {**self.gns.state_dict(), "skipped_steps": self.tracker.skipped_steps}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        self.tracker.skipped_steps = int(state.pop("skipped_steps", 0))  # older checkpoints: none counted
+        self.gns.load_state_dict(state)
+
+
+def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch=False, checkpoint=None, fsdp=False,
+                   adam_optimizer=None):
+    """
+    The estimators of a run, in the order their columns go into log.csv: the exact per-example one
+    whenever `model` (the plain model, or its DDP/compile wrapper) has per-example-norm layers; the
+    Linear hooks ('exact' or 'sogns', gnshooks.py) and the micro-batch one (microbatch_gns.py) when
+    asked; the DDP one (ddpgns.py, on ddp_model, the DistributedDataParallel wrapper) when
+    world_size > 1. Build it after the DDP wrapper, before the first forward; the hooks go on the
+    model's modules and parameters. With a checkpoint dict, their states resume (load_states).
+    fsdp: the model is sharded with FSDP2 over world_size ranks: no DDP estimator (its comm hook is
+    DDP's), the exact one all-reduces its buffers and squares the gradient shards (_grad_sqnorms).
+    adam_optimizer: the run's Adam(W), for the Adam-preconditioned GNS of the normalisation layers
+    (adamgns.py), after the exact one; None: not measured.
+    """
+    choices = ("none", *gnshooks.ADD_HOOKS)
+    if hooks not in choices:
+        raise ValueError(f"hooks={hooks!r} is not one of {', '.join(choices)}")
+    if world_size > 1 and ddp_model is None and not fsdp:
+        raise ValueError(f"world_size={world_size}: the DDP estimator needs the DistributedDataParallel model "
+                         f"(ddp_model=...)")
+    model = unwrap(model)
+    estimators = []
+    if find_sqgradnorm_buffers(model):
+        estimators.append(ExactGNS(model, world_size))
+    if hooks != "none":
+        estimators.append(gnshooks.HooksEstimator(model, hooks))
+    if microbatch:
+        estimators.append(microbatch_gns.MicrobatchEstimator(model))
+    if adam_optimizer is not None:
+        estimators.append(adamgns.AdamGNS(model, adam_optimizer, world_size))
+    if world_size > 1 and not fsdp:
+        estimators.append(ddpgns.DDPGNS(ddp_model))
+    if checkpoint is not None:
+        load_states(estimators, checkpoint)
+    return estimators
+
+
+def measure_all(estimators, step, examples, scaler):
+    """Every estimator's measure() (see Estimator), their columns in one dict, in order."""
+    row = {}
+    for e in estimators:
+        row.update(e.measure(step, examples, scaler))
+    return row
+
+
+def collect_all(estimators, step, examples, scaler, skipped=None):
+    """measure_all() with the reads left on the device: every estimator's collect() (see Estimator),
+    for a pending.PendingSteps that reads them with the loop's other values when it logs. skipped:
+    the optimizer's decision for this step (a 0-dim device tensor, non-zero when it skips), which
+    the exact estimator follows: a step the optimizer skips never enters its live GNS."""
+    return [e.collect(step, examples, scaler, skipped) for e in estimators]
+
+
+def reset_all(estimators):
+    for e in estimators:
+        e.reset()
+
+
+def status_line(estimators):
+    """The estimators' parts of the status line, e.g. 'gns 12.3, ddp gns 11.9' ('' if none)."""
+    return ", ".join(s for s in (e.status() for e in estimators) if s)
+
+
+def live_gns(estimators, group="total"):
+    """(GNS, steps its EMA has averaged) of the exact estimator's live EMA for `group` ('total' or
+    'LayerNorm'); (nan, 0) when nothing measures that group."""
+    for e in estimators:
+        if group == "adam" and isinstance(e, adamgns.AdamGNS) or isinstance(e, ExactGNS) and group in e.groups:
+            gns = e.gns if group == "adam" else e.groups[group]
+            updates = math.log(gns.beta_cumprod) / math.log(gns.beta) if gns.beta_cumprod > 0 else math.inf
+            return gns.get_gns(), round(updates)
+    return float("nan"), 0
+
+
+def measured_groups(estimators):
+    """The groups live_gns() can read: 'total' and 'LayerNorm' (when measured), or none; 'LayerNorm'
+    first when the LayerNorms are all that is measured."""
+    adam = ["adam"] if any(isinstance(e, adamgns.AdamGNS) for e in estimators) else []
+    for e in estimators:
+        if isinstance(e, ExactGNS):
+            groups = list(e.groups)  # "total" first
+            return (groups[::-1] if e.norm_names == set(e.tracker.names) else groups) + adam
+    return adam
+
+
+def skipped_steps(estimators):
+    """The most steps any estimator could not measure (they all see the same non-finite steps)."""
+    return max((e.skipped_steps for e in estimators), default=0)
+
+
+def skipped_steps_line(estimators, float16):
+    """What a run says at its end about the steps its estimators could not measure, and why."""
+    why = ("float16 overflow: GradScaler skipped them" if float16
+           else "non-finite gradients: the optimizer skipped them")
+    return f"GNS: {skipped_steps(estimators)} step(s) were not measured ({why})"
+
+
+# the checkpoint key of the estimators' states, and this fork's older keys of single ones
+CHECKPOINT_KEY = "gns_estimators"
+GROUPS_KEY = "gns_groups"
+METHODS_KEY = "linear_norm_methods"  # each measured Linear's ghost/materialise method (buffered.linear_norm_methods)
+OLDER_CHECKPOINT_KEYS = {"live_gns": PREFIXES["exact"], "ddp_gns": PREFIXES["ddp"]}
+
+
+def save_states(estimators, checkpoint):
+    """Put the estimators' states (those that keep one) into the checkpoint dict, under CHECKPOINT_KEY."""
+    checkpoint[CHECKPOINT_KEY] = {e.name: e.state_dict() for e in estimators if e.state_dict()}
+    # the exact estimator's live GNS of its groups other than the total (the batch-size controller's)
+    checkpoint[GROUPS_KEY] = {g: gns.state_dict() for e in estimators if isinstance(e, ExactGNS)
+                              for g, gns in e.groups.items() if g != "total"}
+    # the Linears' methods, so that a resumed run measures as the run it continues (the two
+    # methods' norms are exact, but not to the bit)
+    checkpoint[METHODS_KEY] = {name: method for e in estimators if isinstance(e, ExactGNS)
+                               for name, method in linear_norm_methods(e.model).items()}
+
+
+def load_states(estimators, checkpoint):
+    """
+    Restore the estimators' states from a checkpoint dict: save_states()'s (with the measured
+    Linears' methods), or this fork's older 'live_gns' (the exact estimator's) and 'ddp_gns'. An
+    estimator without a state there starts afresh (nanoGPT's and the reference's checkpoints have
+    none); a state without its estimator is ignored.
+    """
+    states = checkpoint.get(CHECKPOINT_KEY)
+    if states is None:
+        states = {name: checkpoint[old] for old, name in OLDER_CHECKPOINT_KEYS.items() if old in checkpoint}
+    for e in estimators:
+        if e.name in states:
+            e.load_state_dict(states[e.name])
+        for group, state in checkpoint.get(GROUPS_KEY, {}).items():
+            if isinstance(e, ExactGNS) and group in e.groups:
+                e.groups[group].load_state_dict(state)
+        if isinstance(e, ExactGNS):
+            set_linear_norm_methods(e.model, checkpoint.get(METHODS_KEY, {}))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference implementation's names (exact/gnstracking.py) not kept here; the classes' own are
+# at the end of each class.
+
+def _refuse_reference_constructor(entries, keywords):
+    # the reference's MeasurementTracker(params_and_buffers, names, indexes, callback, scaler,
+    # shared_params) takes (parameter, buffer) pairs; its keywords reach __new__, never __init__
+    keywords = {k: v for k, v in keywords.items() if k not in ("callback", "scaler", "world_size")}
+    entries = entries if isinstance(entries, (list, tuple)) else ()  # a generator stays for __init__
+    if any(len(e) == 2 for e in entries if isinstance(e, (tuple, list))) or \
+            set(keywords) & {"names", "indexes", "shared_params"}:
+        raise ReferenceNameError(
+            "MeasurementTracker(params_and_buffers, names=..., indexes=..., shared_params=...) is the reference "
+            "implementation's constructor and is not kept in this fork: use "
+            "MeasurementTracker.from_model(model, callback=..., scaler=...)")
+    if keywords:
+        raise TypeError(f"MeasurementTracker() got unexpected keyword arguments {sorted(keywords)}")
+
+
+__getattr__ = refuse_module_names(__name__, {
+    "exists": "write `x is not None`",
+    "shared_weights": "a tied weight is tracked once, under its first name, with the exact per-example norm of its "
+                      "summed gradient (buffered.tie_weights)",
+    "named_parameters_and_buffers": "use buffered.find_sqgradnorm_buffers(model): (name, parameter, sqgradnorm "
+                                    "buffer, count buffer) per measured parameter; "
+                                    "MeasurementTracker.from_model(model, enforce_coverage=True) checks coverage",
+})
