@@ -1,13 +1,19 @@
 """
 The same training three ways, for tests/test_gnsmeter.py, test_hf_gns.py and test_lightning_gns.py:
 a tiny Hugging Face GPT-2 (random weights), fixed token rows taken in order, AdamW, gradient
-accumulation and clipping, with the GNS measured by our own loop (gnsmeter.GNSMeter), the
+accumulation and clipping, with the GNS measured by our own loop (nanogns.GNSMeter), the
 Hugging Face Trainer callback or the Lightning one. Each writes log.csv; gns_columns() reads its GNS cells.
+Then the README's examples, run as a user runs them: saved as a script outside the checkout, with the
+package pip installed from a copy of the checkout (installed_package()) and nothing else of it importable.
 """
 import csv
 import math
 import os
+import shutil
+import subprocess
+import sys
 
+import pytest
 import torch
 
 from gns_fixtures import tiny_hf
@@ -82,27 +88,78 @@ def readme_examples():
     return [block[:block.index("\n```\n")] for block in blocks]
 
 
-def run_readme_example(index, cwd, out_dir, steps=20):
-    """Run README example `index` as written in `cwd`, then gns-analysis.py on its out_dir; returns the
-    analysis's output."""
-    import subprocess
-    import sys
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", readme_examples()[index]], cwd=cwd, env=env, capture_output=True,
-                         text=True, timeout=300)
+# -- the package as a user installs it ---------------------------------------------------------------------
+
+def checkout_files():
+    """The checkout's files as a fresh clone of it would hold them: git's tracked files and the untracked
+    ones it does not ignore (a tracked file deleted in the working tree is left out)."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: the checkout's files are the ones git lists")
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    if listed.returncode != 0:
+        pytest.skip(f"{REPO} is not a git checkout: {listed.stderr.strip()}")
+    return sorted({p for p in listed.stdout.split("\0") if p and os.path.isfile(os.path.join(REPO, p))})
+
+
+def copy_checkout(dest):
+    """Copy checkout_files() into dest, a clone of the working tree; returns dest."""
+    for path in checkout_files():
+        os.makedirs(os.path.join(dest, os.path.dirname(path)), exist_ok=True)
+        shutil.copy2(os.path.join(REPO, path), os.path.join(dest, path))
+    return str(dest)
+
+
+def pip_install(source, target):
+    """pip install the package at `source` (a folder or a requirement) into `target`, offline, with neither
+    its dependencies nor a build environment (the running python's setuptools builds it)."""
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+                          "--disable-pip-version-check", "--no-cache-dir", "--quiet",
+                          "--target", str(target), str(source)],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, PIP_NO_INPUT="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def installed_package(tmp_path_factory):
+    """The folder (outside the checkout) into which pip installed a copy of the checkout, made once per
+    test run: <base>/made-installed-package/site, beside the clone it was built from (.../clone)."""
+    from conftest import made_once
+
+    def install(folder):
+        pip_install(copy_checkout(folder / "clone"), folder / "site")
+    return str(made_once(tmp_path_factory, "installed-package", install) / "site")
+
+
+def installed_env(site):
+    """The environment of a user's script that sees the installed package and nothing of the checkout."""
+    return dict(os.environ, PYTHONPATH=site, OMP_NUM_THREADS="1")
+
+
+def run_script(code, cwd, site, name="my_training.py"):
+    """Save `code` as cwd/name and run it there, as a user's script, with only the installed package."""
+    with open(os.path.join(cwd, name), "w") as f:
+        f.write(code)
+    return subprocess.run([sys.executable, name], cwd=cwd, env=installed_env(site), capture_output=True, text=True,
+                          timeout=300)
+
+
+def run_readme_example(index, cwd, out_dir, parameters, site, steps=20):
+    """Run README example `index` as written, as a script in `cwd` (outside the checkout) with the package
+    installed in `site`, then gns-analysis.py on its out_dir, whose summary must count `parameters`
+    (e.g. "28 parameters (LayerNorm 10, ...)"); returns the example's output."""
+    run = run_script(readme_examples()[index], cwd, site)
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(gns_columns(os.path.join(cwd, out_dir))) == list(range(steps))
     analysis = subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), out_dir, "--no-plots"],
-                              cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+                              cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                              timeout=120)
     assert analysis.returncode == 0, analysis.stderr[-3000:]
-    assert f"{steps} steps with GNS measurements under 'train/gns', 28 parameters" in analysis.stdout
+    assert f"{steps} steps with GNS measurements under 'train/gns', {parameters}" in analysis.stdout, analysis.stdout
     return run.stdout + run.stderr
 
 
 def torchrun_two_ranks(worker, *args, cwd):
     """Run tests/<worker> on two CPU ranks (gloo) with torchrun; fails the test with its output if it fails."""
-    import subprocess
-    import sys
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "tests")])}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              os.path.join(REPO, "tests", worker), *map(str, args)],

@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: F401  (one_thread, shapes_rule: autouse)
 from nanogns.meter import GNSMeter
-from loop_fixtures import (gns_columns, largest_difference, own_loop, run_readme_example, token_rows,
-                           torchrun_two_ranks)
+from loop_fixtures import (gns_columns, installed_package, largest_difference, own_loop, readme_examples,
+                           run_readme_example, run_script, token_rows, torchrun_two_ranks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -173,18 +173,22 @@ def test_the_training_code_never_imports_the_frameworks():
     assert result.stdout.strip() == "[]"
 
 
-def test_the_readme_example_runs_as_written_and_a_second_run_stops_as_the_readme_says(tmp_path):
-    output = run_readme_example(0, tmp_path, "out-my-loop")
+def test_the_readme_example_runs_as_written_and_a_second_run_stops_as_the_readme_says(tmp_path,
+                                                                                       tmp_path_factory):
+    """The README's own loop, a user's script with the package installed (tests/loop_fixtures.py), run
+    twice: the second run stops at its first step() with the error the README names."""
+    site = installed_package(tmp_path_factory)
+    output = run_readme_example(0, tmp_path, "out-my-loop", "11 parameters (LayerNorm 4, Linear 6, Embedding 1)", site)
     assert output.count("step ") == 20 and "gns " in output
-    from loop_fixtures import readme_examples
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    again = subprocess.run([sys.executable, "-c", readme_examples()[0]], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=300)
+    again = run_script(readme_examples()[0], tmp_path, site)
     last = again.stderr.strip().splitlines()[-1]
     assert again.returncode == 1 and "step " not in again.stdout
-    assert last.startswith("tracker.OutDirTaken: GNSMeter: out-my-loop/log.csv holds another run's log"), last
+    error = "nanogns.runlog.OutDirTaken"
+    assert last.startswith(f"{error}: GNSMeter: out-my-loop/log.csv holds another run's log"), last
     with open(os.path.join(REPO, "README.md")) as f:
-        assert "`tracker.OutDirTaken`" in f.read()  # what the README says happens
+        text = f.read()
+    before = text[:text.index("```python\n" + readme_examples()[0])]
+    assert f"`{error}`" in before[before.rindex("\n\n", 0, len(before) - 2):]  # what the README says happens
 
 
 def one_step(model, chunks, scaler=None, autocast=False):
@@ -272,8 +276,8 @@ def test_discard_drops_an_abandoned_micro_step_and_a_count_other_than_examples_i
 def test_the_readme_example_names_discard():
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()
-    start = text.index("**Any loop: `gnsmeter.GNSMeter`.**")
-    assert "meter.discard()" in text[start:text.index("```python", start)]
+    start = text.index("### Measuring the GNS in your own training")
+    assert "meter.discard()" in text[start:text.index("```python\n" + readme_examples()[0], start)]
 
 
 def two_linears():
@@ -411,7 +415,7 @@ def test_the_buffers_stay_out_of_ddps_broadcast_and_a_broadcasting_wrapper_is_re
         del error
         GNSMeter(DistributedDataParallel(measured, broadcast_buffers=False))
         del wrapped
-        gc.collect()  # DDP's reducers released before the process group (see test_buffered.py)
+        gc.collect()  # DDP's reducers released before the process group (see test_layers.py)
     finally:
         dist.destroy_process_group()
 

@@ -20,8 +20,8 @@ import nanogns.layers as buffered  # noqa: E402
 
 from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: E402,F401  (one_thread, shapes_rule: autouse)
 from nanogns.hf import GNSCallback  # noqa: E402
-from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, largest_difference, own_loop,  # noqa: E402
-                           run_readme_example, token_rows, torchrun_two_ranks)
+from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, installed_package,  # noqa: E402
+                           largest_difference, own_loop, run_readme_example, token_rows, torchrun_two_ranks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH, ACCUMULATION, STEPS, MAX_GRAD_NORM = 4, 2, 4, 0.5
@@ -221,8 +221,9 @@ def test_the_state_in_trainer_state_json_is_json():
     assert json.loads(json.dumps(callback.state()))["args"]["norm"] == "shim"
 
 
-def test_the_readme_example_runs_as_written(tmp_path):
-    run_readme_example(1, tmp_path, "out-hf-trainer")
+def test_the_readme_example_runs_as_written(tmp_path, tmp_path_factory):
+    run_readme_example(1, tmp_path, "out-hf-trainer", "28 parameters (LayerNorm 10, Linear 16, Embedding 2)",
+                       installed_package(tmp_path_factory))
 
 
 @pytest.mark.parametrize("setting", ["fp16", "fsdp", "deepspeed"])

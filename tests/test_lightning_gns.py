@@ -15,8 +15,8 @@ lightning = pytest.importorskip("lightning")
 
 from gns_fixtures import one_thread, shapes_rule, tiny_hf  # noqa: E402,F401  (one_thread, shapes_rule: autouse)
 from nanogns.lightning import GNSCallback  # noqa: E402
-from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, largest_difference, own_loop,  # noqa: E402
-                           run_readme_example, token_rows, torchrun_two_ranks)
+from loop_fixtures import (LR, assert_bfloat16_rounding, gns_columns, installed_package,  # noqa: E402
+                           largest_difference, own_loop, run_readme_example, token_rows, torchrun_two_ranks)
 
 BATCH, ACCUMULATION, STEPS, MAX_GRAD_NORM = 4, 2, 4, 0.5
 
@@ -145,8 +145,9 @@ def test_refusals_are_one_line(tmp_path):
         fit(tmp_path / "bad", rows, [GNSCallback(module=3)], steps=1)
 
 
-def test_the_readme_example_runs_as_written(tmp_path):
-    run_readme_example(2, tmp_path, "out-lightning")
+def test_the_readme_example_runs_as_written(tmp_path, tmp_path_factory):
+    run_readme_example(2, tmp_path, "out-lightning", "7 parameters (LayerNorm 2, Linear 4, Embedding 1)",
+                       installed_package(tmp_path_factory))
     with open(tmp_path / "out-lightning" / "lightning_logs" / "version_0" / "metrics.csv", newline="") as f:
         assert sum(1 for row in csv.DictReader(f) if row["gns/total"]) == 4  # every 5th of 20 steps
 

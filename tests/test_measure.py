@@ -29,6 +29,7 @@ from nanogns.layers import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kind
 from nanogns.logread import load_log  # noqa: E402
 from gns_fixtures import tiny_hf  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
+from loop_fixtures import installed_package, run_script  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("gns_analysis", os.path.join(REPO, "gns-analysis.py"))
@@ -684,17 +685,17 @@ def readme_example():
 
 
 @pytest.mark.slow
-def test_readme_example_runs_as_written(tmp_path):
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-c", readme_example()], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+def test_readme_example_runs_as_written(tmp_path, tmp_path_factory):
+    """As a user's script outside the checkout, with the package installed (tests/loop_fixtures.py)."""
+    run = run_script(readme_example(), tmp_path, installed_package(tmp_path_factory))
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stdout.splitlines() if line.startswith("step ")]
     assert len(lines) == 20
     gns = [float(line.rsplit("gns ", 1)[1]) for line in lines]
     assert all(math.isfinite(g) for g in gns[1:])
     analysis = subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), "out-hf-gpt2", "--no-plots"],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                              cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                              text=True, timeout=120)
     assert analysis.returncode == 0, analysis.stderr
     assert "20 steps with GNS measurements under 'train/gns', 28 parameters (LayerNorm 10, Linear 16, Embedding 2)" \
         in analysis.stdout
