@@ -12,7 +12,7 @@ each with several seeds. Reported per setting (mean and spread over seeds): the 
 optimizer steps at which the validation loss first reaches the target (linearly interpolated
 between evaluations), and the final validation loss. The target is --target_loss, or by default
 the highest final validation loss of all runs, which every run reaches. A validation loss is the
-mean over eval_iters=20 batches (5,120 tokens), whose standard deviation is about 0.05 (README).
+mean over eval_iters=20 batches (5,120 tokens), whose standard deviation is about 0.05 (docs/controller.md).
 
     python data/shakespeare_char/prepare.py
     python bench/batch_control.py                       # 10 runs, 174 s on a 2-core CPU machine (*)

@@ -16,7 +16,7 @@ normalisation layers alone, and of the Adam-preconditioned normalisation layers.
 
     python data/shakespeare_char/prepare.py
     python bench/critical_batch.py --out_dir bench/results/critical_batch   # 2 families x 2 seeds
-    python bench/critical_batch.py --quick --out_dir /tmp/cb --dataset=PATH    # the pipeline, minutes (README)
+    python bench/critical_batch.py --quick --out_dir /tmp/cb --dataset=PATH    # the pipeline, minutes (docs/critical-batch.md)
     python bench/critical_batch.py --report --out_dir bench/results/critical_batch  # the tables, from the CSVs
 
 Writes OUT_DIR/branches.csv (family, seed, branch_tokens, batch_size, learning_rate, best, steps,
@@ -34,7 +34,7 @@ refused before it changes anything (use another --out_dir). Base runs and their 
 kept checkpoint was trained with is refused before anything runs (use another --work_dir). Any
 other --key=value goes to train.py for the base runs (e.g. --dataset=PATH), checked before anything
 runs. --report trains nothing: it fits the branches as they stand, rewrites summary.csv, and prints
-the results as Markdown tables (the README's), each ratio B_crit / B_simple with its spread over
+the results as Markdown tables (docs/critical-batch.md's), each ratio B_crit / B_simple with its spread over
 seeds, and separate tables for each setting if OUT_DIR holds branches of several.
 """
 import argparse
@@ -583,11 +583,11 @@ def main(argv=None):
     parser.add_argument('--families', help=f"model families (default: {','.join(FAMILIES)}, --quick {next(iter(FAMILIES))})")
     parser.add_argument('--quick', action='store_true',
                         help="a tiny model, a short base run, few steps, one family and seed "
-                             "(the README says how long it takes)")
+                             "(docs/critical-batch.md says how long it takes)")
     parser.add_argument('--delta', type=float, help="the loss drop each branch trains for (default: 0.05, --quick 0.2)")
     parser.add_argument('--report', action='store_true',
                         help="train nothing: fit OUT_DIR's branches as they stand, rewrite summary.csv and print "
-                             "the results as Markdown tables (the README's)")
+                             "the results as Markdown tables (docs/critical-batch.md's)")
     parser.add_argument('--alpha', type=float, default=gns_analysis.EMA_BETA,
                         help=f"the EMA's alpha, as gns-analysis.py's (default: {gns_analysis.EMA_BETA})")
     args, extra = parser.parse_known_args(argv)

@@ -14,7 +14,7 @@ OUT_DIR/<run>.out. With --execute the notebook then runs headless on them (nbcli
 go to OUT_DIR/figures and the notebook with its outputs to OUT_DIR/Replicating Figures.ipynb.
 Or open the notebook in Jupyter with GNS_RUN_FIXED=OUT_DIR/fixed GNS_RUN_SCHEDULE=OUT_DIR/schedule.
 
-Runs made elsewhere (the paper's scale, on GPUs with torchrun: see the README) go in the same
+Runs made elsewhere (the paper's scale, on GPUs with torchrun: see docs/paper.md) go in the same
 two folders; --notebook_only then draws the figures from them without training anything:
 
     python bench/figure_runs.py --out_dir runs-owt --notebook_only
