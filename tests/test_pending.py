@@ -8,6 +8,8 @@ import torch
 import nanogns.estimators.exact as gnstracking
 from gns_fixtures import brute_force_norms, regression_loss, train_step
 from nanogns.pending import PendingSteps
+from nanogns.layers import measure
+from test_adamgns import Net, batches, example_loss
 from test_gnstracking import make_batch, make_model
 
 
@@ -74,12 +76,68 @@ def test_the_exact_estimator_read_later_gives_what_it_gives_read_each_step():
     assert later.groups["LayerNorm"].state_dict() == now.groups["LayerNorm"].state_dict()
 
 
-def test_an_estimator_without_a_device_part_measures_when_collected():
-    class Reads(gnstracking.Estimator):
-        def measure(self, step, examples, scaler):
-            return {"step": step, "examples": examples}
-    values, finish = Reads().collect(3, 8, None)
-    assert values is None and finish([]) == {"step": 3, "examples": 8}
+class Halves(gnstracking.Estimator):
+    """An estimator of the two parts alone: its sums on the device, its finish on the host."""
+    def __init__(self):
+        self.finished = []
+
+    def sums(self, step, examples, scaler, skipped=None):
+        return (torch.tensor([step, examples / 2]), step) if step >= 0 else (None, step)
+
+    def finish(self, host, context):
+        self.finished.append(context)
+        return {"step": context, "host": list(host)}
+
+
+def test_an_estimators_two_parts_make_its_measure_and_its_collect(monkeypatch):
+    """measure() reads and finishes at once; collect() leaves the values on the device and finishes
+    when they are read; an estimator that is not deferred reads and finishes when collected."""
+    estimator = Halves()
+    assert estimator.measure(3, 8, None) == {"step": 3, "host": [3.0, 4.0]} and estimator.finished == [3]
+    assert estimator.measure(-1, 8, None) == {"step": -1, "host": []}  # nothing on the device: nothing read
+    calls = count_copies(monkeypatch)
+    values, finish = estimator.collect(5, 6, None)
+    assert calls == [] and estimator.finished == [3, -1]  # nothing read, nothing finished yet
+    assert finish([5.0, 3.0]) == {"step": 5, "host": [5.0, 3.0]} and estimator.finished == [3, -1, 5]
+    estimator.deferred = False
+    values, finish = estimator.collect(7, 2, None)
+    assert values is None and calls == [("tolist", 8)] and estimator.finished == [3, -1, 5, 7]
+    assert finish([]) == {"step": 7, "host": [7.0, 1.0]} and estimator.finished == [3, -1, 5, 7]
+
+
+@pytest.mark.filterwarnings("ignore:measure:UserWarning")  # the Linears are left to the hooks
+@pytest.mark.parametrize("which", ["hooks", "microbatch", "adam"])
+def test_the_estimators_read_when_collected_give_what_measure_gives(monkeypatch, which):
+    """The hooks', micro-batch and Adam estimators read their sums when collected (one read each) and
+    give the rows measure() gives each step; their pending finish reads nothing more."""
+    models, optimizers, built = [], [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = measure(Net(), linear=None, embedding=None, norm="shim")  # nn.Linears: the hooks' to measure
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        estimators = gnstracking.estimators_for(model, hooks="exact" if which == "hooks" else "none",
+                                                microbatch=which == "microbatch",
+                                                adam_optimizer=optimizer if which == "adam" else None)
+        models.append(model), optimizers.append(optimizer), built.append(estimators[-1])
+    now, later = built
+    pending, expected, reads = PendingSteps(), [], []
+    for step in range(3):
+        for model in models:
+            for x, y in batches(step):
+                (example_loss(model, x, y) / len(batches(step))).backward()
+        expected.append(gnstracking.measure_all([now], step, 6, None))
+        calls = count_copies(monkeypatch)
+        pending.add({"iter_num": step}, gnstracking.collect_all([later], step, 6, None))
+        reads.append(len(calls))
+        monkeypatch.undo()
+        for model, optimizer, e in zip(models, optimizers, built):
+            optimizer.step()
+            optimizer.zero_grad()
+            e.reset()
+    calls = count_copies(monkeypatch)
+    rows = [{k: v for k, v in row.items() if k != "iter_num"} for row in pending.read()]
+    assert calls == [] and rows == expected and any(rows)  # the first Adam step logs nothing (no state yet)
+    assert reads == [1 if row else 0 for row in expected] and later.status() == now.status()
 
 
 def test_each_value_keeps_its_dtype_and_an_int64_stays_exact():

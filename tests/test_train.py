@@ -996,7 +996,7 @@ def test_an_evaluation_reads_its_losses_once(tiny_dataset, tmp_path):
     assert reads.get("train.py:estimate_loss") == 2  # two evaluations (the first step's, the last's)
 
 
-LOOP_READERS = ("train.py:<module>", "pending.py:_read_in_one_copy", "gnstracking.py:step", "gnstracking.py:collect",
+LOOP_READERS = ("train.py:<module>", "pending.py:_read_in_one_copy", "base.py:read_now",
                 "model.py:step_unless_nonfinite", "stopping.py:agreed")
 
 

@@ -39,6 +39,7 @@ class AdamGNS(Estimator):
     step, betas and eps)."""
     name = PREFIXES["adam"]
     label = "adam gns"
+    deferred = False  # its sums are read when collected, each step
 
     def __init__(self, model, optimizer, world_size=1, beta=EMA_BETA):
         if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -72,26 +73,31 @@ class AdamGNS(Estimator):
         return 1 / (v_hat.sqrt() + group["eps"])
 
     @torch.no_grad()
-    def measure(self, step, examples, scaler):
+    def sums(self, step, examples, scaler, skipped=None):
         if self.world_size > 1:  # every rank's per-coordinate sums, as the exact estimator's buffers
             allreduce_buffers([buffer for _, _, buffer in self.entries])
         live = [(name, p, buffer, self.preconditioner(p)) for name, p, buffer in self.entries if p.grad is not None]
         live = [entry for entry in live if entry[3] is not None]
         if not live or examples < 2:
-            return {}
+            return None, None
         scale = current_scale(scaler)
         # P has the parameter's shape, the per-coordinate sums are flat (any normalized_shape)
         squares = torch.stack([(P.square() * p.grad.float().square()).sum() for _, p, _, P in live] +
                               [(P.square().reshape(-1) * buffer).sum() for _, _, buffer, P in live])
         if isinstance(scale, torch.Tensor):
             squares = torch.cat([squares, scale.float().reshape(1).to(squares.device)])
-        host = squares.tolist()
-        n = len(live)
+        return squares, ([name for name, _, _, _ in live], examples, scale)
+
+    def finish(self, host, context):
+        if context is None:
+            return {}
+        names, examples, scale = context
+        n = len(names)
         s = host[2 * n] if isinstance(scale, torch.Tensor) else scale
         row, small_total, big_total = {}, 0.0, 0.0
         finite = all(math.isfinite(v) for v in host) and s > 0
         self.skipped_steps += not finite
-        for (name, _, _, _), big, small in zip(live, host[:n], host[n:2 * n]):
+        for name, big, small in zip(names, host[:n], host[n:2 * n]):
             big_norm = small_norm = math.inf
             if finite:
                 big_norm = math.sqrt(big / s ** 2)

@@ -1,7 +1,9 @@
 """
 The small interface every gradient-noise-scale estimator offers train.py's loop (Estimator), and
 what each one reads from the run besides the gradients: the loss scale, the processes, the plain
-model inside its wrappers, and one parameter's norms at one step (Measurement).
+model inside its wrappers, and one parameter's norms at one step (Measurement). The step every
+estimator takes, its sums measured on the device now and finished on the host when the loop reads
+them, is written here once (Estimator.measure and Estimator.collect).
 
 A leaf: it imports torch and gnsmath only, so the estimators (gnstracking.ExactGNS, ddpgns.DDPGNS,
 microbatch_gns.MicrobatchEstimator, gnshooks.HooksEstimator) import it, and gnstracking.py, which
@@ -21,31 +23,49 @@ class Estimator:
             all-reduce), before scaler.unscale_ and clipping (it may run collectives); examples is
             B, over all ranks and micro-steps; scaler the GradScaler (enabled or not), whose scale
             the estimator divides out. Returns this step's log.csv columns, floats.
-        collect(step, examples, scaler) -> (values, finish)   measure(), its reads left on the
-            device until the loop logs (see collect() below)
+        collect(step, examples, scaler, skipped) -> (values, finish)   measure(), its read of the
+            device left for when the loop logs (pending.PendingSteps)
         reset()              after the optimizer step: zero the step's sums
         status() -> str      its part of the status line, e.g. "gns 12.3" ('' if none)
         state_dict() / load_state_dict(state)   what a checkpoint keeps (a live EMA)
     name is its CSV prefix and its key among a checkpoint's states (save_states); an estimator
     with a live GNS keeps it in gns, a GradientNoiseScale, shown on the status line after label.
     skipped_steps counts the steps it could not measure (non-finite gradients).
+
+    measure() and collect() are written here, once; an estimator writes the two parts they join:
+        sums(step, examples, scaler, skipped) -> (values, context)   now, on the device: the
+            step's sums in one 1-D device tensor (None: nothing to read), and what finishing
+            them needs besides (None: nothing measured)
+        finish(host, context) -> dict   later, on the host, in step order: values.tolist() made
+            into the row, with the EMA update and the skipped count
+    deferred False: collect() reads and finishes at once, and the loop waits for the device.
     """
     name = None
     label = None
     gns = None
     skipped_steps = 0
+    deferred = True
 
-    def measure(self, step, examples, scaler):
+    def sums(self, step, examples, scaler, skipped=None):
         raise NotImplementedError
 
+    def finish(self, host, context):
+        raise NotImplementedError
+
+    def measure(self, step, examples, scaler):
+        values, context = self.sums(step, examples, scaler)
+        return self.finish(read_now(values), context)
+
     def collect(self, step, examples, scaler, skipped=None):
-        """measure() with its reads of the device deferred: (values, finish), values a 1-D float32
-        device tensor (or None) and finish(host) measure()'s row, given values.tolist(), called in
-        step order, before the next state_dict() or status(). skipped: the optimizer's decision for
-        the step (a 0-dim device tensor, non-zero when it skips it), for an estimator to follow. By
-        default measure() reads now, and its own test of what it measured decides."""
-        row = self.measure(step, examples, scaler)
-        return None, lambda host: row
+        """measure() with its read deferred: (values, finish), values sums()'s and finish(host) the
+        row, given values.tolist(); called in step order, before the next state_dict() or status().
+        skipped: the optimizer's decision for the step (a 0-dim device tensor, non-zero when it
+        skips it), for an estimator to follow."""
+        values, context = self.sums(step, examples, scaler, skipped)
+        if not self.deferred:
+            row = self.finish(read_now(values), context)
+            return None, lambda host: row
+        return values, lambda host: self.finish(host, context)
 
     def reset(self):
         pass
@@ -61,6 +81,11 @@ class Estimator:
             self.gns.load_state_dict(state)
         elif state:
             raise ValueError(f"the {self.name} estimator keeps no state, got {sorted(state)}")
+
+
+def read_now(values):
+    """A step's sums brought to the host at once, as finish() takes them: values.tolist() ([] for None)."""
+    return [] if values is None else values.tolist()
 
 
 def current_scale(scaler):

@@ -80,7 +80,6 @@ class DDPGradientStatsHook:
 
         return work.get_future().then(record_average)
 
-    @torch.no_grad()
     def get_sq_norms(self, loss_scale=1.0):
         """
         (sq_small, sq_big) as Python floats: the mean over ranks of ||local gradient||^2
@@ -91,6 +90,14 @@ class DDPGradientStatsHook:
         synchronising backward and before scaler.update() changes the scale; where it falls
         relative to scaler.unscale_() or clipping does not matter.
         """
+        values, context = self.sums(loss_scale)
+        return self.finish(values.tolist(), context)  # the one sync
+
+    @torch.no_grad()
+    def sums(self, loss_scale=1.0):
+        """get_sq_norms() up to its read: (values, context), values the two sums (and the loss scale,
+        a tensor) on the device, finish(values.tolist(), context) get_sq_norms()'s pair. The hook
+        starts the next step afresh now."""
         if not self.local_sq or len(self.averaged_sq) != len(self.local_sq):
             raise RuntimeError("DDPGradientStatsHook: no synchronised backward since the last get_sq_norms()/get_stats()")
         buckets = list(self.local_sq)
@@ -102,12 +109,17 @@ class DDPGradientStatsHook:
         values = [local / self.world_size, averaged.to(local.dtype)]
         if isinstance(loss_scale, torch.Tensor):
             values.append(loss_scale.to(device=local.device, dtype=local.dtype).reshape(()))
-        sq_small, sq_big, *scale = torch.stack(values).tolist()  # the one sync
-        loss_scale = scale[0] if scale else loss_scale
-        # freed only now that the device is done with them: with NCCL the callbacks' tensors
-        # live on a side stream the caching allocator would otherwise hand out again
-        self.local_sq.clear()
-        self.averaged_sq.clear()
+        # the callbacks' tensors go with the context, freed only once the values are read: with NCCL
+        # they live on a side stream the caching allocator would otherwise hand out again
+        recorded = (self.local_sq, self.averaged_sq)
+        self.local_sq, self.averaged_sq = {}, {}
+        return torch.stack(values), (loss_scale, recorded)
+
+    @staticmethod
+    def finish(host, context):
+        """sums()'s values, read (host), as (sq_small, sq_big) with the loss scale divided out."""
+        sq_small, sq_big, *scale = host
+        loss_scale = scale[0] if scale else context[0]
         return sq_small / loss_scale ** 2, sq_big / loss_scale ** 2
 
     def get_stats(self, loss_scale=1.0):
@@ -138,14 +150,20 @@ class DDPGNS(Estimator):
     """
     name = PREFIXES['ddp']
     label = 'ddp gns'
+    deferred = False  # its sums are read when collected, each step
 
     def __init__(self, ddp_model, beta=0.995):
         self.hook = DDPGradientStatsHook(ddp_model)
         self.gns = GradientNoiseScale(beta=beta)
 
-    def measure(self, step, examples, scaler):
+    def sums(self, step, examples, scaler, skipped=None):
+        values, context = self.hook.sums(loss_scale=current_scale(scaler))
+        return values, (examples, context)
+
+    def finish(self, host, context):
+        examples, hooked = context
         n_small = examples // self.hook.world_size  # one rank's examples
-        sq_small, sq_big = self.hook.get_sq_norms(loss_scale=current_scale(scaler))
+        sq_small, sq_big = self.hook.finish(host, hooked)
         self.gns.update(sq_small, sq_big, n_small, examples)
         return ddp_gns_log(self.gns, sq_small, sq_big, n_small, examples)
 

@@ -22,6 +22,7 @@ gnshooks.HooksEstimator) is an estimator.Estimator; estimators_for() builds a ru
     reset_all(estimators)
     ... logger.log(row); print(f"... {status_line(estimators)}")
 """
+import collections
 import math
 
 import torch
@@ -33,7 +34,8 @@ import nanogns.estimators.microbatch as microbatch_gns
 from nanogns.layers import (agree_linear_norm_methods, all_sqgradnorm_buffers, allreduce_buffers, find_sqgradnorm_buffers,
                       layer_kinds, linear_norm_methods, measured_linears, set_linear_norm_methods, sum_of_squares)
 # the interface every estimator offers, from its leaf module (importable from here, as before)
-from nanogns.estimators.base import Estimator, Measurement, current_scale, distributed_world_size, unwrap  # noqa: F401
+from nanogns.estimators.base import (Estimator, Measurement, current_scale, distributed_world_size, read_now,  # noqa: F401
+                                     unwrap)
 # the maths and the column names, from their torch-free home; imported here by the estimators
 from nanogns.maths import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
                      layer_kind, layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
@@ -61,6 +63,12 @@ def _grad_sqnorms(grads, device, foreach=None):
     squares = torch.stack([sum_of_squares(g.to_local()).to(device) for g in grads])
     torch.distributed.all_reduce(squares, group=mesh.get_group())
     return list(squares.unbind())
+
+
+# what finishing a tracked step needs besides its values: the measured parameters' names (the
+# values' order), the loss scale (a tensor is read with the values), B, the step's number, and
+# whether the optimizer's decision is the values' last
+TrackedStep = collections.namedtuple("TrackedStep", "names scale batch_size step decided")
 
 
 class MeasurementTracker:
@@ -153,24 +161,24 @@ class MeasurementTracker:
         (readers check one batch size per row), and a sum of squared norms over the step is
         inf or nan, never a number that silently leaves something out.
         """
-        values, finish = self.collect(batch_size, step)
-        return finish(values.tolist() if values is not None else [])
+        values, context = self.sums(batch_size, step)
+        return self.finish(read_now(values), context)
 
     @torch.no_grad()
-    def collect(self, batch_size=None, step=None, skipped=None):
-        """step()'s reads, kept on the device: (values, finish), where values is one float32 device
-        tensor of everything step() reads (None when no parameter has a gradient) and finish(host),
-        given values.tolist(), returns step()'s Measurements. The buffers are zeroed now, so a
-        training loop may read the values of several steps at once, later, and finish them in order.
-        skipped: the optimizer's decision, a 0-dim device tensor (non-zero: it skips this step), so
-        that a step it skips is skipped here too, whatever made its gradient non-finite (a
-        parameter this tracker does not measure, say)."""
+    def sums(self, batch_size=None, step=None, skipped=None):
+        """step()'s reads, kept on the device: (values, context), values one float32 device tensor of
+        everything step() reads (None when no parameter has a gradient) and finish(values.tolist(),
+        context) step()'s Measurements. The buffers are zeroed now, so a training loop may read the
+        values of several steps at once, later, and finish them in order. skipped: the optimizer's
+        decision, a 0-dim device tensor (non-zero: it skips this step), so that a step it skips is
+        skipped here too, whatever made its gradient non-finite (a parameter this tracker does not
+        measure, say)."""
         step = self.step_count if step is None else step
         self.step_count += 1
         live = [(n, p, sq, count) for n, p, sq, count in self.entries if p.grad is not None]
         if not live:
             self._zero_buffers()
-            return None, lambda host: []
+            return None, None
         # everything in one tensor: one device-to-host copy, whenever it is read
         scale = current_scale(self.scaler)
         device = live[0][1].grad.device
@@ -184,10 +192,13 @@ class MeasurementTracker:
             values.append(local.to(device=device, dtype=torch.float32).reshape(()))
         values = torch.stack(values)
         self._zero_buffers()
-        names = [name for name, _, _, _ in live]
-        return values, lambda host: self._finish(names, host, scale, batch_size, step, skipped is not None)
+        return values, TrackedStep([name for name, _, _, _ in live], scale, batch_size, step, skipped is not None)
 
-    def _finish(self, names, host, scale, batch_size, step, decided):
+    def finish(self, host, context):
+        """sums()'s values, read (host), as the step's Measurements; [] when nothing was measured."""
+        if context is None:
+            return []
+        names, scale, batch_size, step, decided = context
         n = len(names)
         grad_sqnorms, sq_sums, counts = host[:n], host[n:2 * n], host[2 * n:3 * n]
         if isinstance(scale, torch.Tensor):
@@ -331,11 +342,7 @@ class ExactGNS(Estimator):
     def skipped_steps(self):
         return self.tracker.skipped_steps
 
-    def measure(self, step, examples, scaler):
-        values, finish = self.collect(step, examples, scaler)
-        return finish(values.tolist() if values is not None else [])
-
-    def collect(self, step, examples, scaler, skipped=None):
+    def sums(self, step, examples, scaler, skipped=None):
         if self.tracker.world_size > 1:
             allreduce_buffers(self.buffers)  # the global batch's sums, not one rank's
             methods = sum(layer.norm_method is not None for layer in self.linears)
@@ -343,10 +350,11 @@ class ExactGNS(Estimator):
                 agree_linear_norm_methods(self.model)
                 self.agreed_methods = sum(layer.norm_method is not None for layer in self.linears)
         self.tracker.scaler = scaler
-        values, finish = self.tracker.collect(batch_size=examples, step=step, skipped=skipped)
-        return values, lambda host: self._finish(finish(host), examples)
+        return self.tracker.sums(batch_size=examples, step=step, skipped=skipped)
 
-    def _finish(self, measurements, examples):
+    def finish(self, host, context):
+        measurements = self.tracker.finish(host, context)
+        examples = context.batch_size if context is not None else None
         if examples is None and measurements:  # B from the layers' own example counts, which must agree
             by_count = {}
             for m in measurements:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from nanogns.layers import linear_sqnorms
-from nanogns.estimators.base import Estimator, current_scale, distributed_world_size
+from nanogns.estimators.base import Estimator, current_scale, distributed_world_size, read_now
 from nanogns.maths import PREFIXES, parameter_columns
 
 # (name, parameter, sum of per-example squared norms as the layer saw them [float32 0-dim
@@ -218,11 +218,19 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0, grad_sca
     |G_1|^2 = (B_rank^2 / B) sum_ranks sum_b ||g_b/B_rank||^2. One host transfer.
     Layers that saw no example this step are left out.
     """
+    values, context = hook_sums(model, kind, prefix, loss_scale, grad_scale)
+    return finish_hook_sums(read_now(values), context)
+
+
+@torch.no_grad()
+def hook_sums(model, kind='exact', prefix=None, loss_scale=1.0, grad_scale=1.0):
+    """hook_measurements() up to its read: (values, context), values the norms and counts on the
+    device (None when no layer is hooked) and finish_hook_sums(values.tolist(), context) its dict."""
     kind = _kind_of(kind)
     prefix = prefix if prefix is not None else KIND_PREFIXES[kind]
     results = gather_hook_results(model, kind)
     if not results:
-        return {}
+        return None, None
     device = results[0].param.device
     sqnorm_sums = torch.stack([r.sqnorm_sum.to(device) for r in results])
     counts = torch.tensor([float(r.example_count) for r in results], device=device)
@@ -245,17 +253,27 @@ def hook_measurements(model, kind='exact', prefix=None, loss_scale=1.0, grad_sca
             norms.append(torch.linalg.vector_norm(r.param.grad.float()) / grad_scale)
         else:
             norms.append(torch.zeros((), dtype=torch.float32, device=device))
-    values = torch.stack([torch.stack(norms).to(device), pe_sqnorm.sqrt(), total_counts]).tolist()
+    values = torch.cat([torch.stack(norms).to(device), pe_sqnorm.sqrt(), total_counts])
+    return values, ([r.name for r in results], prefix)
+
+
+def finish_hook_sums(host, context):
+    """hook_sums()'s values, read (host), as hook_measurements()' columns."""
+    if context is None:
+        return {}
+    names, prefix = context
+    n = len(names)
     out = {}
-    for r, norm, pegn, count in zip(results, *values):
+    for name, norm, pegn, count in zip(names, host[:n], host[n:2 * n], host[2 * n:]):
         if count > 0:
-            out.update(parameter_columns(prefix, r.name, norm, pegn, int(count)))
+            out.update(parameter_columns(prefix, name, norm, pegn, int(count)))
     return out
 
 
 class HooksEstimator(Estimator):
     """The Linear hooks ('exact' or 'sogns') on every own parameter of `model`'s Linears, behind
     gnstracking's interface."""
+    deferred = False  # its sums are read when collected, each step
 
     def __init__(self, model, kind):
         self.kind = _kind_of(kind)
@@ -263,9 +281,12 @@ class HooksEstimator(Estimator):
         self.model = model
         self.handles = add_hooks_to_model(model, ADD_HOOKS[self.kind])
 
-    def measure(self, step, examples, scaler):
+    def sums(self, step, examples, scaler, skipped=None):
         scale = current_scale(scaler)  # p.grad is not unscaled yet: it carries the scale too
-        return hook_measurements(self.model, self.kind, loss_scale=scale, grad_scale=scale)
+        return hook_sums(self.model, self.kind, loss_scale=scale, grad_scale=scale)
+
+    def finish(self, host, context):
+        return finish_hook_sums(host, context)
 
     def reset(self):
         zero_hook_results(self.model)

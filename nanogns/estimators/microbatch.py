@@ -12,7 +12,7 @@ GradScaler scale s, the mean squared norm of the micro-batch mean gradients is
 """
 import torch
 
-from nanogns.estimators.base import Estimator, current_scale, distributed_world_size
+from nanogns.estimators.base import Estimator, current_scale, distributed_world_size, read_now
 from nanogns.maths import PREFIXES, parameter_columns
 
 
@@ -61,26 +61,41 @@ class MicrobatchGNS:
         carries, 1.0 after scaler.unscale_, s before it. Under DDP call it on every rank (one
         all-reduce). One host transfer.
         """
+        values, context = self.sums(micro_batch_size, loss_scale, prefix, grad_scale)
+        return self.finish(read_now(values), context)
+
+    @torch.no_grad()
+    def sums(self, micro_batch_size, loss_scale=1.0, prefix=PREFIXES['microbatch'], grad_scale=1.0):
+        """measurements() up to its read: (values, context), values the norms on the device (None when
+        no parameter got a gradient) and finish(values.tolist(), context) measurements()' dict."""
         kept = [i for i, s in enumerate(self.sqnorm_sums) if s is not None]
         if not kept:
-            return {}
+            return None, None
         m = max(self.micro_steps)  # the loss divisor: every micro-step reaches nearly every parameter
         device = self.sqnorm_sums[kept[0]].device
-        sums = torch.stack([self.sqnorm_sums[i].to(device) for i in kept])
+        squares = torch.stack([self.sqnorm_sums[i].to(device) for i in kept])
         world_size = distributed_world_size()
         if world_size > 1:
-            torch.distributed.all_reduce(sums)
-        small_sq = sums * m / world_size / loss_scale ** 2
+            torch.distributed.all_reduce(squares)
+        small_sq = squares * m / world_size / loss_scale ** 2
         norms = []
         for i in kept:
             grad = self.named_params[i][1].grad
             norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32).to(device) if grad is not None
                          else torch.zeros((), dtype=torch.float32, device=device))
-        norms, small = torch.stack([torch.stack(norms) / grad_scale, small_sq.sqrt()]).tolist()
-        big_batch = m * world_size * micro_batch_size
+        values = torch.cat([torch.stack(norms) / grad_scale, small_sq.sqrt()])
+        names = [self.named_params[i][0] for i in kept]
+        return values, (names, m * world_size * micro_batch_size, micro_batch_size, prefix)
+
+    @staticmethod
+    def finish(host, context):
+        """sums()'s values, read (host), as measurements()' columns."""
+        if context is None:
+            return {}
+        names, big_batch, micro_batch_size, prefix = context
         out = {}
-        for i, norm, pegn in zip(kept, norms, small):
-            out.update(parameter_columns(prefix, self.named_params[i][0], norm, pegn, big_batch, micro_batch_size))
+        for name, norm, pegn in zip(names, host[:len(names)], host[len(names):]):
+            out.update(parameter_columns(prefix, name, norm, pegn, big_batch, micro_batch_size))
         return out
 
     def zero(self):
@@ -98,17 +113,21 @@ class MicrobatchGNS:
 class MicrobatchEstimator(Estimator):
     """The micro-batch estimator behind gnstracking's interface: b = B / (micro-steps * processes)."""
     name = PREFIXES['microbatch']
+    deferred = False  # its sums are read when collected, each step
 
     def __init__(self, model):
         self.mb = MicrobatchGNS(model)
 
-    def measure(self, step, examples, scaler):
+    def sums(self, step, examples, scaler, skipped=None):
         micro_steps = max(self.mb.micro_steps, default=0)
         if micro_steps == 0:
-            return {}
+            return None, None
         scale = current_scale(scaler)  # p.grad is not unscaled yet: it carries the scale too
         micro_batch_size = examples // (micro_steps * distributed_world_size())
-        return self.mb.measurements(micro_batch_size, loss_scale=scale, grad_scale=scale)
+        return self.mb.sums(micro_batch_size, loss_scale=scale, grad_scale=scale)
+
+    def finish(self, host, context):
+        return self.mb.finish(host, context)
 
     def reset(self):
         self.mb.zero()
