@@ -18,7 +18,7 @@ from gns_fixtures import gpt_loss, sqgradnorm_sums, with_rmsnorms
 from nanogns.layers.config import set_contextual_config
 from model import GPT, GPTConfig
 from nanogns.refusals import ReferenceNameError
-from test_buffered import AUTOCAST_RTOL, BAD_LAYERNORM_CALLS, LAYERNORM_CALLS, REFUSED_LAYER_NAMES, RMSNORM_CALLS
+from test_layers import AUTOCAST_RTOL, BAD_LAYERNORM_CALLS, LAYERNORM_CALLS, REFUSED_LAYER_NAMES, RMSNORM_CALLS
 
 
 def randomised(module, seed=0):

@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 import nanogns.layers as buffered  # noqa: E402
+import nanogns.layers.linear as linear_module  # noqa: E402  (where the Linear maths is patched)
 import nanogns.layers.linear_kernel as linear_gns_kernel  # noqa: E402
 from nanogns.layers.linear_kernel import per_example_weight_grad, plan, reference  # noqa: E402
 
@@ -144,7 +145,7 @@ def test_buffered_materialise_runs_the_kernel(monkeypatch, fused):
     launch = linear_gns_kernel._launch
     monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
     for on_kernel in (False, True):
-        monkeypatch.setattr(buffered, "materialised_route", lambda *a: KERNEL_ROUTE if on_kernel else "bmm")
+        monkeypatch.setattr(linear_module, "materialised_route", lambda *a: KERNEL_ROUTE if on_kernel else "bmm")
         launches.clear()
         torch.manual_seed(0)
         layer = cls(20, 24).to(DEVICE)
@@ -199,7 +200,7 @@ def test_a_tied_gpt_on_the_kernel_measures_what_the_bmm_path_measures(monkeypatc
     layers = classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="shim")
     results = {}
     for on_kernel in (False, True):
-        monkeypatch.setattr(buffered, "materialised_route", lambda *a: KERNEL_ROUTE if on_kernel else "bmm")
+        monkeypatch.setattr(linear_module, "materialised_route", lambda *a: KERNEL_ROUTE if on_kernel else "bmm")
         model = tiny_gpt(**layers).to(DEVICE)
         buffered.set_per_example_mode(model, "materialise")
         for ids, targets in gpt_batches(2, 3):
@@ -249,7 +250,7 @@ def test_gpu_compiled_matches_eager():
 @pytest.mark.parametrize("fused", [True, False], ids=["gns", "shim"])
 def test_gpu_buffered_materialise_against_ghost(fused, monkeypatch):
     """On a GPU a measured Linear's "materialise" (the kernel) and "ghost" methods give one norm."""
-    monkeypatch.setattr(buffered, "materialised_route", lambda *a: "kernel 64x64 t32 w4 s3")
+    monkeypatch.setattr(linear_module, "materialised_route", lambda *a: "kernel 64x64 t32 w4 s3")
     cls = buffered.PEGradNormLinear if fused else buffered.PEGradNormShimLinear
     x, dy = inputs(4, 32, 64, 96, torch.float32, device="cuda")
     sums = {}

@@ -17,7 +17,7 @@ restores: a model written for the reference implementation (`import layer_config
 `lc.config.Linear(...)` in its __init__) reads it the same way.
 
 FLAG_CLASSES maps train.py's --linearclass / --embeddingclass / --lnclass values to classes; it
-is derived from buffered.MEASURED_CLASSES (the registry measure() uses too), so a new layer class
+is derived from nanogns.layers.MEASURED_CLASSES (the registry measure() uses too), so a new layer class
 is its code plus one entry there. train.py, configurator.py, bench/ and the tests read it.
 --lnclass chooses the class of whichever normalisation the model uses, so each of its values
 gives one class per normalisation kind (FLAG_KINDS), LayerNorm and RMSNorm:
@@ -30,9 +30,9 @@ from contextlib import contextmanager
 
 import torch.nn as nn
 
-from nanogns.layers import KIND_NAMES, MEASURED_CLASSES
-# model.py ties wte to lm_head through here, so that only buffered.py knows how measured layers link
-from nanogns.layers import tie_weights  # noqa: F401
+# model.py ties wte to lm_head through here, so that only the measured layers know how they link
+from nanogns.layers.embedding import tie_weights  # noqa: F401
+from nanogns.layers.registry import KIND_NAMES, MEASURED_CLASSES
 
 # RMSNorm last and with a default, so that the reference's three-class LayerClasses(...) still builds
 LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm"], defaults=(nn.RMSNorm,))
@@ -72,10 +72,10 @@ def set_contextual_config(**classes):
 
 # train.py's flag for each kind of layer (a tuple where one flag chooses for several kinds), and
 # what each of its values builds: a class, or for a flag of several kinds a dict with a class per
-# kind. nn is torch's (not measured); the others are buffered.MEASURED_CLASSES' values, derived
+# kind. nn is torch's (not measured); the others are MEASURED_CLASSES' values, derived
 # here and never written twice: gns computes gradient and norms in one backward, shim keeps
 # torch's backward and adds the norms beside it (the separated normalisations), fused is the
-# normgnorm kernel (buffered.py's fused normalisations)
+# normgnorm kernel (nanogns.layers.norms' fused normalisations)
 FLAG_KINDS = {'linearclass': 'Linear', 'embeddingclass': 'Embedding', 'lnclass': ('LayerNorm', 'RMSNorm')}
 KIND_OF = {name: kind for kind, name in KIND_NAMES.items()}  # 'Linear' -> 'linear', ...
 TORCH_CLASSES = dict(Linear=nn.Linear, Embedding=nn.Embedding, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)

@@ -2,7 +2,7 @@
 A Linear's weight gradient and each example's squared norm of it, in one Triton GEMM that never
 writes the per-example gradients.
 
-For an input x [B, T, K] and the output gradient dy [B, T, L] (buffered.py's materialised route; the
+For an input x [B, T, K] and the output gradient dy [B, T, L] (nanogns.layers.linear's materialised route; the
 materialised per-example gradient of Goodfellow 2015, "Efficient Per-Example Gradient
 Computations", and Rochette et al. 2019, "Efficient Per-Example Gradient Computations in
 Convolutional Neural Networks"):
@@ -43,8 +43,8 @@ from torch.library import triton_op, wrap_triton
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The GPU's defaults, for half-precision and for float32 inputs, where no tiling is given (a measured
-# Linear takes the tiling its card's routes table names: buffered.materialised_route; bench/gpu_check.py's
-# linear step times the candidates, config_of() reads their labels). A program holds
+# Linear takes the tiling its card's routes table names: nanogns.layers.linear.materialised_route;
+# bench/gpu_check.py's linear step times the candidates, config_of() reads their labels). A program holds
 # two float32 accumulators of its tile (W_b's and dW's): 128 x 128 over 8 warps fits the
 # registers with half-precision tiles, one program per multiprocessor; with float32 tiles it
 # spills on sm_80, and 64 x 64 over 4 warps does not (tests/test_linear_gns_kernel.py compiles

@@ -1,5 +1,5 @@
 """
-buffered.py against brute force: per-example gradients of the plain torch layer by the shared
+nanogns.layers (the reference's buffered.py) against brute force: per-example gradients of the plain torch layer by the shared
 oracle (tests/gns_fixtures.py), in float64 sums. A layer that sees the gradient of
 L = (1/N) sum_b l_b over N examples (split into micro-steps) must hold sum_b ||g_b||^2 / N^2.
 """
@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanogns.layers as buffered  # noqa: E402
+import nanogns.layers.linear as linear_module  # noqa: E402  (where the Linear maths is patched)
 from nanogns.refusals import ReferenceNameError  # noqa: E402
 from nanogns.layers import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
                       PEGradNormSeparatedRMSNorm, PEGradNormShimEmbedding, PEGradNormShimLinear,
@@ -140,7 +141,7 @@ def test_linear_chunks_bound_memory_and_agree(cls, mode, monkeypatch):
     monkeypatch.setattr(torch, "bmm", lambda a, b: batch_sizes.append(a.shape[0]) or bmm(a, b))
     for name in ("_weight_sqnorm_ghost", "_weight_sqnorm_materialised"):
         fn = getattr(buffered, name)
-        monkeypatch.setattr(buffered, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
+        monkeypatch.setattr(linear_module, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
     check(layer, plain, float_batches(2, (7, 3, 6), 5))
     assert batch_sizes and set(batch_sizes) == {1}
     other = "_weight_sqnorm_materialised" if mode == "ghost" else "_weight_sqnorm_ghost"
@@ -167,15 +168,15 @@ def test_none_is_the_shape_rule_as_before_auto_came():
 
 
 class FakeClock:
-    """time.perf_counter for buffered.py that a run of the ghost norm advances by `ghost` and one of
+    """time.perf_counter for nanogns.layers.linear that a run of the ghost norm advances by `ghost` and one of
     the materialised weight gradients by `materialise`: which method is faster, without timing."""
 
     def __init__(self, monkeypatch, ghost, materialise):
         self.now, self.runs = 0.0, []
-        monkeypatch.setattr(buffered, "time", self)
+        monkeypatch.setattr(linear_module, "time", self)
         for name, cost in (("_weight_sqnorm_ghost", ghost), ("_weight_sqnorm_materialised", materialise)):
             fn = getattr(buffered, name)
-            monkeypatch.setattr(buffered, name, lambda *a, _fn=fn, _name=name, _cost=cost, **k:
+            monkeypatch.setattr(linear_module, name, lambda *a, _fn=fn, _name=name, _cost=cost, **k:
                                 self.runs.append(_name) or self.tick(_cost) or _fn(*a, **k))
 
     def tick(self, seconds):
@@ -250,7 +251,7 @@ def test_before_compiling_the_undecided_auto_linears_choose_on_random_tensors_of
     clock = FakeClock(monkeypatch, ghost=1.0 if faster == "ghost" else 2.0, materialise=1.0 if faster != "ghost" else 2.0)
     seen = []
     timed = buffered._timed_choice
-    monkeypatch.setattr(buffered, "_timed_choice", lambda layer, ways, device: seen.append(layer) or timed(layer, ways, device))
+    monkeypatch.setattr(linear_module, "_timed_choice", lambda layer, ways, device: seen.append(layer) or timed(layer, ways, device))
     model = nn.Sequential(cls(6, 5), nn.Tanh(), cls(5, 4), cls(4, 3), cls(3, 2))
     buffered.set_linear_norm_methods(model, {"2": "ghost"})  # restored from a checkpoint
     model[3].per_example_mode = "shapes"
@@ -289,7 +290,7 @@ def test_linear_sqnorms_are_the_shim_layers_own(shape, dy_dtype, monkeypatch):
     ran = []
     for name in ("_weight_sqnorm_ghost", "_weight_sqnorm_materialised"):
         fn = getattr(buffered, name)
-        monkeypatch.setattr(buffered, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
+        monkeypatch.setattr(linear_module, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
     w_sq, b_sq = buffered.linear_sqnorms(x, dy)
     assert w_sq.dtype == b_sq.dtype == torch.float32
     assert set(ran) == {"_weight_sqnorm_ghost" if len(shape) == 2 else "_weight_sqnorm_materialised"}
@@ -409,17 +410,17 @@ def cuda_table(monkeypatch, device, rows=ROUTE_ROWS, tmp_path=None):
     writer.writerows(rows)
     path = tmp_path / "table.csv"
     path.write_text(text.getvalue())
-    monkeypatch.setattr(buffered, "_route_tables", {str(device): buffered.read_route_table(path)})
+    monkeypatch.setattr(linear_module, "_route_tables", {str(device): buffered.read_route_table(path)})
 
 
 def test_a_gpu_takes_its_tables_fastest_exact_route_and_the_cublas_route_without_one(monkeypatch, tmp_path):
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(buffered, "_route_tables", {})
+    monkeypatch.setattr(linear_module, "_route_tables", {})
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Z999")  # no table for it
     assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, cuda) == "bmm"
     assert buffered.table_method(1024, 768, 3072, torch.bfloat16, cuda) is None
     cuda_table(monkeypatch, cuda, tmp_path=tmp_path)
-    monkeypatch.setattr(buffered, "HAS_TRITON", True)
+    monkeypatch.setattr(linear_module, "HAS_TRITON", True)
     assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, cuda) == "kernel 128x128 t64 w8 s3"
     assert buffered.materialised_route(2048, 768, 3072, torch.bfloat16, cuda) == "kernel 128x128 t64 w8 s3"  # nearest T
     assert buffered.materialised_route(4, 768, 3072, torch.bfloat16, cuda) == "bmm-f32"  # the ghost is not materialised
@@ -428,7 +429,7 @@ def test_a_gpu_takes_its_tables_fastest_exact_route_and_the_cublas_route_without
     assert buffered.table_method(1024, 768, 3072, torch.bfloat16, cuda) == "materialise"
     assert buffered.table_method(4, 768, 3072, torch.bfloat16, cuda) == "ghost"
     assert buffered.table_method(2048, 768, 3072, torch.bfloat16, cuda) is None  # not measured there: timed
-    monkeypatch.setattr(buffered, "HAS_TRITON", False)  # a kernel route needs Triton: the next exact one
+    monkeypatch.setattr(linear_module, "HAS_TRITON", False)  # a kernel route needs Triton: the next exact one
     assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, cuda) == "bmm"
     assert buffered.materialised_route(1024, 768, 3072, torch.bfloat16, torch.device("cpu")) == "bmm"
 
@@ -442,7 +443,7 @@ def test_auto_takes_the_tables_method_and_route_without_timing(monkeypatch, tmp_
     cuda_table(monkeypatch, "cpu", rows, tmp_path)
     routes = []
     fn = buffered.materialised_route
-    monkeypatch.setattr(buffered, "materialised_route", lambda *a: routes.append(fn(*a)) or routes[-1])
+    monkeypatch.setattr(linear_module, "materialised_route", lambda *a: routes.append(fn(*a)) or routes[-1])
     for mode, method in (("auto", "materialise"), ("materialise", "materialise"), ("ghost", "ghost")):
         torch.manual_seed(6)
         layer, plain = twins(PEGradNormLinear, 6, 5)
@@ -466,7 +467,7 @@ def test_a_compiled_every_layer_gpt_takes_the_tables_routes_in_one_graph(monkeyp
     cuda_table(monkeypatch, "cpu", rows, tmp_path)
     methods = []  # the table's, looked up in the layers' forward (a list the traced backward may not append to)
     fn = buffered.table_method
-    monkeypatch.setattr(buffered, "table_method", lambda *a: methods.append(fn(*a)) or methods[-1])
+    monkeypatch.setattr(linear_module, "table_method", lambda *a: methods.append(fn(*a)) or methods[-1])
     layers = classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="shim")
     model = tiny_gpt(**layers)
     plain = tiny_gpt(**classes_for_flags())
@@ -750,6 +751,26 @@ def test_layernorm_without_affine_is_plain():
     x = torch.randn(2, 3, 4)
     assert torch.equal(layer(x), nn.LayerNorm(4, elementwise_affine=False)(x))
     assert find_sqgradnorm_buffers(layer) == []
+
+
+def test_every_normalisation_runs_normgnorms_one_function():
+    """One autograd Function per normalisation: the separated and the fused layers, normgnorm's
+    layer_norm and rms_norm and the reference's PEGLayerNorm all run normgnorm._NormFn, and
+    PEGLayerNorm is an adapter onto it, not a Function of its own; the layers define none."""
+    import nanogns.layers.norms as norms
+    import nanogns.normgnorm as normgnorm
+    torch.manual_seed(27)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    zero = lambda: torch.zeros(())  # noqa: E731
+    outputs = [cls(8)(x) for cls in (PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
+                                     buffered.PEGradNormFusedLayerNorm, buffered.PEGradNormFusedRMSNorm)]
+    outputs += [normgnorm.layer_norm(x, w, b, zero(), zero(), zero()), normgnorm.rms_norm(x, w, zero(), zero()),
+                normgnorm.PEGLayerNorm.apply(x, w, b, torch.zeros(2), torch.zeros(2), (8,), 1e-5)]
+    assert [type(y.grad_fn).__name__ for y in outputs] == ["_NormFnBackward"] * len(outputs)
+    functions = [name for module in (norms, normgnorm) for name, value in vars(module).items()
+                 if isinstance(value, type) and issubclass(value, torch.autograd.Function)]
+    assert functions == ["_NormFn"]
 
 
 # torch's order, nanoGPT's and the reference's (ndim, bias), and keywords: (args, kwargs, eps, bias)
