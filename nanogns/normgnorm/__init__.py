@@ -11,16 +11,17 @@ x [N, D] is N examples of one token), with x̂ = (x - mean) * rstd and y = γ �
     weight_sqgradnorm += Σ_b ||dγ_b||²,   bias_sqgradnorm += Σ_b ||dβ_b||²,   example_count += B
 
 accumulated in float32 whatever the input dtype. The gradient the layer sees is that of the
-mean loss, so these are Σ_b ||g_b / B||² as buffered.py defines them.
+mean loss, so these are Σ_b ||g_b / B||² as nanogns.layers defines them.
 
 RMSNorm (x̂ = x * rstd, rstd = 1 / sqrt(mean(x²) + eps), y = γ ⊙ x̂, no β) is the same without the
 centring (Zhang & Sennrich 2019): its dγ_b has the same form, and every implementation runs it through
 the LayerNorm code with the mean left out (`rms=True` in forward, `mean` None in backward).
 
-Two functions, `layer_norm` and `rms_norm`, and one autograd Function behind both (_NormFn, which
-the measured layers call directly; the reference implementation's `PEGLayerNorm`, with its seven
-arguments, is an adapter onto its forward and backward, at the end), with four implementations in
-eager mode:
+Two functions, `layer_norm` and `rms_norm`, and one autograd Function behind both and behind every
+measured normalisation (_NormFn, which the measured layers call directly: the fused ones to
+normalise and measure, the separated ones to measure beside torch's own normalisation; the
+reference implementation's `PEGLayerNorm`, with its seven arguments, is an adapter onto it, at the
+end). The fused way has four implementations in eager mode:
 - "triton": Triton kernels (normgnorm/triton_kernels.py), the default on CUDA;
 - "cuda": a CUDA C++ extension (normgnorm/csrc/), JIT-built on first use;
 - "cpu": torch's forward and a backward in one native pass (normgnorm/cpu_ext.py, C built on
@@ -31,10 +32,11 @@ whatever the backend: the PyTorch path, traced like any PyTorch code, so that th
 every op and fuses the per-example sums with the model's own kernels. The measured layers then
 hand the Function a "sink" (a float32 leaf vector): its backward returns the sums as the sink's
 gradient instead of writing them into the buffers, and the layer adds them to its buffers once
-autograd has accumulated them (buffered.py), so nothing is written inside the compiled backward.
+autograd has accumulated them (nanogns.layers.norms), so nothing is written inside the compiled backward.
 """
 import contextlib
 import functools
+import math
 import os
 from typing import Optional
 
@@ -207,62 +209,110 @@ def _autocast_off(ctx):
     return contextlib.nullcontext()
 
 
-def _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps, backend,
-                  rms):
-    """The forward of the normalisations (_NormFn, and the reference's PEGLayerNorm): y, with what
-    the backward needs kept in ctx. The implementation is called directly; under torch.compile, and
-    wherever a sink is given, it is the torch path, traced with the model's ops."""
-    # once: the backward runs what the forward ran
-    backend = "torch" if sink is not None else resolve_backend(backend, x)
-    x, weight, bias, ctx.autocast = _float32_under_autocast(x, weight, bias, rms)
-    ctx.backend, ctx.rms, ctx.sink = backend, rms, sink is not None
-    with _autocast_off(ctx):
-        y, mean, rstd = _forward(x, weight, bias, eps, backend, rms)
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
-    ctx.has_bias = bias is not None
-    return y
-
-
-def _norm_backward(ctx, dy):
-    """dx, dγ, dβ (None where not needed), and the sink's gradient: the per-example sums
-    (torch_path.per_example_sums) where the forward was given a sink, else None, the sums then
-    added to the buffers ctx keeps."""
-    x, weight, mean, rstd = ctx.saved_tensors
-    # only parameters that receive a gradient are measured
-    need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-    with _autocast_off(ctx):
-        if not ctx.sink:
-            return *_backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend), None
-        num_examples, N = _examples_and_rows(x)
-        if N == 0:
-            sink_grad = torch.zeros(3, dtype=torch.float32, device=x.device)
-            sink_grad[2] = num_examples
-            return (torch.zeros_like(x), weight.new_zeros(weight.shape) if need_dw else None,
-                    weight.new_zeros(weight.shape) if need_db else None, sink_grad)
-        return torch_path.sink_backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db)
-
-
 class _NormFn(torch.autograd.Function):
     """
-    The one autograd Function of both normalisations, eager and compiled (rms: RMSNorm, bias and
-    its buffer None): layer_norm, rms_norm and the measured layers run it. Under autocast it runs
-    in float32 with a float32 output where torch's own op does (autocast_runs_in_float32).
+    The one autograd Function of both normalisations (rms: RMSNorm, bias and its buffer None), in
+    both of the measured layers' ways, eager and compiled: layer_norm, rms_norm, the measured layers
+    and the reference's PEGLayerNorm all run it.
+
+    Fused (torch_output None): it normalises x itself, through the implementation `backend` names
+    (resolve_backend), and its backward computes dx, dγ, dβ and the per-example norms together.
+    Under autocast it runs in float32 with a float32 output where torch's own op does
+    (autocast_runs_in_float32). Only parameters that receive a gradient are measured.
+
+    Separated (torch_output given: the separated layers): torch has normalised x with its own
+    autograd, so output and gradients are torch's, bit for bit. The Function is the identity on
+    torch_output; its backward hands dy on and adds the per-example part alone, from dy, x (as torch
+    took it, detached) and the row statistics: `stats`, the (mean, rstd) of torch's native_layer_norm,
+    or for RMSNorm (stats None) rstd recomputed as torch's rms_norm computes it. The parameters whose
+    buffer is given are measured; `coords` (the weight's, the bias's) are per-coordinate sums
+    Σ_b dγ_b², Σ_b dβ_b² added beside the buffers (register_coordinate_buffers). `weight` (detached)
+    gives the normalised shape, which may be more than the last dimension.
+
     sink None: the backward adds the per-example sums to the buffers. A sink, a float32 leaf
-    vector of 3 that requires grad (the measured layers pass theirs under torch.compile): the
-    backward runs the torch path and returns the sums as the sink's gradient,
-    [Σ_b ||dγ_b||², Σ_b ||dβ_b||², B] (torch_path.SINK_SLOTS), writing nothing.
+    vector that requires grad (the measured layers pass theirs under torch.compile): the backward
+    runs the torch path and returns the sums as the sink's gradient, [Σ_b ||dγ_b||², Σ_b ||dβ_b||², B]
+    (torch_path.SINK_SLOTS) and then any per-coordinate sums, writing nothing.
+
+    pairs (PEGLayerNorm's): the reference's [sum, count] buffers of the weight and the bias (either
+    None); after the backward each gets [what its 0-dim buffer was given, B] added.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps, backend, rms):
-        return _norm_forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps,
-                             backend, rms)
+    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps, backend, rms,
+                torch_output=None, stats=None, coords=None, pairs=None):
+        ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
+        ctx.sink, ctx.pairs, ctx.separated = sink is not None, pairs, torch_output is not None
+        if ctx.separated:
+            ctx.save_for_backward(x, *(stats or (None, None)))
+            ctx.shape, ctx.eps, ctx.coords = weight.shape, eps, coords or (None, None)
+            return torch_output.view_as(torch_output)
+        # once: the backward runs what the forward ran; under torch.compile, and wherever a sink is
+        # given, the torch path, traced with the model's ops
+        backend = "torch" if sink is not None else resolve_backend(backend, x)
+        x, weight, bias, ctx.autocast = _float32_under_autocast(x, weight, bias, rms)
+        ctx.backend, ctx.has_bias = backend, bias is not None
+        with _autocast_off(ctx):
+            y, mean, rstd = _forward(x, weight, bias, eps, backend, rms)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dw, db, sink_grad = _norm_backward(ctx, dy)
-        return dx, dw, db, None, None, None, sink_grad, None, None, None
+        if ctx.separated:
+            return None, None, None, None, None, None, _separated_sums(ctx, dy), None, None, None, dy, None, None, None
+        x, weight, mean, rstd = ctx.saved_tensors
+        need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        with _autocast_off(ctx):
+            if ctx.sink:
+                dx, dw, db, sink_grad = _sink_backward(dy, x, weight, mean, rstd, need_dw, need_db)
+            else:
+                dx, dw, db = _backward_impl(dy, x, weight, mean, rstd, need_dw, need_db, *ctx.bufs, ctx.backend)
+                sink_grad = None
+        if ctx.pairs is not None:  # the reference's layout, beside ours
+            num_examples = _examples_and_rows(x)[0]
+            for pair, sq, grad in zip(ctx.pairs, ctx.bufs, (dw, db)):
+                if pair is not None and grad is not None:
+                    pair.add_(torch.stack([sq, torch.full_like(sq, num_examples)]))
+        return dx, dw, db, None, None, None, sink_grad, None, None, None, None, None, None, None
+
+
+def _sink_backward(dy, x, weight, mean, rstd, need_dw, need_db):
+    """The fused backward's dx, dγ, dβ (None where not needed) and the sums as the sink's gradient."""
+    num_examples, N = _examples_and_rows(x)
+    if N == 0:
+        sink_grad = torch.zeros(3, dtype=torch.float32, device=x.device)
+        sink_grad[2] = num_examples
+        return (torch.zeros_like(x), weight.new_zeros(weight.shape) if need_dw else None,
+                weight.new_zeros(weight.shape) if need_db else None, sink_grad)
+    return torch_path.sink_backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db)
+
+
+def _separated_sums(ctx, dy):
+    """The separated backward: the per-example sums of dγ_b, dβ_b from dy and what the forward kept,
+    added to the buffers (and the per-coordinate ones), or, given a sink, returned as its gradient."""
+    x, mean, rstd = ctx.saved_tensors
+    weight_sq, bias_sq, count = ctx.bufs
+    N = math.prod(ctx.shape)
+    B = x.shape[0] if x.dim() > len(ctx.shape) else 1  # an input of the normalised shape alone: one example
+    x3, dy3 = x.reshape(B, -1, N), dy.reshape(B, -1, N)
+    if rstd is None:  # RMSNorm: rstd recomputed from x in float32 (float64 for float64), as torch computes it
+        acc = torch.promote_types(x.dtype, torch.float32)
+        mean_square = torch.linalg.vector_norm(x3, dim=-1, keepdim=True, dtype=acc).square_().div_(N)
+        mean3, rstd3 = None, mean_square.add_(rms_norm_eps(ctx.eps, x.dtype)).rsqrt_()
+    else:
+        mean3, rstd3 = mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1)
+    need_dw, need_db = weight_sq is not None, bias_sq is not None
+    if ctx.sink:  # the sums as values, in ops the compiler fuses with torch's backward
+        return torch_path.per_example_sums(dy3, x3, mean3, rstd3, need_dw, need_db,
+                                           tuple(c is not None for c in ctx.coords))
+    # the per-example dγ_b, dβ_b and their squared norms (on CPU in one native pass over x and dy)
+    dw_b, db_b = cpu_ext.per_example_grads(dy3, x3, mean3, rstd3, need_dw, need_db, weight_sq, bias_sq)
+    for grads_b, coords in zip((dw_b, db_b), ctx.coords):
+        if grads_b is not None and coords is not None:
+            coords.add_(grads_b.square().sum(0))
+    count.add_(B)
+    return None
 
 
 def _check_buffers(entry, **buffers):
@@ -313,11 +363,12 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
 # Kept: PEGLayerNorm, with its seven arguments and its [sum, count] buffers, an adapter onto
 # layer_norm's Function. The rest fails at once, saying what to use instead.
 
-class PEGLayerNorm(torch.autograd.Function):
+class PEGLayerNorm:
     """
     The reference implementation's LayerNorm Function, kept so that code written for it runs
-    unchanged; our own code calls layer_norm. The backward also adds Σ_b ||dγ_b||², Σ_b ||dβ_b||²
-    to the float32 buffers and B to example_count (when given):
+    unchanged; our own code calls layer_norm. An adapter onto _NormFn, the one Function of the
+    normalisations: it checks the reference's arguments and hands them on. The backward also adds
+    Σ_b ||dγ_b||², Σ_b ||dβ_b||² to the float32 buffers and B to example_count (when given):
 
         y = PEGLayerNorm.apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm,
                                normalized_shape, eps[, example_count[, backend]])
@@ -328,8 +379,8 @@ class PEGLayerNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, normalized_shape, eps=1e-5,
-                example_count=None, backend=None):
+    def apply(x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, normalized_shape, eps=1e-5, example_count=None,
+              backend=None):
         D = x.shape[-1] if x.dim() else None
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
         if shape != (D,) or weight.shape != (D,):
@@ -338,22 +389,16 @@ class PEGLayerNorm(torch.autograd.Function):
         pairs = (_buffer_layout("PEGLayerNorm's weight_sqgradnorm", weight_sqgradnorm),
                  _buffer_layout("PEGLayerNorm's bias_sqgradnorm", bias_sqgradnorm))
         _buffer_layout("PEGLayerNorm's example_count", example_count, pair_allowed=False)
-        # layer_norm's Function adds to 0-dim sums: a pair, or a missing buffer, gets a fresh one
+        # the Function adds to 0-dim sums: a pair, or a missing buffer, gets a fresh one
         fresh = lambda: x.new_zeros((), dtype=torch.float32)  # noqa: E731
         sums = [buf if buf is not None and not pair else fresh()
                 for buf, pair in zip((weight_sqgradnorm, bias_sqgradnorm), pairs)]
-        ctx.pairs = tuple(zip(pairs, (weight_sqgradnorm, bias_sqgradnorm), sums))
-        return _norm_forward(ctx, x, weight, bias, *sums, example_count if example_count is not None else fresh(),
-                             None, eps, backend or "", False)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw, db, _ = _norm_backward(ctx, dy)
-        num_examples = _examples_and_rows(dy)[0]
-        for (pair, buf, sq), grad in zip(ctx.pairs, (dw, db)):
-            if pair and grad is not None:
-                buf.add_(torch.stack([sq, torch.full_like(sq, num_examples)]))
-        return dx, dw, db, None, None, None, None, None, None
+        count = example_count if example_count is not None else fresh()
+        pair_bufs = None
+        if any(pairs):  # the Function adds [sum, B] to them after its backward
+            pair_bufs = tuple(buf if pair else None for buf, pair in zip((weight_sqgradnorm, bias_sqgradnorm), pairs))
+        return _NormFn.apply(x, weight, bias, *sums, count, None, eps, backend or "", False,
+                             None, None, None, pair_bufs)
 
 
 __getattr__ = refuse_module_names(__name__, {

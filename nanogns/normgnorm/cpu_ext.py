@@ -5,8 +5,8 @@ second, into torch's extension cache, once per version of the source, compiler a
 called through ctypes. It computes dx, each example's dγ_b, dβ_b, their sums and the squared
 norms reading x and dy once; the PyTorch path (torch_path.py) reads them three times and pays a
 dozen op dispatches, which cost as much as a small LayerNorm. The output (forward) is torch's own.
-The separated layers (buffered.py), whose dx, dγ, dβ are torch's, take the per-example part alone
-(per_example_grads).
+The separated layers (nanogns.layers.norms), whose dx, dγ, dβ are torch's, take the per-example part
+alone (per_example_grads).
 
 What it does not take goes to the PyTorch path, with the same results: other dtypes than
 float32, a frozen gain, a backward that records a graph (create_graph=True). Where no compiler

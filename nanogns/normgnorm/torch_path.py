@@ -161,7 +161,7 @@ def backward(dy, x, weight, mean, rstd, num_examples, need_dw, need_db, weight_s
 # ---------------------------------------------------------------------------------------------
 # The compiled route: the sums leave the backward as values, the gradient of a float32 "sink"
 # vector laid out as SINK_SLOTS and then any per-coordinate sums, and are added to the buffers
-# after it (buffered.py). Written in elementwise ops and sums, which the compiler fuses with the
+# after it (nanogns.layers.norms). Written in elementwise ops and sums, which the compiler fuses with the
 # model's own kernels: no batched matmul, no scratch, no buffer written.
 
 SINK_SLOTS = ("weight_sqgradnorm", "bias_sqgradnorm", "example_count")

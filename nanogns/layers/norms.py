@@ -1,0 +1,301 @@
+"""
+The measured normalisations: LayerNorm and RMSNorm, separated (--lnclass=shim: torch's own forward
+and gradients, the affine part's per-example norms measured beside them) and fused (--lnclass=fused:
+the normgnorm kernel computes y, dx, dgamma, dbeta and the norms in one forward and one backward),
+and LayerNorm, the unmeasured nn.LayerNorm that also takes nanoGPT's LayerNorm(ndim, bias).
+
+torch.compile: the other measured layers hand their buffers to their autograd Functions and add to
+them in backward; the normalisations instead hand their sums out of the compiled backward as the
+gradient of a sink, added to the buffers after it (_MeasuredNorm).
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import nanogns.normgnorm as normgnorm
+from nanogns.layers.buffers import MeasuredLayer, _examples, coordinate_buffers, register_sqgradnorm_buffers
+from nanogns.normgnorm.torch_path import rms_norm_eps
+from nanogns.refusals import refused
+
+
+# ---------------------------------------------------------------------------------------------
+# The normalisations under torch.compile: their per-example sums leave the backward as values
+
+class _MeasuredNorm(MeasuredLayer):
+    """
+    What the measured normalisations share. Under torch.compile their backward writes nothing: it
+    returns the per-example sums as the gradient of the layer's sink, a float32 leaf vector laid
+    out as sink_layout() (normgnorm.torch_path.SINK_SLOTS, then any per-coordinate buffers), and
+    autograd accumulates that gradient like any other. A hook run as it lands adds it to the
+    buffers and clears it, so the buffers stay what the estimators read, over any number of
+    micro-steps. (A buffer written inside a compiled backward costs copies, rules out CUDA graphs
+    and has open correctness bugs in torch.) In eager mode the backward adds to the buffers
+    itself, and the sink is not used.
+    The sink is neither a parameter nor a buffer (nothing optimises, saves, broadcasts or
+    all-reduces it). It lives where the weight does, made anew wherever the weight is moved or
+    assigned (measure() builds its layers on the meta device and then hands them their Parameters),
+    a buffer is registered, or the layer is copied or unpickled.
+    """
+
+    def sink_layout(self):
+        """(buffer name, size) of each part of the sink, in order; a part whose buffer the layer has not
+        (the bias's, without a bias) holds 0 and goes nowhere."""
+        coords = [(f"{name}_sqgrad_coords", self._buffers[f"{name}_sqgrad_coords"].numel())
+                  for name in ("weight", "bias") if self._buffers.get(f"{name}_sqgrad_coords") is not None]
+        return [(name, 1) for name in normgnorm.torch_path.SINK_SLOTS] + coords
+
+    def _new_sink(self):
+        """A fresh sink, with its hook, where the weight is; None while there is no weight, or no
+        buffers yet, or the weight is on the meta device."""
+        weight = self._parameters.get("weight")
+        if weight is None or weight.device.type == "meta" or "example_count" not in self._buffers:
+            self._sink = None
+            return
+        self._sink_parts = self.sink_layout()  # read once: the hook runs at every backward
+        sink = torch.zeros(sum(size for _, size in self._sink_parts), dtype=torch.float32, device=weight.device,
+                           requires_grad=True)
+        sink.register_post_accumulate_grad_hook(self._add_sink_grad)
+        self._sink = sink
+
+    def _add_sink_grad(self, sink):
+        """The hook: what the backward passes handed the sink, added to the buffers."""
+        grad, sink.grad = sink.grad, None
+        bufs, parts = [], []
+        for (name, _), part in zip(self._sink_parts, grad.split([size for _, size in self._sink_parts])):
+            buf = self._buffers.get(name)
+            if buf is not None:
+                bufs.append(buf)
+                parts.append(part.view(buf.shape))
+        with torch.no_grad():
+            torch._foreach_add_(bufs, parts)
+
+    def _measures(self):
+        """Whether a call now measures: grad is on, and a parameter of the layer's own trains."""
+        return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in self._parameters.values())
+
+    def _compiled_sink(self):
+        """The sink while compiling a call that measures; None in eager mode, where the backward adds
+        to the buffers itself."""
+        return self.__dict__.get("_sink") if torch.compiler.is_compiling() and self._measures() else None
+
+    def register_parameter(self, name, param):
+        super().register_parameter(name, param)
+        if name == "weight" and "example_count" in self._buffers:
+            self._new_sink()
+
+    def register_buffer(self, name, tensor, persistent=True):
+        super().register_buffer(name, tensor, persistent)
+        self._new_sink()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._new_sink()
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._new_sink()
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm
+
+# torch's nn.LayerNorm parameters in order, with their defaults
+LAYERNORM_DEFAULTS = dict(normalized_shape=None, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None)
+
+
+def layernorm_arguments(name, args, kwargs):
+    """
+    The arguments of a LayerNorm call as a dict of nn.LayerNorm's parameters, from either torch's
+    order (normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None)
+    or nanoGPT's and the reference implementation's LayerNorm(ndim, bias): a bool second positional
+    argument is bias (torch would take it for eps = 1.0 or 0.0).
+    """
+    order = list(LAYERNORM_DEFAULTS)
+    if len(args) >= 2 and isinstance(args[1], bool):
+        order = ["normalized_shape", "bias"]
+    if len(args) > len(order):
+        raise TypeError(f"{name} takes at most {len(order)} positional arguments ({', '.join(order)}), "
+                        f"got {len(args)}: {args!r}")
+    given = dict(zip(order, args))
+    for key, value in kwargs.items():
+        if key not in LAYERNORM_DEFAULTS:
+            raise TypeError(f"{name} got an unexpected keyword argument {key!r}; "
+                            f"it takes {', '.join(LAYERNORM_DEFAULTS)}")
+        if key in given:
+            raise TypeError(f"{name} got {key} twice: {given[key]!r} by position and {value!r} by keyword")
+        given[key] = value
+    if "normalized_shape" not in given:
+        raise TypeError(f"{name} needs normalized_shape (the feature size ndim)")
+    if isinstance(given.get("eps"), bool):
+        raise TypeError(f"{name} got eps={given['eps']!r}: eps is a float; for bias write bias={given['eps']!r}")
+    return {**LAYERNORM_DEFAULTS, **given}
+
+
+class LayerNorm(nn.LayerNorm):
+    """
+    nn.LayerNorm that also takes nanoGPT's and the reference implementation's LayerNorm(ndim, bias)
+    (a plain LayerNorm with an optional bias, eps 1e-5), as well as torch's own arguments.
+    The measured LayerNorms (below) build on it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(**layernorm_arguments(type(self).__name__, args, kwargs))
+
+
+class PEGradNormSeparatedLayerNorm(_MeasuredNorm, LayerNorm):
+    """
+    nn.LayerNorm whose affine part y = gamma * xhat + beta is measured separately from the
+    normalisation xhat: backward adds the per-example squared norms of dgamma_b = sum_t dy * xhat
+    and dbeta_b = sum_t dy (the cheap ones: Gray et al. 2024 find these alone predict the whole
+    model's gradient noise scale). Forward and every gradient are torch's own (bit-identical):
+    normgnorm's Function, in its separated way, measures beside them from what torch keeps (x and
+    the row statistics), so memory is as nn.LayerNorm's.
+    Same parameters and state_dict keys as nn.LayerNorm, bias=False included. Takes torch's
+    arguments or the reference's (ndim, bias), as LayerNorm above.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        register_sqgradnorm_buffers(self)
+
+    def forward(self, x):
+        self._check_call(_examples(x, len(self.normalized_shape)))
+        w_trains = self.weight is not None and self.weight.requires_grad
+        b_trains = self.bias is not None and self.bias.requires_grad
+        if not torch.is_grad_enabled() or not (w_trains or b_trains):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        # torch's layer_norm with its row statistics: native_layer_norm, which F.layer_norm runs (its
+        # autograd too), with the float32 casts of F.layer_norm's autocast rule where autocast has one
+        xc, weight, bias, _ = normgnorm._float32_under_autocast(x, self.weight, self.bias, False)
+        y, mean, rstd = torch.native_layer_norm(xc, self.normalized_shape, weight, bias, self.eps)
+        bufs = self._buffers
+        return normgnorm._NormFn.apply(xc.detach(), self.weight.detach(), None,
+                                       bufs.get("weight_sqgradnorm") if w_trains else None,
+                                       bufs.get("bias_sqgradnorm") if b_trains else None,
+                                       bufs["example_count"], self._compiled_sink(), self.eps, "", False,
+                                       y, (mean.detach(), rstd.detach()),
+                                       (bufs.get("weight_sqgrad_coords"), bufs.get("bias_sqgrad_coords")))
+
+    # The reference implementation's names: its separated LayerNorm held the gain and bias in a
+    # submodule .affine (after a .layernorm without them); here they are the layer's own.
+    affine = property(lambda self: self, doc="The layer itself: its weight and bias are the affine part's.")
+    layernorm = refused("PEGradNormSeparatedLayerNorm.layernorm", "the layer normalises and applies its "
+                        "weight and bias in one call; for the normalisation alone use "
+                        "F.layer_norm(x, ln.normalized_shape, None, None, ln.eps)")
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm
+
+class PEGradNormSeparatedRMSNorm(_MeasuredNorm, nn.RMSNorm):
+    """
+    nn.RMSNorm (the same arguments, parameter and state_dict keys; eps None is torch's machine
+    epsilon) whose backward also adds the per-example squared norms of its gain's gradient,
+    dgamma_b = sum_t dy * xhat: LayerNorm's rule without the centring. Output and every gradient
+    are torch's own rms_norm's (bit-identical); the norms are measured beside it (normgnorm's
+    Function, in its separated way) from dy and the input, which torch saves too, at the cost of
+    one more read of x in backward.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        register_sqgradnorm_buffers(self)
+
+    def forward(self, x):
+        self._check_call(_examples(x, len(self.normalized_shape)))
+        y = F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        weight = self._parameters.get("weight")  # None without affine, or parametrized: not measured
+        if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
+            return y
+        bufs = self._buffers
+        return normgnorm._NormFn.apply(x.detach(), weight.detach(), None, bufs.get("weight_sqgradnorm"), None,
+                                       bufs["example_count"], self._compiled_sink(), self.eps, "", True, y, None,
+                                       (bufs.get("weight_sqgrad_coords"), None))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused normalisations (--lnclass=fused): the normgnorm kernel (Triton or CUDA on GPU, PyTorch
+# elsewhere) computes y and, in its backward, dx, dgamma, dbeta and the per-example norms together.
+# fused_gns.py, the reference implementation's home for them, imports them from here.
+
+class _FusedNorm(_MeasuredNorm):
+    """
+    What the fused normalisations share: the torch class's arguments and `backend`, the eager
+    implementation (None: Triton on CUDA, the CPU kernel on CPU; normgnorm.resolve_backend). Under
+    torch.compile every backend runs the one compiled route, the PyTorch path fused with the model.
+    The kernel normalises over the last dimension only; elementwise_affine=False leaves nothing to
+    measure and runs torch's own.
+    """
+    separated = None  # the separated class, for what the kernel does not take
+
+    def __init__(self, *args, backend=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if len(self.normalized_shape) != 1:
+            raise ValueError(f"{type(self).__name__} normalises over the last dimension only, not "
+                             f"{self.normalized_shape}; use buffered.{self.separated}")
+        self.backend = backend
+        register_sqgradnorm_buffers(self)
+
+
+class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
+    """Takes torch's nn.LayerNorm arguments or the reference's (ndim, bias) (see LayerNorm above)."""
+    separated = "PEGradNormSeparatedLayerNorm"
+
+    def forward(self, x):
+        self._check_call(_examples(x, len(self.normalized_shape)))
+        if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        params, bufs = self._parameters, self._buffers  # dict reads: a module attribute is two __getattr__
+        weight = params.get("weight")
+        if weight is not None and "bias" in params and x.shape[-1:] == weight.shape:
+            # own parameters: the Function itself, without layer_norm()'s checks of buffers that this
+            # layer registered (eager and compiled: the one path)
+            return normgnorm._NormFn.apply(x, weight, params["bias"], bufs["weight_sqgradnorm"],
+                                           bufs.get("bias_sqgradnorm"), bufs["example_count"], self._compiled_sink(),
+                                           self.eps, self.backend or "", False)
+        if self.weight is None:
+            return F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        return normgnorm.layer_norm(x, self.weight, self.bias,
+                                    self.weight_sqgradnorm, self._buffers.get("bias_sqgradnorm"),
+                                    self.example_count, self.eps, self.backend)
+
+
+class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
+    """Takes torch's nn.RMSNorm arguments; eps None is torch's default (machine epsilon of the
+    computation type). Measures Σ_b ||dγ_b||² of its gain, dγ_b = Σ_t dy_bt ⊙ x̂_bt."""
+    separated = "PEGradNormSeparatedRMSNorm"
+
+    def forward(self, x):
+        self._check_call(_examples(x, len(self.normalized_shape)))
+        if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        weight = self._parameters.get("weight")
+        if weight is not None and x.dim() and x.shape[-1:] == weight.shape:
+            # own gain: the Function itself, without rms_norm()'s checks of this layer's own buffers
+            bufs = self._buffers
+            return normgnorm._NormFn.apply(x, weight, None, bufs["weight_sqgradnorm"], None, bufs["example_count"],
+                                           self._compiled_sink(), rms_norm_eps(self.eps, x.dtype), self.backend or "",
+                                           True)
+        if self.weight is None:
+            return F.rms_norm(x, self.normalized_shape, None, self.eps)
+        return normgnorm.rms_norm(x, self.weight, self.weight_sqgradnorm, self.example_count, self.eps,
+                                  self.backend)
+
+
+def register_coordinate_buffers(model, params):
+    """
+    Give each separated LayerNorm and RMSNorm parameter whose id is in `params` a float32 buffer
+    `{name}_sqgrad_coords` of its size, to which its backward then adds the per-coordinate sums
+    S_d = sum_b (g_bd / B)^2 (adamgns.py applies a diagonal preconditioner to them). They are the
+    Adam estimator's own: not zeroed, all-reduced or read with the scalar sums. Returns
+    coordinate_buffers(model).
+    """
+    for module in model.modules():
+        if isinstance(module, (PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm)):
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) in params and p.requires_grad and f"{name}_sqgrad_coords" not in module._buffers:
+                    module.register_buffer(f"{name}_sqgrad_coords", p.new_zeros(p.numel(), dtype=torch.float32),
+                                           persistent=False)
+    return coordinate_buffers(model)
