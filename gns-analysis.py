@@ -41,7 +41,7 @@ from nanogns.logread import (REFERENCE_PAIR, LogError, ToolParser, figure, load_
                        run_main, x_axis)
 from nanogns.maths import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
                      debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
-from nanogns.refusals import refuse_module_names
+from nanogns.refusals import module_refusals
 from nanogns.runlog import atomic_write
 
 # known estimators, in the order they are tried as the main one and listed; others follow, ddp last
@@ -667,18 +667,9 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
     return 0
 
 
-# -- the reference implementation's names that are not kept (reference_names.py) ------------------
+# -- the reference implementation's names that are not kept (nanogns/refusals.py) -----------------
 
-__getattr__ = refuse_module_names(__name__, {
-    "analyze_gns": "use analyze(load_log(out_dir)[0], alpha, prefix); its results hold gtg, trsigma, gtg_ema, "
-                   "trsigma_ema, gns, sgn, spegn with a bias-corrected EMA (module docstring)",
-    "compute_ema": "use debiased_ema(x, alpha): bias-corrected, over the measured steps only "
-                   "(the reference's was ewm(adjust=False))",
-    "compute_total_norms": "use analyze(df, alpha)'s sgn and spegn columns (the main estimator's summed squared norms)",
-    "get_aligned_columns": "use find_estimators(df)",
-    "unbiased_stats": "use unbiased_estimates(sgn, spegn, B), NaN where B <= 1",
-    "create_plots": "use plots(results, df, info)",
-})
+__getattr__ = module_refusals("gns_analysis")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import pandas as pd
 
 from nanogns.logread import LogError, ToolParser, figure, load_log, log10_positive, log_columns, run_main, x_axis
 from nanogns.maths import X_COLUMNS, parse_column
-from nanogns.refusals import refuse_module_names
+from nanogns.refusals import module_refusals
 
 DEFAULT_COLUMNS = ["train/loss", "val/loss"]
 MAX_LINES = 8  # lines per plot; more are hard to tell apart
@@ -128,12 +128,9 @@ def main(argv=None):
     return 0
 
 
-# -- the reference implementation's names that are not kept (reference_names.py) ------------------
+# -- the reference implementation's names that are not kept (nanogns/refusals.py) -----------------
 
-__getattr__ = refuse_module_names(__name__, {
-    "plot_metric": "use csv_tools.figure([(x, y, label)], x_label, y_label, width=..., height=...), "
-                   "or run plot.py LOG_DIR METRIC",
-})
+__getattr__ = module_refusals("plot")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ import time
 import warnings
 
 from nanogns.maths import LOG_NAME, WRITER, WRITER_KEY
-from nanogns.refusals import refuse_module_names, refused
+from nanogns.refusals import module_refusals, refuse_attributes
 
 REJECTED_SUFFIX = ".rejected"  # malformed rows a resume took out of log.csv, appended to log.csv.rejected
 MAX_REPORTED = 5  # problems a resume reports one line each; the rest as a count
@@ -264,6 +264,7 @@ def _plain(value):
     return item() if callable(item) else value
 
 
+@refuse_attributes  # the reference's CSV machinery, not kept (refusals.ATTRIBUTES)
 class LogWrapper:
     """
     logf: optional callable that also receives every row as a dict of the values logged that
@@ -593,24 +594,6 @@ class LogWrapper:
             raise ValueError(f"LogWrapper.print: {name!r} matches several logged keys {matches}; write the key exactly")
         return matches[0] if matches else None
 
-    # The reference implementation's CSV machinery (a header file and a data file, joined into
-    # log.csv at exit), not kept: here step() writes log.csv itself, complete after every step.
-    _ONE_FILE = "log.csv is written directly by step(); its path is .path"
-    setup_csv_writer = refused("LogWrapper.setup_csv_writer", "nothing to set up: the first step() writes log.csv")
-    write_config = refused("LogWrapper.write_config", "pass config= to LogWrapper(config=..., out_dir=...), "
-                                                      "which writes out_dir/config.json")
-    update_header = refused("LogWrapper.update_header", "step() rewrites log.csv's header when a new key appears")
-    finalize_csv = refused("LogWrapper.finalize_csv", "nothing to finalize: log.csv is complete after every "
-                                                      "step(); call close() at the end")
-    csv_writer = refused("LogWrapper.csv_writer", _ONE_FILE)
-    csv_data_file = refused("LogWrapper.csv_data_file", _ONE_FILE)
-    csv_header_file = refused("LogWrapper.csv_header_file", _ONE_FILE)
-    csv_data_path = refused("LogWrapper.csv_data_path", _ONE_FILE)
-    csv_header_path = refused("LogWrapper.csv_header_path", _ONE_FILE)
-    header_updated = refused("LogWrapper.header_updated", "step() rewrites the header as soon as a new key "
-                                                          "appears; .ordered_keys are the columns after 'step'")
-    is_finalized = refused("LogWrapper.is_finalized", "log.csv is complete after every step()")
-
 
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names (exact/tracker.py)
@@ -768,5 +751,5 @@ def transform_format_string(s):
     return re.sub(r"\{(\w+)=(:[^{}]*)?\}", expand, s)
 
 
-__getattr__ = refuse_module_names(__name__, {"exists": "write `x is not None`"})
+__getattr__ = module_refusals("tracker")  # the reference's names not kept (tracker.<name>)
 

@@ -132,7 +132,7 @@ def test_the_reference_command_line(run_dir, capsys):
 
 def test_the_reference_plot_metric_is_refused():
     from nanogns.refusals import ReferenceNameError
-    with pytest.raises(ReferenceNameError, match="plot_metric .* use csv_tools.figure"):
+    with pytest.raises(ReferenceNameError, match="plot_metric .* use nanogns.logread.figure"):
         plot_tool.plot_metric
     with pytest.raises(AttributeError):
         plot_tool.no_such_name

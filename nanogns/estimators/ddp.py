@@ -18,9 +18,10 @@ import torch.distributed as dist
 from nanogns.layers import allreduce_sqgradnorm_buffers  # noqa: F401  (its older home was here)
 from nanogns.estimators.base import Estimator, Measurement, current_scale
 from nanogns.maths import PREFIXES, GradientNoiseScale
-from nanogns.refusals import refused
+from nanogns.refusals import refuse_attributes
 
 
+@refuse_attributes  # the reference's per-bucket list, not kept (refusals.ATTRIBUTES)
 class DDPGradientStatsHook:
     """
     A DDP communication hook that averages gradients exactly as DDP's default hook does and,
@@ -125,11 +126,6 @@ class DDPGradientStatsHook:
     def get_stats(self, loss_scale=1.0):
         """sq_small alone, as one float (the reference implementation's return value): see get_sq_norms()."""
         return self.get_sq_norms(loss_scale)[0]
-
-    # the reference implementation's per-bucket list, not kept here
-    bucket_sq_norms_small_batch = refused("DDPGradientStatsHook.bucket_sq_norms_small_batch",
-                                          "use get_stats() for their mean over ranks, or get_sq_norms() for "
-                                          "(sq_small, sq_big)")
 
 
 def ddp_gns_log(gns, sq_small, sq_big, n_small, n_big):

@@ -39,7 +39,7 @@ from nanogns.estimators.base import (Estimator, Measurement, current_scale, dist
 # the maths and the column names, from their torch-free home; imported here by the estimators
 from nanogns.maths import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
                      layer_kind, layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
-from nanogns.refusals import ReferenceNameError, refuse_module_names, refused
+from nanogns.refusals import module_refusals, refuse_attributes, refuse_tracker_constructor
 
 # ---------------------------------------------------------------------------------------------
 # The exact per-example estimator's measurements
@@ -71,6 +71,7 @@ def _grad_sqnorms(grads, device, foreach=None):
 TrackedStep = collections.namedtuple("TrackedStep", "names scale batch_size step decided")
 
 
+@refuse_attributes  # the reference's attributes not kept (refusals.ATTRIBUTES)
 class MeasurementTracker:
     """
     Reads, once per optimizer step, every measured parameter's gradient and per-example-norm
@@ -255,15 +256,8 @@ class MeasurementTracker:
 
     # the reference implementation's constructor and attributes, not kept here: refused by name
     def __new__(cls, entries=(), *args, **keywords):
-        _refuse_reference_constructor(entries, keywords)
+        refuse_tracker_constructor(entries, keywords)
         return super().__new__(cls)
-
-    params_and_buffers = refused("MeasurementTracker.params_and_buffers",
-                                 "use .entries: (name, parameter, sqgradnorm buffer, count buffer) per parameter")
-    indexes = refused("MeasurementTracker.indexes", "use .names (the parameters' names) or .entries")
-    shared_params = refused("MeasurementTracker.shared_params",
-                            "a tied weight is tracked once, under its first name, with the exact per-example norm "
-                            "of its summed gradient (buffered.tie_weights)")
 
 
 class AccumulateMeasurements:
@@ -524,26 +518,5 @@ def load_states(estimators, checkpoint):
 # The reference implementation's names (exact/gnstracking.py) not kept here; the classes' own are
 # at the end of each class.
 
-def _refuse_reference_constructor(entries, keywords):
-    # the reference's MeasurementTracker(params_and_buffers, names, indexes, callback, scaler,
-    # shared_params) takes (parameter, buffer) pairs; its keywords reach __new__, never __init__
-    keywords = {k: v for k, v in keywords.items() if k not in ("callback", "scaler", "world_size")}
-    entries = entries if isinstance(entries, (list, tuple)) else ()  # a generator stays for __init__
-    if any(len(e) == 2 for e in entries if isinstance(e, (tuple, list))) or \
-            set(keywords) & {"names", "indexes", "shared_params"}:
-        raise ReferenceNameError(
-            "MeasurementTracker(params_and_buffers, names=..., indexes=..., shared_params=...) is the reference "
-            "implementation's constructor and is not kept in this fork: use "
-            "MeasurementTracker.from_model(model, callback=..., scaler=...)")
-    if keywords:
-        raise TypeError(f"MeasurementTracker() got unexpected keyword arguments {sorted(keywords)}")
-
-
-__getattr__ = refuse_module_names(__name__, {
-    "exists": "write `x is not None`",
-    "shared_weights": "a tied weight is tracked once, under its first name, with the exact per-example norm of its "
-                      "summed gradient (buffered.tie_weights)",
-    "named_parameters_and_buffers": "use buffered.find_sqgradnorm_buffers(model): (name, parameter, sqgradnorm "
-                                    "buffer, count buffer) per measured parameter; "
-                                    "MeasurementTracker.from_model(model, enforce_coverage=True) checks coverage",
-})
+# the reference's names this module does not keep (gnstracking.<name>): refused, saying what to use
+__getattr__ = module_refusals("gnstracking")

@@ -44,48 +44,8 @@ from nanogns.layers.norms import (LAYERNORM_DEFAULTS, LayerNorm, PEGradNormFused
 from nanogns.layers.registry import (KIND_NAMES, MEASURED_CLASSES, NORM_KINDS, SOURCE_KINDS,  # noqa: F401
                                      TOKEN_BLOCKS, TRANSPOSED_WEIGHT, kind_of_measured, layer_kinds, measure,
                                      measured_batch_dim, source_kind)
-from nanogns.refusals import refuse_module_names
+from nanogns.refusals import module_refusals
 
 
-# ---------------------------------------------------------------------------------------------
-# The reference implementation's names (CerebrasResearch/nanoGNS, exact/buffered.py). Kept with
-# the same meaning: the five layer classes with its constructor arguments, LayerNorm(ndim, bias),
-# zero_sqgradnorm_buffers(model), and on the layers weight_pegsqnorm() / bias_pegsqnorm() and the
-# separated LayerNorm's .affine (re-exported above). The rest fails at once, saying what to use instead.
-
-_SHIM_LINEAR = "use PEGradNormShimLinear, whose backward adds the norms to weight_sqgradnorm / bias_sqgradnorm"
-_FUSED_LINEAR = "use PEGradNormLinear, whose backward computes the weight gradient and the norms together"
-_SHIM_EMBEDDING = "use PEGradNormShimEmbedding, whose backward adds the norms to weight_sqgradnorm"
-_FUSED_EMBEDDING = "use PEGradNormEmbedding, whose backward builds the weight gradient and the norms together"
-_SEPARATED = ("use PEGradNormSeparatedLayerNorm(ndim, bias): its own weight and bias are the affine part "
-              "(.affine is the layer itself), measured into weight_sqgradnorm / bias_sqgradnorm")
-_SELF_TEST = "use pytest tests/test_layers.py, this fork's tests of the same layers"
-
-# named as the reference's users wrote them: buffered.<name>
-__getattr__ = refuse_module_names("buffered", {
-    "exists": "write `x is not None`",
-    "safe_sum": "use x.sum(dim, keepdim, dtype=torch.float32).to(x.dtype)",
-    "safe_sqnorm": "use x.float().square().sum(dim, keepdim).to(x.dtype)",
-    "stack_with_ones": "use torch.stack([x, torch.ones_like(x)], dim); this fork keeps the running sum and "
-                       "the example count in two buffers, {name}_sqgradnorm and example_count",
-    "ModuleWithBuffers": "use buffered.MeasuredLayer, the measured layers' shared base; "
-                         "register_sqgradnorm_buffers(module) gives a module the buffers, "
-                         "find_sqgradnorm_buffers(model) finds them",
-    "pe_linear_grad_norm": _SHIM_LINEAR,
-    "PEGLinearGradNormNoop": _SHIM_LINEAR,
-    "wgrad_plus_pe_grad_norm_highmem": _FUSED_LINEAR + " (per_example_mode='materialise' forms W_b)",
-    "at_index": "write `x[i] if i < len(x) else False`",
-    "PEGradNormLinearFunction": _FUSED_LINEAR,
-    "embedding_dense_backward": "use torch.ops.aten.embedding_dense_backward for the summed gradient; for "
-                                "per-example norms " + _FUSED_EMBEDDING,
-    "embedding_pe_grad_norm": _SHIM_EMBEDDING,
-    "PEGEmbeddingGradNormNoop": _SHIM_EMBEDDING,
-    "embedding_peg_plus_grads": _FUSED_EMBEDDING,
-    "PEGEmbeddingGradNorm": _FUSED_EMBEDDING,
-    "ElementWiseAffine": _SEPARATED,
-    "PEGradNormEANoop": _SEPARATED,
-    "PEGradNormShimElementWiseAffine": _SEPARATED,
-    "ShimLinearTest": _SELF_TEST,
-    "ShimEmbeddingTest": _SELF_TEST,
-    "LNShimTest": _SELF_TEST,
-})
+# the reference's names this module does not keep (buffered.<name>): refused, saying what to use
+__getattr__ = module_refusals("buffered")

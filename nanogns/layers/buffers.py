@@ -23,7 +23,7 @@ import warnings
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
-from nanogns.refusals import ReferenceNameError
+from nanogns.refusals import refuse_layer_attribute
 
 
 def register_sqgradnorm_buffers(module):
@@ -281,24 +281,7 @@ class MeasuredLayer:
         return buf * self.example_count
 
     def __getattr__(self, name):
-        # the reference implementation's names (_REFERENCE_LAYER_NAMES) are refused when asked for,
+        # the reference implementation's names (refusals.LAYER_ATTRIBUTES) are refused when asked for,
         # and stay out of dir(); everything else is nn.Module's (parameters, buffers, submodules)
-        if name in _REFERENCE_LAYER_NAMES:
-            raise ReferenceNameError(f"PEGradNorm*.{name} is the reference implementation's and is not kept "
-                                     f"in this fork: {_REFERENCE_LAYER_NAMES[name]}")
+        refuse_layer_attribute(name)
         return super().__getattr__(name)
-
-
-_SUM_AND_COUNT = "(both float32 0-dim)"
-_REFERENCE_LAYER_NAMES = {
-    "weight_upegsqnorm": f"use weight_sqgradnorm (the running sum) and example_count {_SUM_AND_COUNT}, "
-                         "or weight_pegsqnorm() for their product",
-    "bias_upegsqnorm": f"use bias_sqgradnorm (the running sum) and example_count {_SUM_AND_COUNT}, "
-                       "or bias_pegsqnorm() for their product",
-    "marked_buffers": "use buffered.find_sqgradnorm_buffers(model): (name, parameter, sum buffer, count buffer) "
-                      "per measured parameter",
-    "named_buffers_with_marker": "use buffered.find_sqgradnorm_buffers(model): (name, parameter, sum buffer, "
-                                 "count buffer) per measured parameter",
-    "register_marked_buffer": "use buffered.register_sqgradnorm_buffers(module)",
-    "register_upegsqnorm_buffer": "use buffered.register_sqgradnorm_buffers(module)",
-}

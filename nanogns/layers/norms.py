@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import nanogns.normgnorm as normgnorm
 from nanogns.layers.buffers import MeasuredLayer, _examples, coordinate_buffers, register_sqgradnorm_buffers
 from nanogns.normgnorm.torch_path import rms_norm_eps
-from nanogns.refusals import refused
+from nanogns.refusals import refuse_attributes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,6 +144,7 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(**layernorm_arguments(type(self).__name__, args, kwargs))
 
 
+@refuse_attributes
 class PEGradNormSeparatedLayerNorm(_MeasuredNorm, LayerNorm):
     """
     nn.LayerNorm whose affine part y = gamma * xhat + beta is measured separately from the
@@ -178,12 +179,9 @@ class PEGradNormSeparatedLayerNorm(_MeasuredNorm, LayerNorm):
                                        y, (mean.detach(), rstd.detach()),
                                        (bufs.get("weight_sqgrad_coords"), bufs.get("bias_sqgrad_coords")))
 
-    # The reference implementation's names: its separated LayerNorm held the gain and bias in a
-    # submodule .affine (after a .layernorm without them); here they are the layer's own.
+    # The reference implementation's separated LayerNorm held the gain and bias in a submodule
+    # .affine (after a .layernorm without them, refused: refusals.ATTRIBUTES); here they are its own.
     affine = property(lambda self: self, doc="The layer itself: its weight and bias are the affine part's.")
-    layernorm = refused("PEGradNormSeparatedLayerNorm.layernorm", "the layer normalises and applies its "
-                        "weight and bias in one call; for the normalisation alone use "
-                        "F.layer_norm(x, ln.normalized_shape, None, None, ln.eps)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from nanogns.refusals import refuse_module_names
+from nanogns.refusals import module_refusals
 
 from . import cpu_ext, torch_path
 from .torch_path import rms_norm_eps
@@ -401,13 +401,5 @@ class PEGLayerNorm:
                              None, None, None, pair_bufs)
 
 
-__getattr__ = refuse_module_names(__name__, {
-    "layernorm_fwd": "use normgnorm.PEGLayerNorm.apply(x, weight, bias, ...) or normgnorm.layer_norm(x, weight, "
-                     "bias, weight_sqgradnorm, bias_sqgradnorm, example_count, eps) (forward and backward)",
-    "layernorm_bwd": "use normgnorm.PEGLayerNorm.apply (its backward adds the norms) or, for the per-example "
-                     "dγ_b, dβ_b themselves, normgnorm.torch_path.per_example_affine_grads",
-    "normgnorm_cuda": "use normgnorm.PEGLayerNorm.apply(..., backend='cuda') or a fused layer's backend='cuda': "
-                      "the CUDA extension (normgnorm.cuda_ext) is built on first use",
-    "current_dir": "use os.path.dirname(normgnorm.__file__)",
-    "exists": "write `x is not None`",
-})
+# the reference's names this module does not keep: refused, saying what to use
+__getattr__ = module_refusals("normgnorm")
