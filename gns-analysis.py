@@ -6,11 +6,11 @@ run logged, side by side.
     python gns-analysis.py out --alpha 0.999 --no-plots
     python gns-analysis.py out --prefix train/microbatch_gns
 
-Each estimator's columns (named in gnsmath.py: PREFIX/<param>/norm, /pegn, /batch_size and
+Each estimator's columns (named in nanogns/maths.py: PREFIX/<param>/norm, /pegn, /batch_size and
 /small_batch_size, or the DDP estimator's ddp/ totals) are summed over a group of parameters, then
 give per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, "An Empirical Model of
 Large-Batch Training", App. A), each smoothed on its own by the bias-corrected EMA over the steps
-that have one; GNS = EMA(tr S) / EMA(|G|^2). The maths is gnsmath.py's, the training run's.
+that have one; GNS = EMA(tr S) / EMA(|G|^2). The maths is nanogns/maths.py's, the training run's.
 
 The main estimator (--prefix, default train/gns) is broken down by layer type (the kinds recorded
 when the layers were measured, OUT_DIR/layer_kinds.json, else GPT's parameter names) and

@@ -7,7 +7,7 @@ their defaults are GPT-2's, so older configs and checkpoints build the same mode
 
 The Linear / Embedding / LayerNorm / RMSNorm classes come from layer_config, read when the model
 is constructed, so the same file builds a plain GPT or one whose layers measure per-example
-gradient norms (buffered.py, fused_gns.py).
+gradient norms (nanogns/layers, fused_gns.py).
 """
 import inspect
 import math
@@ -222,7 +222,7 @@ class GPT(nn.Module):
         if error:
             raise ValueError(error)
         self.config = config
-        layers = get_contextual_config()  # read now, not at import: see layer_config.py
+        layers = get_contextual_config()  # read now, not at import: see nanogns/layers/config.py
 
         # built in nanoGPT's order (wte, wpe, drop, h, ln_f), which fixes the random draws of the init
         self.transformer = nn.ModuleDict(dict(wte=layers['Embedding'](config.vocab_size, config.n_embd)))

@@ -72,10 +72,10 @@ embeddingclass = 'nn'  # nn, gns or shim: the token/position Embeddings' class
 lnclass = 'nn'  # nn, gns, shim or fused: the LayerNorms'/RMSNorms' class
 per_example_mode = 'auto'  # Linears' weight norms: auto (timed at the first step), shapes (bit-reproducible), ghost, materialise
 # earlier estimators, logged beside the exact one for comparison: hooks on nn.Linear layers
-# (gnshooks.py), the micro-batch estimator (microbatch_gns.py)
+# (nanogns/estimators/hooks.py), the micro-batch estimator (nanogns/estimators/microbatch.py)
 gns_hooks = 'none'  # none, sogns or exact
 microbatch_gns = False  # also the micro-batch estimator
-gns_adam = False  # also the Adam-preconditioned GNS of the normalisation layers (adamgns.py; --lnclass=shim)
+gns_adam = False  # also the Adam-preconditioned GNS of the normalisation layers (nanogns/estimators/adam.py; --lnclass=shim)
 # AdamW optimizer; lengths in tokens or, as in nanoGPT, iterations (unset: nanoGPT's)
 learning_rate = 6e-4  # peak learning rate
 max_tokens = None  # train until this many tokens (or max_iters; unset: nanoGPT's 600000 iterations)

@@ -24,8 +24,8 @@ Steps (in this order), and the file each writes into:
                                -rA, one worker per CPU core)
     layernorm  kernels.txt     bench/layernorm.py: one LayerNorm forward+backward, torch's against
                                the fused kernels, launched from Python and replayed from a CUDA graph
-    linear     kernels.txt     the sweep of a measured Linear's per-example-norm routes (buffered.py:
-                               the cuBLAS routes, linear_gns_kernel.py's Triton kernel at several
+    linear     kernels.txt     the sweep of a measured Linear's per-example-norm routes (nanogns/layers:
+                               the cuBLAS routes, nanogns/layers/linear_kernel.py's Triton kernel at several
                                tilings, the ghost norm) at GPT-2 small's five weight shapes and a
                                Llama-style model's, each against torch's weight GEMM and float64
                                (--time_linear); its rows into linear-routes-<card family>.csv, the
@@ -56,7 +56,7 @@ GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n
               '--block_size', '1024', '--batch_size', '8', '--vocab_size', '50304']
 # the tests that run on a GPU, and those whose C++ build runs in a step of its own
 TESTS = ['tests/test_normgnorm.py', 'tests/test_fused_gns.py', 'tests/test_bench_layernorm.py',
-         'tests/test_linear_gns_kernel.py']
+         'tests/test_linear_kernel.py']
 BINDING_TESTS = 'cuda_binding or cuda_kernels_compile'
 PYTEST = ['-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider']
 SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused,llama-all-gns'  # and nn-null, which throughput.py adds
@@ -121,7 +121,7 @@ LINEAR_TILINGS = ('128x128 t32 w8 s3', '128x128 t64 w8 s3', '128x128 t64 w8 s4',
 
 def time_linear(out, batch=8, tokens=1024, reps=20, shapes=LINEAR_SHAPES, tilings=LINEAR_TILINGS, device='cuda'):
     """
-    The linear step: every route of a measured Linear's per-example norms (buffered.py: the cuBLAS
+    The linear step: every route of a measured Linear's per-example norms (nanogns/layers: the cuBLAS
     routes, the Triton kernel at each of `tilings`, the ghost norm where its [T, T] Gram matrices are
     smaller than W_b, 2T^2 < K L) at each of `shapes` (bf16, batch x tokens), beside torch's weight
     GEMM dy^T x: the median milliseconds (`reps` runs after 3 warm-ups, CUDA events: host time counts

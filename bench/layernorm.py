@@ -98,7 +98,7 @@ class LocalSeparatedLayerNorm(nn.LayerNorm):
 def separated_layernorm(ndim):
     try:
         from nanogns.layers import PEGradNormSeparatedLayerNorm
-        return PEGradNormSeparatedLayerNorm(ndim), "separated (buffered.py)"
+        return PEGradNormSeparatedLayerNorm(ndim), "separated (nanogns/layers)"
     except ImportError:
         return LocalSeparatedLayerNorm(ndim), "separated (local shim)"
 

@@ -1,7 +1,7 @@
 """
 The gradient noise scale maths and log.csv's GNS column names, without torch: what a training
-run's estimators (gnstracking.py) and the offline analysis (gns-analysis.py) share, so that the
-analysis starts without loading torch (and tracker.py, which reads the log's name, without numpy).
+run's estimators (nanogns/estimators/exact.py) and the offline analysis (gns-analysis.py) share, so that the
+analysis starts without loading torch (and nanogns/runlog.py, which reads the log's name, without numpy).
 
 Maths (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", App. A): from the
 squared norms |G_B|^2 of a step's mean gradient over B examples and |G_b|^2, the mean squared norm
@@ -25,7 +25,7 @@ def unbiased_estimates(big_sq, small_sq, B, b=1):
         |G|^2 ~ (B |G_B|^2 - b |G_b|^2) / (B - b),    tr(S) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B).
     Floats or arrays, elementwise; NaN where B <= b or b < 1 (nothing to estimate from).
     """
-    import numpy as np  # here: tracker.py reads the column names without loading numpy
+    import numpy as np  # here: nanogns/runlog.py reads the column names without loading numpy
     B, b = np.asarray(B, dtype=float), np.asarray(b, dtype=float)
     ok = (b >= 1) & (B > b)
     B, b = np.where(ok, B, np.nan), np.where(ok, b, np.nan)
@@ -131,7 +131,7 @@ def debiased_ema(x, alpha):
 # /small_batch_size (b; absent: b = 1). The DDP estimator logs model totals under ddp/, named after
 # Measurement's fields (the reference's columns): ddp/big_batch_norm, ...
 
-LOG_NAME = "log.csv"  # out_dir/LOG_NAME: one row per step, first column `step` (tracker.py writes it)
+LOG_NAME = "log.csv"  # out_dir/LOG_NAME: one row per step, first column `step` (nanogns/runlog.py writes it)
 # written into out_dir/config.json by this fork's tracker, so that a reader knows whose log it is
 # (the reference implementation measures the tied weight wrong; gns-analysis.py leaves it out there)
 WRITER_KEY, WRITER = "log_written_by", "nanoGPT GNS fork: tracker.LogWrapper"
@@ -272,7 +272,7 @@ def critical_batch_interval(batch_sizes, steps, level=0.9, resamples=2000, seed=
     log(S / S_fit), drawn with replacement and scaled by sqrt(n / (n - 2)) (two parameters fitted to n
     points), back on the fitted curve, and fits again. It says how far the step counts' scatter about
     the curve moves B_crit; it cannot see an error the curve itself makes, and with few batch sizes
-    it errs on the narrow side (tests/test_gnsmath.py measures how often it holds the true B_crit
+    it errs on the narrow side (tests/test_maths.py measures how often it holds the true B_crit
     of simulated step counts). A resample whose S_min is not positive counts as B_crit = inf (no
     floor on the steps in sight), one whose E_min is not positive as 0. (nan, nan) when fewer than
     three batch sizes reached the target: a line through two leaves no scatter to resample.

@@ -13,7 +13,7 @@ from nanogns.runlog import atomic_write, read_text_file
 # A schedule is a few lines. A bigger file is a mistake (a log or a dataset copied over it):
 # refused unread, so it can neither stall a step nor fill the log.
 MAX_SCHEDULE_BYTES = 64 * 1024
-# The per-example-norm layers count examples in float32 buffers (buffered.py), exact up to 2**24:
+# The per-example-norm layers count examples in float32 buffers (nanogns/layers), exact up to 2**24:
 # past that the GNS tracker finds the count wrong and fails the step, after all its micro-steps.
 MAX_STEP_EXAMPLES = 2 ** 24
 

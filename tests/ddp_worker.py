@@ -1,5 +1,5 @@
 """
-Worker for tests/test_ddpgns.py, launched on CPU with gloo:
+Worker for tests/test_estimators_ddp.py, launched on CPU with gloo:
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/ddp_worker.py OUT_DIR
 Each rank runs every check and writes OUT_DIR/rank{r}.json; the test compares ranks and
 brute-force values there (the shared oracle of tests/gns_fixtures.py). Nothing is asserted here,
@@ -276,7 +276,7 @@ ADAM_STEPS = 3  # the first has no optimizer state: two measured steps
 
 
 def adam_preconditioned(rank, world):
-    """The Adam-preconditioned GNS (adamgns.py) of a measuring GPT's LayerNorms under DDP: its
+    """The Adam-preconditioned GNS (nanogns/estimators/adam.py) of a measuring GPT's LayerNorms under DDP: its
     per-coordinate sums summed over the ranks, P from AdamW's replicated state; each step's columns."""
     raw = tiny_gpt(0, **MEASURED)
     model = DDP(raw, broadcast_buffers=False)

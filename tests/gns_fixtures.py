@@ -3,7 +3,7 @@ Test helpers, first the one brute-force oracle every per-example-norm test uses:
 gradient of its own loss by torch.func.vmap of torch.func.grad over the examples, and the float64
 sums of their squared norms as a layer sees them in backward, g_b / B times the loss scale
 (McCandlish et al. 2018, App. A). Then the tests' tiny GPT, and small models that
-follow buffered.py's buffer convention, with the buffers filled from the oracle as a
+follow nanogns/layers' buffer convention, with the buffers filled from the oracle as a
 per-example-norm layer would fill them.
 """
 import itertools

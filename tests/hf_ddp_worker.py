@@ -1,13 +1,13 @@
 """
-Worker for tests/test_hf_gns.py: the Hugging Face Trainer with GNSCallback on two CPU ranks (gloo),
+Worker for tests/test_hf.py: the Hugging Face Trainer with GNSCallback on two CPU ranks (gloo),
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/hf_ddp_worker.py ROWS.pt OUT_DIR
-each rank taking half of every micro-batch of test_hf_gns's single-process run; rank 0 writes OUT_DIR/log.csv.
+each rank taking half of every micro-batch of test_hf's single-process run; rank 0 writes OUT_DIR/log.csv.
 """
 import sys
 
 import torch
 
-from test_hf_gns import ACCUMULATION, BATCH, STEPS, trainer
+from test_hf import ACCUMULATION, BATCH, STEPS, trainer
 from nanogns.hf import GNSCallback
 import nanogns.layers as buffered
 from nanogns.stopping import leave

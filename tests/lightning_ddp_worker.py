@@ -1,8 +1,8 @@
 """
-Worker for tests/test_lightning_gns.py: Lightning's Trainer with GNSCallback on two CPU ranks (gloo)
+Worker for tests/test_lightning.py: Lightning's Trainer with GNSCallback on two CPU ranks (gloo)
 under torchrun,
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/lightning_ddp_worker.py ROWS.pt OUT_DIR
-each rank taking its half of every micro-batch of test_lightning_gns's single-process fit (dealt out
+each rank taking its half of every micro-batch of test_lightning's single-process fit (dealt out
 here, with Lightning's own sampler off); rank 0 writes OUT_DIR/log.csv.
 """
 import sys
@@ -15,7 +15,7 @@ import torch
 from nanogns.lightning import GNSCallback
 import nanogns.layers as buffered
 from nanogns.stopping import leave
-from test_lightning_gns import ACCUMULATION, BATCH, MAX_GRAD_NORM, STEPS, CausalLM
+from test_lightning import ACCUMULATION, BATCH, MAX_GRAD_NORM, STEPS, CausalLM
 
 buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 

@@ -1,5 +1,5 @@
 """
-The same training three ways, for tests/test_gnsmeter.py, test_hf_gns.py and test_lightning_gns.py:
+The same training three ways, for tests/test_meter.py, test_hf.py and test_lightning.py:
 a tiny Hugging Face GPT-2 (random weights), fixed token rows taken in order, AdamW, gradient
 accumulation and clipping, with the GNS measured by our own loop (nanogns.GNSMeter), the
 Hugging Face Trainer callback or the Lightning one. Each writes log.csv; gns_columns() reads its GNS cells.

@@ -1,5 +1,5 @@
 """
-Worker for tests/test_gnsmeter.py: our own loop with GNSMeter on a GPT sharded with FSDP2 over two CPU
+Worker for tests/test_meter.py: our own loop with GNSMeter on a GPT sharded with FSDP2 over two CPU
 ranks (gloo), each rank taking half of every micro-batch,
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/meter_fsdp_worker.py ROWS.pt OUT_DIR
 or, with a third argument `ddp`, wrapped in DistributedDataParallel as its users wrap it (broadcast_buffers

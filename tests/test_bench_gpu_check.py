@@ -60,7 +60,7 @@ def test_every_step_names_commands_that_exist(tmp_path):
 
 
 def test_the_linear_step_times_the_kernel_and_the_tests_step_runs_its_tests():
-    assert "tests/test_linear_gns_kernel.py" in gpu_check.TESTS
+    assert "tests/test_linear_kernel.py" in gpu_check.TESTS
     args = gpu_check.argparse.Namespace(python=sys.executable, out="gpu-check")
     assert gpu_check.STEPS["linear"][2](args, 40) == [[sys.executable, "bench/gpu_check.py", "--out", "gpu-check",
                                                         "--time_linear"]]
@@ -80,7 +80,7 @@ def test_time_linear_without_a_gpu_is_one_line_and_exit_2(tmp_path):
 def test_the_linear_sweep_writes_the_routes_table_that_chooses_them(tmp_path):
     """The linear step's sweep, run here on the CPU under the Triton interpreter at tiny shapes: every
     route (the GEMM, the cuBLAS routes, the kernel at each tiling, the ghost norm where its Gram
-    matrices are the smaller) at every shape, each against float64, into the file buffered.py reads
+    matrices are the smaller) at every shape, each against float64, into the file nanogns/layers reads
     (named by the card's family), which ranks the exact routes of each shape fastest first."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
     import nanogns.layers as buffered

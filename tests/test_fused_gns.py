@@ -1,6 +1,6 @@
 """
 PEGradNormFusedLayerNorm: a drop-in nn.LayerNorm whose backward accumulates Σ_b ||g_b / B||²
-of its gain and bias (buffered.py's buffer convention), checked against brute force (the shared
+of its gain and bias (nanogns/layers' buffer convention), checked against brute force (the shared
 oracle through nn.LayerNorm at the same weights), alone and inside a GPT, with gradient accumulation.
 PEGradNormFusedRMSNorm: the same for nn.RMSNorm's gain.
 """
@@ -224,7 +224,7 @@ def test_pegsqnorm_without_bias_or_frozen_is_an_error():
         m.weight_pegsqnorm()
 
 
-def test_reference_names():
+def test_refusals():
     from fused_gns import LayerNorm
     assert LayerNorm is buffered.LayerNorm  # the reference imported it from buffered.py
     for name in ("ModuleWithBuffers", "LNShimTest"):

@@ -278,7 +278,7 @@ def test_before_compiling_the_undecided_auto_linears_choose_on_random_tensors_of
 @pytest.mark.parametrize("shape", [(3, 4, 4), (5, 4), (2, 2, 2, 4)], ids=["materialise", "ghost-2d", "materialise-4d"])
 @pytest.mark.parametrize("dy_dtype", [torch.float32, torch.bfloat16])
 def test_linear_sqnorms_are_the_shim_layers_own(shape, dy_dtype, monkeypatch):
-    """What gnshooks.py computes beside torch's backward: the numbers of a shim layer that chooses
+    """What nanogns/estimators/hooks.py computes beside torch's backward: the numbers of a shim layer that chooses
     from the shapes, to the bit (its ghost/materialise choice and chunks), from an input in another
     dtype than the output gradient (autocast), and against brute force."""
     monkeypatch.setattr(PEGradNormShimLinear, "max_chunk_numel", 40)  # a few examples per chunk

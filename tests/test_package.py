@@ -4,7 +4,7 @@ not-ignored files) offline into a folder outside it, with every file of nanogns/
 sources too) and nothing of the checkout's top-level modules; a script elsewhere then imports the
 installed package and cannot import the checkout's modules; the extra form "nanogns[hf] @ git+<url>"
 installs too. The README's examples run against this installation in the tests of what they show
-(test_gnsmeter.py, test_hf_gns.py, test_lightning_gns.py, test_measure.py).
+(test_meter.py, test_hf.py, test_lightning.py, test_measure.py).
 """
 import json
 import os

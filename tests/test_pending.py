@@ -1,4 +1,4 @@
-"""pending.py: the loop's per-step values read in one copy, the estimators' collected sums finished
+"""nanogns/pending.py: the loop's per-step values read in one copy, the estimators' collected sums finished
 in step order, the same rows as reading every step."""
 import math
 
@@ -9,8 +9,8 @@ import nanogns.estimators.exact as gnstracking
 from gns_fixtures import brute_force_norms, regression_loss, train_step
 from nanogns.pending import PendingSteps
 from nanogns.layers import measure
-from test_adamgns import Net, batches, example_loss
-from test_gnstracking import make_batch, make_model
+from test_estimators_adam import Net, batches, example_loss
+from test_estimators_exact import make_batch, make_model
 
 
 def count_copies(monkeypatch):

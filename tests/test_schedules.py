@@ -1,4 +1,4 @@
-"""schedules.py: the learning rate in tokens and the editable batch-size schedule."""
+"""nanogns/schedules.py: the learning rate in tokens and the editable batch-size schedule."""
 import contextlib
 import math
 import os

@@ -1,4 +1,4 @@
-"""stopping.py: the first signal is remembered for after the step, the second one exits at once."""
+"""nanogns/stopping.py: the first signal is remembered for after the step, the second one exits at once."""
 import os
 import signal
 import subprocess

@@ -6,7 +6,7 @@ estimator takes, its sums measured on the device now and finished on the host wh
 them, is written here once (Estimator.measure and Estimator.collect).
 
 A leaf: it imports torch and gnsmath only, so the estimators (gnstracking.ExactGNS, ddpgns.DDPGNS,
-microbatch_gns.MicrobatchEstimator, gnshooks.HooksEstimator) import it, and gnstracking.py, which
+microbatch_gns.MicrobatchEstimator, gnshooks.HooksEstimator) import it, and nanogns/estimators/exact.py, which
 builds them all, imports them, with no circle.
 """
 import dataclasses

@@ -6,9 +6,9 @@ On the micro-step that synchronises, each of the W ranks holds the mean gradient
 B_rank examples, a small batch; DDP averages them into the big batch of B = W B_rank. The mean over
 ranks of |G_small|^2 and the |G_big|^2 of the average are the two squared norms the estimators
 need: no per-example work at all. DDPGNS is this estimator behind the Estimator interface
-(estimator.py); the GradientNoiseScale it smooths with lives in gnsmath.py (importable from here, the
+(nanogns/estimators/base.py); the GradientNoiseScale it smooths with lives in nanogns/maths.py (importable from here, the
 reference's place). The helper that makes per-example buffers global, allreduce_sqgradnorm_buffers,
-lives beside the buffers in buffered.py (importable from here too).
+lives beside the buffers in nanogns/layers (importable from here too).
 """
 import math
 

@@ -2,11 +2,11 @@
 What a training run measures the gradient noise scale with: the exact per-example estimator and
 the small interface every estimator offers train.py's loop. The maths (McCandlish et al. 2018,
 App. A: the unbiased estimates, their bias-corrected EMA) and log.csv's column names are
-gnsmath.py's, imported here.
+nanogns/maths.py's, imported here.
 
 The exact per-example estimator (b = 1) reads, after the last micro-step and before
 scaler.unscale_ and clipping, |G_B|^2 = ||p.grad||^2 and the per-example-norm buffers
-(buffered.py), which hold S = sum_b ||g_b / B||^2, so |G_1|^2 = B S. Under DDP over W ranks each
+(nanogns/layers), which hold S = sum_b ||g_b / B||^2, so |G_1|^2 = B S. Under DDP over W ranks each
 rank's layers see its own mean loss; once buffers and counts are summed over ranks,
 |G_1|^2 = B S / W^2 (under FSDP too; there p.grad is each rank's shard and |G_B|^2 the sum over
 ranks of the shards' squares). Under a float16 GradScaler gradients carry s and buffers s^2.
@@ -303,12 +303,12 @@ class AccumulateMeasurements:
 class ExactGNS(Estimator):
     """
     The exact per-example estimator (b = 1): every parameter whose layer keeps per-example-norm
-    buffers (buffered.py), read by a MeasurementTracker, the buffers first summed over the DDP
+    buffers (nanogns/layers), read by a MeasurementTracker, the buffers first summed over the DDP
     ranks when world_size > 1. Its live GNS, for the status line, is an EMA (beta EMA_BETA) of the
     estimates from the totals over all measured parameters, carried across a resume; and one of
     the normalisation group's alone when it has measured LayerNorms or RMSNorms (live_gns() reads
     either; the group is called 'LayerNorm' there, --bs_gns_group's value, whichever they are).
-    Under DDP each rank's measured Linears time their own ghost/materialise choice (buffered.py's
+    Under DDP each rank's measured Linears time their own ghost/materialise choice (nanogns/layers'
     per_example_mode "auto"); measure() then gives every rank rank 0's, in one broadcast of them
     all, on the step in which a layer first chose (the same step on every rank, which run the same
     layers on the same shapes).
@@ -383,14 +383,14 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
     """
     The estimators of a run, in the order their columns go into log.csv: the exact per-example one
     whenever `model` (the plain model, or its DDP/compile wrapper) has per-example-norm layers; the
-    Linear hooks ('exact' or 'sogns', gnshooks.py) and the micro-batch one (microbatch_gns.py) when
-    asked; the DDP one (ddpgns.py, on ddp_model, the DistributedDataParallel wrapper) when
+    Linear hooks ('exact' or 'sogns', nanogns/estimators/hooks.py) and the micro-batch one (nanogns/estimators/microbatch.py) when
+    asked; the DDP one (nanogns/estimators/ddp.py, on ddp_model, the DistributedDataParallel wrapper) when
     world_size > 1. Build it after the DDP wrapper, before the first forward; the hooks go on the
     model's modules and parameters. With a checkpoint dict, their states resume (load_states).
     fsdp: the model is sharded with FSDP2 over world_size ranks: no DDP estimator (its comm hook is
     DDP's), the exact one all-reduces its buffers and squares the gradient shards (_grad_sqnorms).
     adam_optimizer: the run's Adam(W), for the Adam-preconditioned GNS of the normalisation layers
-    (adamgns.py), after the exact one; None: not measured.
+    (nanogns/estimators/adam.py), after the exact one; None: not measured.
     """
     choices = ("none", *gnshooks.ADD_HOOKS)
     if hooks not in choices:

@@ -1,7 +1,7 @@
 """
 Per-example gradient norms of plain nn.Linear layers from forward/backward hooks, with no change to
 the model (Gray, Samar & Hestness 2023, "Efficient and Approximate Per-Example Gradient Norms for
-Gradient Noise Scale", WANT@NeurIPS), logged beside the exact norms of buffered.py to compare.
+Gradient Noise Scale", WANT@NeurIPS), logged beside the exact norms of nanogns/layers to compare.
 Both kinds accumulate in float32 over the micro-steps until zero_hook_results():
 
 - 'exact' (add_exact_hooks): from the layer's input x and output gradient dy, per example
@@ -136,7 +136,7 @@ def add_sogns_hooks(module, params=None):
 def add_hooks_to_model(model, add_hooks):
     """
     Apply add_hooks (add_exact_hooks or add_sogns_hooks) to every nn.Linear of `model`
-    (subclasses included, buffered.py's per-example-norm Linears too, for a like-for-like
+    (subclasses included, nanogns/layers' per-example-norm Linears too, for a like-for-like
     comparison with their exact norms), measuring only parameters that are the module's own: not shared with another module (tied
     weights) and not parametrized. Returns all hook handles (handle.remove() undoes them).
     """

@@ -624,7 +624,7 @@ def linear_sqnorms(x, dy, weight=True, bias=True):
     """
     (sum_b ||dW_b||^2, sum_b ||db_b||^2) of a Linear y = x W^T + b from its input x [B, ..., K] and
     output gradient dy [B, ..., L], float32 0-dim (None where not asked): PEGradNormShimLinear's
-    maths and chunking, for code that sees x and dy beside torch's own backward (gnshooks.py). It
+    maths and chunking, for code that sees x and dy beside torch's own backward (nanogns/estimators/hooks.py). It
     keeps no layer to time on: ghost or materialise as PEGradNormShimLinear.per_example_mode
     forces, else ("auto", "shapes") from the shapes. x is taken in dy's dtype, the one the layer
     computed in under autocast.

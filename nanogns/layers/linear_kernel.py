@@ -47,7 +47,7 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bench/gpu_check.py's linear step times the candidates, config_of() reads their labels). A program holds
 # two float32 accumulators of its tile (W_b's and dW's): 128 x 128 over 8 warps fits the
 # registers with half-precision tiles, one program per multiprocessor; with float32 tiles it
-# spills on sm_80, and 64 x 64 over 4 warps does not (tests/test_linear_gns_kernel.py compiles
+# spills on sm_80, and 64 x 64 over 4 warps does not (tests/test_linear_kernel.py compiles
 # both for sm_80 and sm_90 and fails on a spill). programs_per_sm: programs the device runs at
 # once, per multiprocessor, for deciding whether to split the examples.
 TUNING = {

@@ -286,7 +286,7 @@ def register_coordinate_buffers(model, params):
     """
     Give each separated LayerNorm and RMSNorm parameter whose id is in `params` a float32 buffer
     `{name}_sqgrad_coords` of its size, to which its backward then adds the per-coordinate sums
-    S_d = sum_b (g_bd / B)^2 (adamgns.py applies a diagonal preconditioner to them). They are the
+    S_d = sum_b (g_bd / B)^2 (nanogns/estimators/adam.py applies a diagonal preconditioner to them). They are the
     Adam estimator's own: not zeroed, all-reduced or read with the scalar sums. Returns
     coordinate_buffers(model).
     """

@@ -1,4 +1,4 @@
-"""microbatch_gns.py against brute force: each micro-batch's gradient, the mean of its examples' own."""
+"""nanogns/estimators/microbatch.py against brute force: each micro-batch's gradient, the mean of its examples' own."""
 import copy
 import math
 import time

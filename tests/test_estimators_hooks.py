@@ -1,6 +1,6 @@
-"""gnshooks.py against brute force: the shared oracle's per-example gradients (tests/gns_fixtures.py)
+"""nanogns/estimators/hooks.py against brute force: the shared oracle's per-example gradients (tests/gns_fixtures.py)
 for the exact hooks, the defining formula for SOGNS, and a per-example backward loop through a tiny
-GPT. The DDP rank rescaling is checked in tests/test_microbatch_gns.py (one 2-process run covers
+GPT. The DDP rank rescaling is checked in tests/test_estimators_microbatch.py (one 2-process run covers
 both files)."""
 import copy
 import math
@@ -34,7 +34,7 @@ def train_step(model, xs, ys, scaler=None, ctx=None):
 
 
 # T=3, K=8, H=16, L=2: the first layer takes the ghost path, the second materialises W_b
-# (buffered.py's shim rule and chunk bound, which the hooks share)
+# (nanogns/layers' shim rule and chunk bound, which the hooks share)
 @pytest.mark.parametrize("inner", [(), (3,), (2, 3)], ids=["2d", "3d", "4d"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("chunk_elements", [buffered.PEGradNormShimLinear.max_chunk_numel, 1],
@@ -162,7 +162,7 @@ def test_sogns_differs_from_exact_on_sequences():
 
 
 class SelfMeasuringLinear(nn.Linear):
-    """Stands for buffered.py's layers: a Linear subclass with an example_count buffer."""
+    """Stands for nanogns/layers' layers: a Linear subclass with an example_count buffer."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

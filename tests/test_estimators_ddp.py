@@ -1,4 +1,4 @@
-"""ddpgns.py: the GNS estimator's maths and checkpointing in one process, then the DDP hook and the
+"""nanogns/estimators/ddp.py: the GNS estimator's maths and checkpointing in one process, then the DDP hook and the
 buffer all-reduce across two gloo processes on CPU against brute force (tests/ddp_worker.py)."""
 import json
 import math

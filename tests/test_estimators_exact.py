@@ -587,7 +587,7 @@ def test_a_script_written_for_the_reference_runs_unchanged(tmp_path):
     assert [r["iter_num"] for r in ran["rows"]] == [0, 1, 2, 3]
 
 
-# ---------------------------------------------------------------- the maths' home is gnsmath.py (tests/test_gnsmath.py)
+# ---------------------------------------------------------------- the maths' home is nanogns/maths.py (tests/test_maths.py)
 
 def test_ddpgns_keeps_the_same_gradient_noise_scale_class():
     assert ddpgns.GradientNoiseScale is gnstracking.GradientNoiseScale is gnsmath.GradientNoiseScale

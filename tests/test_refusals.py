@@ -1,4 +1,4 @@
-"""reference_names.py: a refused reference name fails at once with its hint, however it is reached."""
+"""nanogns/refusals.py: a refused reference name fails at once with its hint, however it is reached."""
 import types
 
 import pytest

@@ -1,4 +1,4 @@
-"""gnsmath.py: McCandlish et al.'s unbiased estimates, the online and the vectorised bias-corrected
+"""nanogns/maths.py: McCandlish et al.'s unbiased estimates, the online and the vectorised bias-corrected
 EMA (the same average), log.csv's column names, the critical-batch fit and its interval, and that
 none of it needs torch."""
 import os
@@ -74,10 +74,10 @@ def test_layer_types_by_parameter_name():
 
 def test_the_maths_and_the_analysis_load_without_torch():
     """gns-analysis.py starts in about a second: it needs the maths and pandas, not torch."""
-    code = ("import importlib.util, sys; import gnsmath\n"
+    code = ("import importlib.util, sys; import nanogns.maths\n"
             "spec = importlib.util.spec_from_file_location('gns_analysis', 'gns-analysis.py')\n"
             "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
-            "print(sorted(m for m in ('torch', 'buffered', 'gnstracking') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'nanogns.layers', 'nanogns.estimators.exact') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

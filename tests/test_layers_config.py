@@ -1,4 +1,4 @@
-"""layer_config.py: the classes in force, as the namedtuple the reference's model reads and as our
+"""nanogns/layers/config.py: the classes in force, as the namedtuple the reference's model reads and as our
 dict; the one table from train.py's layer flags to classes, which a new class reaches train.py, the
 bench and the whole-model check through."""
 import csv
