@@ -151,3 +151,33 @@ def test_no_docstring_names_a_file_the_repository_does_not_have():
             if named not in files and os.path.normpath(os.path.join(folder, named)) not in files and named not in names:
                 missing.append(f"{module}: {named}")
     assert missing == []
+
+
+# the names code written for the reference (or this repository's earlier layout) imports: each is the package's module
+COMPATIBILITY_NAMES = {"buffered": "nanogns.layers", "gnstracking": "nanogns.estimators.exact",
+                       "ddpgns": "nanogns.estimators.ddp", "tracker": "nanogns.runlog",
+                       "layer_config": "nanogns.layers.config", "normgnorm": "nanogns.normgnorm",
+                       "gnsmeter": "nanogns.meter", "hf_gns": "nanogns.hf", "lightning_gns": "nanogns.lightning"}
+
+
+def test_the_house_stays_small_top_level_modules_few_and_every_module_short():
+    top_level = project_files(REPO)
+    assert len(top_level) <= 16, top_level
+    long = {name: n for name, path in our_modules().items() if (n := sum(1 for _ in open(path))) > 900}
+    assert long == {}
+
+
+def test_each_compatibility_name_is_the_package_module_and_holds_no_logic():
+    code = ("import importlib, json, sys\n"
+            "pairs = json.loads(sys.argv[1])\n"
+            "print(all(importlib.import_module(old) is importlib.import_module(new) for old, new in pairs.items()))")
+    import json
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(COMPATIBILITY_NAMES)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "True", p.stderr[-2000:]
+    for old in COMPATIBILITY_NAMES:
+        path = os.path.join(REPO, old, "__init__.py") if old == "normgnorm" else os.path.join(REPO, f"{old}.py")
+        tree = ast.parse(open(path).read())
+        statements = [node for node in tree.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+        assert all(isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign)) for node in statements), old
+        assert len(statements) <= 3, old
