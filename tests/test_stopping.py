@@ -38,7 +38,7 @@ def test_a_rank_that_does_not_announce_is_quiet(restore_handlers, capsys):
 
 def test_a_second_signal_exits_at_once_saying_what_ckpt_pt_keeps():
     code = ("import os, signal, sys, time; sys.path.insert(0, %r)\n"
-            "from stopping import StopSignals\n"
+            "from nanogns.stopping import StopSignals\n"
             "s = StopSignals(announce=True, checkpoint_held=lambda: 'iter 7')\n"
             "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGINT)\n"
             "time.sleep(5); print('not reached')\n" % REPO)
