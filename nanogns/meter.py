@@ -1,7 +1,7 @@
 """
 The gradient noise scale of any training loop, in one object. GNSMeter measures the model
-(buffered.measure, unless its layers measure already), builds the exact per-example estimator
-(gnstracking.ExactGNS), and takes one call per optimizer step, after the step's last backward
+(layers.measure, unless its layers measure already), builds the exact per-example estimator
+(exact.ExactGNS), and takes one call per optimizer step, after the step's last backward
 and before unscaling and clipping:
 
     meter = GNSMeter(model, out_dir="out-mine")   # after building the model, before torch.compile
@@ -37,13 +37,13 @@ import weakref
 
 import torch
 
-import nanogns.layers as buffered
-import nanogns.estimators.exact as gnstracking
+from nanogns import layers
+from nanogns.estimators import exact
 from nanogns.estimators.base import distributed_world_size, unwrap
 from nanogns.maths import EMA_BETA, LOG_NAME
 from nanogns.runlog import LogWrapper, OutDirTaken, lock_out_dir, release_out_dir
 
-STATE_KEYS = ("step", gnstracking.CHECKPOINT_KEY)  # what state_dict() always holds
+STATE_KEYS = ("step", exact.CHECKPOINT_KEY)  # what state_dict() always holds
 # state_dict() is strict JSON: the non-finite floats of the averages (NaN before their first
 # step) are written as these strings, and load_state_dict() reads them back
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -62,11 +62,11 @@ class GNSMeter:
         already keep per-example-norm buffers.
     out_dir: where log.csv, config.json and layer_kinds.json go (gns-analysis.py reads them);
         None: nothing is written.
-    linear, embedding, norm, kinds, strict: buffered.measure's; a trainable parameter left
+    linear, embedding, norm, kinds, strict: layers.measure's; a trainable parameter left
         unmeasured is named in one warning, or, with strict=True, a ValueError.
     world_size: the ranks whose buffers step() sums; default: torch.distributed's world size.
     config: a dict of the run's settings for out_dir/config.json.
-    batch_dim: the dimension of the model's input that holds the examples (buffered.measure's):
+    batch_dim: the dimension of the model's input that holds the examples (layers.measure's):
         0, or 1 for sequence-first input [T, B, ...] (nn.Transformer's default).
     Under DDP build the meter on the plain model before wrapping it: the per-example-norm buffers
     are then kept out of DDP's broadcast of rank 0's buffers (broadcast_buffers=True, its default),
@@ -90,16 +90,16 @@ class GNSMeter:
             raise GNSMeterError(f"GNSMeter: this {type(self.model).__name__} is already measured by a GNSMeter "
                                 f"(out_dir {first.given_out_dir!r}) that is not closed; each would read and zero the "
                                 f"other's sums: use that meter, or close() it first")
-        if not buffered.find_sqgradnorm_buffers(self.model):
-            buffered.measure(self.model, linear=linear, embedding=embedding, norm=norm, kinds=kinds, strict=strict,
+        if not layers.find_sqgradnorm_buffers(self.model):
+            layers.measure(self.model, linear=linear, embedding=embedding, norm=norm, kinds=kinds, strict=strict,
                              batch_dim=batch_dim)
-        if not buffered.find_sqgradnorm_buffers(self.model):
+        if not layers.find_sqgradnorm_buffers(self.model):
             raise ValueError(f"GNSMeter: no layer of {type(self.model).__name__} could be measured (see the warning "
                              f"above); name your own layer classes with kinds={{Class: 'linear' | 'embedding' | "
                              f"'layernorm' | 'rmsnorm'}}")
-        if buffered.measured_batch_dim(self.model) != batch_dim:
+        if layers.measured_batch_dim(self.model) != batch_dim:
             raise GNSMeterError(f"GNSMeter: the model was measured with batch_dim="
-                                f"{buffered.measured_batch_dim(self.model)}, not {batch_dim}: build it afresh and "
+                                f"{layers.measured_batch_dim(self.model)}, not {batch_dim}: build it afresh and "
                                 f"give the meter the plain model")
         _keep_out_of_ddp_broadcast(model, self.model)
         _meters[self.model] = weakref.ref(self)
@@ -144,9 +144,9 @@ class GNSMeter:
         if self.out_dir is not None and self.logger is None:
             self.open_log()
         if self.estimator is None:
-            self.estimator = gnstracking.ExactGNS(self.model, self.world_size, beta=self.beta)
+            self.estimator = exact.ExactGNS(self.model, self.world_size, beta=self.beta)
             if self.loaded_state is not None:
-                gnstracking.load_states([self.estimator], self.loaded_state)
+                exact.load_states([self.estimator], self.loaded_state)
         averages = {group: gns.state_dict() for group, gns in self.estimator.groups.items()}
         skipped = self.estimator.tracker.skipped_steps
         row = self.estimator.measure(step, None, scaler)  # the batch size from the layers' own counts
@@ -167,7 +167,7 @@ class GNSMeter:
         self.step_count = step + 1
         if self.logger is not None:
             if not self._methods_recorded:  # chosen in the first step, as train.py records them
-                methods = buffered.linear_norm_methods(self.model)
+                methods = layers.linear_norm_methods(self.model)
                 if methods:
                     self.logger.record_norm_methods(methods)
                 self._methods_recorded = True
@@ -180,7 +180,7 @@ class GNSMeter:
         """Drop what the micro-steps since the last step() added (an abandoned step: an out-of-memory
         error caught mid-step, an interrupt): the measured layers' sums and example counts go back
         to zero, and the next step() measures only the micro-steps after this call."""
-        buffered.zero_sqgradnorm_buffers(self.model)
+        layers.zero_sqgradnorm_buffers(self.model)
 
     def live(self):
         """{'gns/total': ..., 'gns/LayerNorm': ...}: each group's live GNS (an EMA); {} before the first step."""
@@ -197,8 +197,8 @@ class GNSMeter:
         """Steps with a non-finite gradient (float16 overflow, divergence), logged as inf, not averaged."""
         if self.estimator is not None:
             return self.estimator.skipped_steps
-        loaded = (self.loaded_state or {}).get(gnstracking.CHECKPOINT_KEY) or {}  # the estimator's own state keeps it
-        return int(loaded.get(gnstracking.ExactGNS.name, {}).get("skipped_steps", 0))
+        loaded = (self.loaded_state or {}).get(exact.CHECKPOINT_KEY) or {}  # the estimator's own state keeps it
+        return int(loaded.get(exact.ExactGNS.name, {}).get("skipped_steps", 0))
 
     # -- the log ---------------------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ class GNSMeter:
             self.logger = LogWrapper(config={"gns_meter": True, "world_size": self.world_size, **self.config},
                                      out_dir=self.out_dir, resume_step=self.step_count if self.resumed else None,
                                      numbers_only=True)
-            self.logger.record_kinds(buffered.layer_kinds(self.model))
+            self.logger.record_kinds(layers.layer_kinds(self.model))
         except BaseException:
             release_out_dir(self._lock)
             self._lock = None
@@ -248,10 +248,10 @@ class GNSMeter:
         or torch.save: the next step's number, the live GNS averages (a non-finite one as a string,
         NON_FINITE), the steps skipped so far, and the measured Linears' ghost/materialise methods."""
         if self.estimator is None:  # nothing measured yet: what was loaded, or a fresh start
-            state = dict(self.loaded_state or {"step": self.step_count, gnstracking.CHECKPOINT_KEY: {}})
+            state = dict(self.loaded_state or {"step": self.step_count, exact.CHECKPOINT_KEY: {}})
         else:
             state = {"step": self.step_count}
-            gnstracking.save_states([self.estimator], state)
+            exact.save_states([self.estimator], state)
         return _finite_json(state)
 
     def load_state_dict(self, state):
@@ -296,7 +296,7 @@ def _keep_out_of_ddp_broadcast(given, model):
     broadcasts them.
     """
     ddp_class = torch.nn.parallel.DistributedDataParallel
-    ours = {id(b) for b in buffered.all_sqgradnorm_buffers(model)}
+    ours = {id(b) for b in layers.all_sqgradnorm_buffers(model)}
     names = [name for name, b in model.named_buffers() if id(b) in ours]
     wrapper = given
     while not isinstance(wrapper, ddp_class) and isinstance(getattr(wrapper, "_orig_mod", None), torch.nn.Module):

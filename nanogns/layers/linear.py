@@ -106,7 +106,7 @@ def _gram_dot(x, dy):
 #                      one pass over W_b for its squares and its sum over examples (the weight gradient)
 #   "bmm-f32"          the same with W_b in float32 (torch.bmm's out_dtype on CUDA; elsewhere from
 #                      float32 copies of the inputs)
-#   "kernel <tiling>"  linear_gns_kernel's Triton GEMM with that tiling, which never writes W_b (a GPU
+#   "kernel <tiling>"  linear_kernel's Triton GEMM with that tiling, which never writes W_b (a GPU
 #                      with Triton)
 # A layer on a GPU takes its card's fastest route whose norms and gradient were within ROUTE_TOLERANCE
 # of float64 in the sweep, measured at the nearest number of tokens per example; a card without a
@@ -238,10 +238,10 @@ def _weight_sqnorm_materialised(x, dy, max_chunk_numel, want_grad, ids=None, rou
     if route is None:
         route = materialised_route(T, K, L, x.dtype, x.device)
     if route.startswith("kernel "):
-        import nanogns.layers.linear_kernel as linear_gns_kernel  # here, on first use: it imports Triton
-        if linear_gns_kernel.supports(x, dy):
-            config = linear_gns_kernel.config_of(route.removeprefix("kernel "))
-            grad, per_example = linear_gns_kernel.per_example_weight_grad(x, dy, want_grad, **config)
+        from nanogns.layers import linear_kernel  # here, on first use: it imports Triton
+        if linear_kernel.supports(x, dy):
+            config = linear_kernel.config_of(route.removeprefix("kernel "))
+            grad, per_example = linear_kernel.per_example_weight_grad(x, dy, want_grad, **config)
             q = None if ids is None else _head_grad_at_ids(x, dy, ids, max_chunk_numel)
             return per_example.sum(), grad, q
         route = CUBLAS_ROUTE
