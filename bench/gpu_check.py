@@ -54,9 +54,10 @@ from nanogns.logread import ToolParser  # noqa: E402
 
 GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n_embd', '768', '--n_head', '12',
               '--block_size', '1024', '--batch_size', '8', '--vocab_size', '50304']
-# the tests that run on a GPU, and those whose C++ build runs in a step of its own
+# the tests that run on a GPU (of test_layers.py, the separated LayerNorm under CUDA autocast), and those
+# whose C++ build runs in a step of its own
 TESTS = ['tests/test_normgnorm.py', 'tests/test_fused_gns.py', 'tests/test_bench_layernorm.py',
-         'tests/test_linear_kernel.py']
+         'tests/test_linear_kernel.py', 'tests/test_layers.py::test_layernorm_under_cuda_autocast_like_torch']
 BINDING_TESTS = 'cuda_binding or cuda_kernels_compile'
 PYTEST = ['-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider']
 SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused,llama-all-gns'  # and nn-null, which throughput.py adds

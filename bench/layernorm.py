@@ -14,7 +14,7 @@ LayerNorm, i.e. per-example norms for free, and its host time within 1.3x of tor
     python bench/layernorm.py --shapes 8x1024x768 8x2048x8192 --dtype float16 --iters 100
 
 With --sweep (GPU) it times the fused Triton op over ways of sharing out the backward's work
-(normgnorm/triton_kernels.py BACKWARD_TUNING) and prints the fastest for each shape and over
+(nanogns/normgnorm/triton_kernels.py BACKWARD_TUNING) and prints the fastest for each shape and over
 all of them, to be written back into BACKWARD_TUNING.
 
     python bench/layernorm.py --sweep --iters 20
@@ -27,7 +27,7 @@ programs fit on a multiprocessor, and how many waves the grid takes.
     python bench/layernorm.py --compile_only --arch 80 --sms 108    # A100
 
 With --device cpu it times the same on the CPU (float32 unless --dtype says otherwise), where the
-fused op's backends are the native CPU kernel (normgnorm/cpu_ext.py) and the PyTorch path: the
+fused op's backends are the native CPU kernel (nanogns/normgnorm/cpu_ext.py) and the PyTorch path: the
 median wall time of a forward+backward in a loop, and each one's extra over nn.LayerNorm.
 
     OMP_NUM_THREADS=1 python bench/layernorm.py --device cpu

@@ -188,3 +188,19 @@ def test_a_stopped_step_leaves_no_process_behind(tmp_path, monkeypatch):
         time.sleep(0.1)
     else:
         pytest.fail(f"the step's grandchild {pid} is still running")
+
+
+def test_every_test_that_needs_a_gpu_is_one_the_tests_step_runs():
+    """A test skipped here for want of a CUDA GPU runs only where gpu_check runs it: each test file with
+    such a skip is in TESTS, whole or by the node ids of those tests."""
+    import re
+    covered = {entry.split("::")[0] for entry in gpu_check.TESTS}
+    missing = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        if not name.startswith("test_") or not name.endswith(".py") or name == "test_bench_gpu_check.py":
+            continue
+        text = open(os.path.join(ROOT, "tests", name)).read()
+        if re.search(r"skipif\(not torch\.cuda\.is_available\(\)|skipif\(not HAS_CUDA", text) and \
+                f"tests/{name}" not in covered:
+            missing.append(name)
+    assert missing == []
