@@ -85,7 +85,7 @@ def tied_columns(columns):
 def find_estimators(df):
     """
     {prefix: {parameter name: {kind: column}}} of every estimator in the log: each prefix with a
-    column PREFIX/<name>/<kind> (kind in gnsmath.KINDS, a name without '/'), and 'ddp' with one
+    column PREFIX/<name>/<kind> (kind in nanogns.maths.KINDS, a name without '/'), and 'ddp' with one
     pseudo-parameter when the four raw ddp/ columns are there. Known prefixes first, then the
     others in the order of their first column, ddp last.
     """
@@ -196,7 +196,7 @@ def smoothed(sq_norm, trace, alpha, name):
 
 def main_groups(names, prefix, kinds=None, norm="layernorm"):
     """The main estimator's groups: total, the layer types present (the normalisation group named
-    LayerNorm, RMSNorm or both, then Linear, Embedding: gnsmath.layer_groups, by the kinds recorded
+    LayerNorm, RMSNorm or both, then Linear, Embedding: nanogns.maths.layer_groups, by the kinds recorded
     when the layers were measured, else by GPT's names), then h.N in order."""
     groups = {"total": names}
     if prefix == DDP:

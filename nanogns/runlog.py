@@ -17,7 +17,7 @@ empty cells where a key was not logged that step. Nothing reaches the file befor
 Crash safety: every row is appended with a single os.write of the whole line (a buffered writer
 may split a long row over several) and fsynced before step() returns, so all completed steps
 are on disk after a SIGKILL, and a kill mid-write can at most leave a last line without its
-newline, which readers (csv_tools) and a resume drop. When a new key appears the whole file is
+newline, which readers (nanogns.logread) and a resume drop. When a new key appears the whole file is
 rewritten with the longer header into log.csv.tmp, fsynced and swapped in with os.replace, so
 log.csv is always either the old or the new complete file.
 
@@ -38,7 +38,7 @@ before k, an empty or missing log) are reported, each with a warning of one line
 is not such a log at all (no `step` first column, binary, not UTF-8) raises NotALogError.
 Rows shorter than the header are kept (logs whose header grew, as the reference implementation
 writes them; readers pad them, and leave out with a warning a row shorter than one before it,
-which was cut: csv_tools.load_log). Without resume_step a new run starts a new log.csv (an old one
+which was cut: nanogns.logread.load_log). Without resume_step a new run starts a new log.csv (an old one
 is replaced at the first step()).
 
 out_dir/config.json holds the run's configuration (rewritten by a resumed run);
@@ -322,7 +322,7 @@ class LogWrapper:
         """Write out_dir/layer_kinds.json: {parameter name: kind} of the measured layers
         (buffered.layer_kinds(model)), by which gns-analysis.py groups the parameters. Nothing
         without out_dir."""
-        from nanogns.maths import KINDS_NAME  # here: gnsmath imports numpy, which the tracker does not need
+        from nanogns.maths import KINDS_NAME  # here: nanogns.maths imports numpy, which the log does not need
         self._record(KINDS_NAME, kinds, "writing the layer kinds")
 
     def record_norm_methods(self, methods):

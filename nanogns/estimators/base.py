@@ -5,9 +5,9 @@ model inside its wrappers, and one parameter's norms at one step (Measurement). 
 estimator takes, its sums measured on the device now and finished on the host when the loop reads
 them, is written here once (Estimator.measure and Estimator.collect).
 
-A leaf: it imports torch and gnsmath only, so the estimators (gnstracking.ExactGNS, ddpgns.DDPGNS,
-microbatch_gns.MicrobatchEstimator, gnshooks.HooksEstimator) import it, and nanogns/estimators/exact.py, which
-builds them all, imports them, with no circle.
+A leaf: it imports torch and nanogns.maths only, so the estimators (exact.ExactGNS, ddp.DDPGNS,
+microbatch.MicrobatchEstimator, hooks.HooksEstimator) import it, and exact.py, which builds them
+all, imports them, with no circle.
 """
 import dataclasses
 

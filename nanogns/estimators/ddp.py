@@ -166,5 +166,5 @@ class DDPGNS(Estimator):
 
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names (exact/ddpgns.py): DDPGradientStatsHook with its get_stats(),
-# and GradientNoiseScale, gnsmath's (imported above). The hook's per-bucket
+# and GradientNoiseScale, nanogns.maths' (imported above). The hook's per-bucket
 # list is refused at the end of its class.

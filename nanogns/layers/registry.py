@@ -100,7 +100,7 @@ def kind_of_measured(cls):
 
 def layer_kinds(model):
     """{parameter name: kind} of every measured parameter (find_sqgradnorm_buffers' names): what
-    the analysis groups them by (gnsmath.KINDS_NAME in out_dir)."""
+    the analysis groups them by (nanogns.maths.KINDS_NAME in out_dir)."""
     kinds = {}
     for module in model.modules():
         kind = kind_of_measured(type(module))
