@@ -24,9 +24,11 @@ A micro-step given up (an out-of-memory error caught, then zero_grad()) has alre
 examples to the layers' sums: call discard() before the step is tried again. step(examples=N)
 checks the layers' count against N and, where they differ, says so and measures nothing.
 
-A resume: state_dict() goes into the checkpoint, and load_state_dict() before the first step()
-of the continued run carries on the live GNS and the log from that step. A meter that is not
-resumed refuses an out_dir that already holds a log.csv (another run's): tracker.OutDirTaken.
+A resume: state_dict() goes into the checkpoint, and load_state_dict() before the first backward
+of the continued run carries on the live GNS, the log from that step and each Linear's
+ghost/materialise method; a state saved with another model (other measured parameters, or other
+shapes) is refused. A meter that is not resumed refuses an out_dir that already holds a log.csv
+(another run's): tracker.OutDirTaken.
 A model has one meter at a time: the layers' sums are read and zeroed by whichever steps first.
 hf_gns.GNSCallback and lightning_gns.GNSCallback are this object in those frameworks' loops.
 """
@@ -44,6 +46,9 @@ from nanogns.maths import EMA_BETA, LOG_NAME
 from nanogns.runlog import LogWrapper, OutDirTaken, lock_out_dir, release_out_dir
 
 STATE_KEYS = ("step", exact.CHECKPOINT_KEY)  # what state_dict() always holds
+# {name: shape} of the measured parameters, in state_dict(): a state is refused by another model
+# (its averages are another model's). States saved before it was kept lack it.
+MEASURED_KEY = "measured_parameters"
 # state_dict() is strict JSON: the non-finite floats of the averages (NaN before their first
 # step) are written as these strings, and load_state_dict() reads them back
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -246,24 +251,68 @@ class GNSMeter:
     def state_dict(self):
         """What a resume needs, plain numbers and strings, strict JSON (json.dumps(allow_nan=False))
         or torch.save: the next step's number, the live GNS averages (a non-finite one as a string,
-        NON_FINITE), the steps skipped so far, and the measured Linears' ghost/materialise methods."""
+        NON_FINITE), the steps skipped so far, the measured Linears' ghost/materialise methods, and
+        the measured parameters' names and shapes (MEASURED_KEY)."""
         if self.estimator is None:  # nothing measured yet: what was loaded, or a fresh start
             state = dict(self.loaded_state or {"step": self.step_count, exact.CHECKPOINT_KEY: {}})
         else:
             state = {"step": self.step_count}
             exact.save_states([self.estimator], state)
+        state[MEASURED_KEY] = self.measured_shapes()
         return _finite_json(state)
 
     def load_state_dict(self, state):
-        """Continue the run that state_dict() came from: call it before the first step()."""
+        """Continue the run that state_dict() came from: call it before the first step(), and before
+        the continued run's first backward, which then measures each Linear's weight as that run did
+        (its ghost/materialise method, restored here, not timed again). A state of another model (its
+        measured parameters' names or shapes differ) is a GNSMeterError."""
         if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
             raise ValueError(f"GNSMeter.load_state_dict: expected GNSMeter.state_dict()'s dict, with the keys "
                              f"{', '.join(STATE_KEYS)}")
         if self.estimator is not None or self.logger is not None:
             raise ValueError("GNSMeter.load_state_dict: load the state before the first step()")
-        self.loaded_state = _from_finite_json(state)
+        loaded = _from_finite_json(state)
+        other = self._another_models(loaded)
+        if other:
+            raise GNSMeterError(f"GNSMeter.load_state_dict: the state is another model's ({other}): load the state "
+                                f"saved with this model's run, or start a fresh meter")
+        methods = loaded.get(exact.METHODS_KEY) or {}
+        wrong = {name: method for name, method in methods.items() if method not in layers.NORM_METHODS}
+        if wrong:
+            name, method = next(iter(wrong.items()))
+            raise GNSMeterError(f"GNSMeter.load_state_dict: the state's method for {name} is {method!r}, not one of "
+                                f"{', '.join(layers.NORM_METHODS)}")
+        # now, not at the first step(): the first backward must measure as the run it continues did
+        layers.set_linear_norm_methods(self.model, methods)
+        self.loaded_state = loaded
         self.step_count = int(state["step"])
         self.resumed = True
+
+    def measured_shapes(self):
+        """{name: shape as a list} of every parameter the meter measures (the model's, unsharded)."""
+        return {name: list(p.shape) for name, p, _, _ in layers.find_sqgradnorm_buffers(self.model)}
+
+    def _another_models(self, state):
+        """What says that `state` was saved with another model than this meter's (in words), or None.
+        A state saved before MEASURED_KEY was kept names only its measured Linears."""
+        model = type(self.model).__name__
+        here = self.measured_shapes()
+        saved = state.get(MEASURED_KEY)
+        if saved is None:
+            linears = {name for name, _ in layers.measured_linears(self.model)}
+            unknown = [name for name in state.get(exact.METHODS_KEY) or {} if name not in linears]
+            return f"it measured the Linear {unknown[0]}, which this {model} does not measure" if unknown else None
+        if not isinstance(saved, dict):
+            return f"its {MEASURED_KEY} is not GNSMeter.state_dict()'s"
+        missing = [name for name in saved if name not in here]
+        extra = [name for name in here if name not in saved]
+        if missing or extra:
+            which = f"{missing[0]} is not measured here" if missing else f"{extra[0]} is not in it"
+            return f"it measured {len(saved)} parameters, this {model} {len(here)}: {which}"
+        for name, shape in saved.items():
+            if list(shape) != here[name]:
+                return f"{name} is {list(shape)} there, {here[name]} in this {model}"
+        return None
 
 
 def _finite_json(value):

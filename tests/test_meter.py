@@ -4,6 +4,7 @@ example, its log against gns-analysis.py, a resume through state_dict(), and its
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -496,3 +497,76 @@ def test_batch_dim_refusals_are_one_line():
     with pytest.raises(RuntimeError, match=r"position: its input \(6,\) has no dimension 1") as error:
         model(torch.randint(0, 11, (6, 3)))
     assert "\n" not in str(error.value)
+
+
+# -- a resume's state belongs to its model, and measures as the run it continues ----------------------------
+
+def gpt2(n_embd=32, n_layer=2):
+    """tiny_hf('gpt2') at another width or depth."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=97, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+def stepped_state(model):
+    """The state of a meter on `model` after one step, the meter closed."""
+    meter = GNSMeter(model)
+    x = token_rows(4)
+    model(input_ids=x, labels=x).loss.backward()
+    meter.step()
+    model.zero_grad(set_to_none=True)
+    meter.close()
+    return meter.state_dict()
+
+
+def test_the_state_of_another_model_is_refused_in_one_line_and_an_older_state_still_loads(tmp_path):
+    from nanogns.meter import GNSMeterError
+    state = stepped_state(gpt2())
+    for other, named in ((gpt2(n_embd=64), r"transformer\.wte\.weight is \[97, 32\] there, \[97, 64\] in this"),
+                         (gpt2(n_layer=3), r"28 parameters, this GPT2LMHeadModel 40: transformer\.h\.2\.\S+ is not in it")):
+        meter = GNSMeter(other, out_dir=str(tmp_path / "other"))
+        with pytest.raises(GNSMeterError, match="another model's") as error:
+            meter.load_state_dict(state)
+        assert re.search(named, str(error.value)) and "\n" not in str(error.value)
+        assert meter.step_count == 0 and not meter.resumed and not os.path.exists(tmp_path / "other")
+        meter.close()
+    # a state saved before the meter kept its parameters: the same model takes it, a shallower one does not
+    from nanogns.meter import MEASURED_KEY
+    assert state[MEASURED_KEY]["transformer.wte.weight"] == [97, 32]
+    older = {key: value for key, value in state.items() if key != MEASURED_KEY}
+    deeper = {key: value for key, value in stepped_state(gpt2(n_layer=3)).items() if key != MEASURED_KEY}
+    with pytest.raises(GNSMeterError, match=r"the Linear transformer\.h\.2\.\S+, which this GPT2LMHeadModel does not"):
+        GNSMeter(gpt2()).load_state_dict(deeper)
+    model = gpt2()
+    resumed = GNSMeter(model)
+    resumed.load_state_dict(older)
+    x = token_rows(4, seed=3)
+    model(input_ids=x, labels=x).loss.backward()
+    assert resumed.step()["train/gns/transformer.wte.weight/batch_size"] == 4 and resumed.step_count == 2
+
+
+def test_a_resumed_meter_measures_its_first_backward_with_the_restored_methods_untimed(monkeypatch):
+    import nanogns.layers as buffered
+    import nanogns.layers.linear as linear
+    monkeypatch.setattr(buffered._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
+    state = stepped_state(gpt2())
+    chosen = state["linear_norm_methods"]
+    assert len(chosen) == 9  # every measured Linear of the tiny GPT-2 timed and chose
+    # the other method everywhere: what a resume then measures with cannot be a fresh timing's choice
+    state["linear_norm_methods"] = {name: "ghost" if method == "materialise" else "materialise"
+                                    for name, method in chosen.items()}
+    timed = []
+    original = linear._timed_choice
+    monkeypatch.setattr(linear, "_timed_choice", lambda layer, ways, device: timed.append(layer) or
+                        original(layer, ways, device))
+    model = gpt2()
+    meter = GNSMeter(model)
+    meter.load_state_dict(state)
+    assert buffered.linear_norm_methods(model) == state["linear_norm_methods"]  # before any backward
+    x = token_rows(4, seed=3)
+    model(input_ids=x, labels=x).loss.backward()
+    assert timed == []  # the first resumed backward timed nothing
+    meter.step()
+    assert buffered.linear_norm_methods(model) == state["linear_norm_methods"]
