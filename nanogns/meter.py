@@ -33,6 +33,7 @@ A model has one meter at a time: the layers' sums are read and zeroed by whichev
 hf_gns.GNSCallback and lightning_gns.GNSCallback are this object in those frameworks' loops.
 """
 import math
+import numbers
 import os
 import warnings
 import weakref
@@ -81,6 +82,9 @@ class GNSMeter:
 
     def __init__(self, model, out_dir=None, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False,
                  world_size=None, config=None, beta=EMA_BETA, batch_dim=0):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"GNSMeter takes an nn.Module (the model, or its DDP / torch.compile wrapper), not "
+                            f"{type(model).__name__} {_shown(model)}")
         self.model = unwrap(model)
         if any(isinstance(m, torch.nn.DataParallel) for m in (model, *self.model.modules())):
             raise GNSMeterError("GNSMeter: nn.DataParallel runs replicas whose layers add into copies of the "
@@ -133,14 +137,20 @@ class GNSMeter:
         """
         Measure this optimizer step: call it after the last micro-step's backward (on every rank),
         before scaler.unscale_ and clipping. values: other numbers for the step's log row (a
-        loss, the learning rate). step: the step's number (default: one after the last).
+        loss, the learning rate): Python or numpy numbers or one-element tensors; a bool is logged
+        as 1 or 0, None leaves its cell empty, and a non-finite number is logged as it is (inf, nan:
+        the analysis leaves such cells out, as it does a skipped step's GNS cells); anything else
+        (text, a tensor of several elements) is a TypeError, before anything is measured or
+        written. step: the step's number (default: one after the last).
         examples: the step's batch size over all micro-steps and ranks (default: the measured
         layers' count of the examples they saw); where the layers counted another number (a
         micro-step given up without discard()), a warning says so and the step is not measured.
         scaler: the float16 GradScaler, if one is used.
         Returns {column: value} of the step's GNS columns and the live GNS of each group.
-        A step in which the measured layers counted no example is a GNSMeterError.
+        A step in which the measured layers counted no example, or in which no measured parameter
+        has a .grad (a backward through torch.autograd.grad), is a GNSMeterError.
         """
+        values = _row_values(values)
         owner = _meters.get(self.model)
         if owner is not None and owner() is not None and owner() is not self:
             raise GNSMeterError("GNSMeter.step: this meter was closed and another GNSMeter measures its model now: "
@@ -152,6 +162,13 @@ class GNSMeter:
             self.estimator = exact.ExactGNS(self.model, self.world_size, beta=self.beta)
             if self.loaded_state is not None:
                 exact.load_states([self.estimator], self.loaded_state)
+        if not any(p.grad is not None for _, p, _, _ in self.estimator.tracker.entries):
+            counted = max(int(count.item()) for _, _, _, count in self.estimator.tracker.entries)
+            if counted:  # what those examples added is dropped: no .grad to go with it
+                self.estimator.reset()
+                raise GNSMeterError(f"GNSMeter.step: the measured layers counted {counted} examples since the last "
+                                    f"step(), but no measured parameter has a .grad: a backward that does not write "
+                                    f".grad (torch.autograd.grad) is not measured; use loss.backward()")
         averages = {group: gns.state_dict() for group, gns in self.estimator.groups.items()}
         skipped = self.estimator.tracker.skipped_steps
         row = self.estimator.measure(step, None, scaler)  # the batch size from the layers' own counts
@@ -177,7 +194,7 @@ class GNSMeter:
                     self.logger.record_norm_methods(methods)
                 self._methods_recorded = True
             self.logger.step_count = step
-            self.logger.log({"iter_num": step, **(values or {}), **row})
+            self.logger.log({"iter_num": step, **values, **row})
             self.logger.step()
         return {**row, **self.live()}
 
@@ -313,6 +330,36 @@ class GNSMeter:
             if list(shape) != here[name]:
                 return f"{name} is {list(shape)} there, {here[name]} in this {model}"
         return None
+
+
+def _row_values(values):
+    """step()'s values as log.csv cells: {key: a Python number or None}; anything else is a TypeError."""
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise TypeError(f"GNSMeter.step: values is a dict of names and numbers for the step's row, not "
+                        f"{type(values).__name__}")
+    cells = {}
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1 or value.is_complex():
+                raise TypeError(f"GNSMeter.step: values[{key!r}] is a {value.dtype} tensor of shape "
+                                f"{list(value.shape)}: log.csv takes one real number a cell (.mean(), .item())")
+            value = value.item()
+        elif getattr(value, "size", None) == 1 and callable(getattr(value, "item", None)):
+            value = value.item()  # a numpy scalar or one-element array
+        if not (value is None or isinstance(value, numbers.Real)):
+            raise TypeError(f"GNSMeter.step: values[{key!r}] is {type(value).__name__} {_shown(value)}, not a "
+                            f"number: log.csv holds numbers only (a resume moves a row with text aside)")
+        # as Python's int or float, which a CSV cell writes as a number (a bool as 1 or 0)
+        cells[key] = value if value is None else int(value) if isinstance(value, numbers.Integral) else float(value)
+    return cells
+
+
+def _shown(value):
+    """A short repr of `value` for a one-line message."""
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _finite_json(value):

@@ -2,6 +2,7 @@
 gnsmeter.GNSMeter, the GNS of any loop in one object: its numbers against one backward per
 example, its log against gns-analysis.py, a resume through state_dict(), and its one-line refusals.
 """
+import csv
 import json
 import os
 import re
@@ -570,3 +571,56 @@ def test_a_resumed_meter_measures_its_first_backward_with_the_restored_methods_u
     assert timed == []  # the first resumed backward timed nothing
     meter.step()
     assert buffered.linear_norm_methods(model) == state["linear_norm_methods"]
+
+
+def test_a_backward_that_writes_no_grad_is_named_with_the_examples_counted():
+    model = gpt2()
+    meter = GNSMeter(model)
+    x = token_rows(8)
+    torch.autograd.grad(model(input_ids=x, labels=x).loss, list(model.parameters()))
+    with pytest.raises(ValueError, match=r"counted 8 examples since the last step\(\), but no measured parameter "
+                                         r"has a \.grad: .*torch\.autograd\.grad.*loss\.backward\(\)") as error:
+        meter.step()
+    assert "\n" not in str(error.value)
+    model(input_ids=x[:2], labels=x[:2]).loss.backward()  # those 8 examples were dropped: this step counts its own
+    assert meter.step()["train/gns/transformer.wte.weight/batch_size"] == 2
+
+
+def test_a_model_that_is_no_module_is_refused_in_one_line():
+    with pytest.raises(TypeError, match=r"^GNSMeter takes an nn\.Module .*not str 'not a model'$"):
+        GNSMeter("not a model")
+
+
+def test_a_value_that_is_no_number_is_refused_in_one_line_and_numbers_stay_numbers_in_the_log(tmp_path):
+    import numpy as np
+    model = two_linears()
+    out = tmp_path / "run"
+    meter = GNSMeter(model, out_dir=str(out))
+    model(torch.randn(4, 4)).sum().backward()
+    for values, named in (({"x": "a string"}, r"values\['x'\] is str 'a string', not a number"),
+                          ({"x": torch.ones(2)}, r"values\['x'\] is a torch\.float32 tensor of shape \[2\]"),
+                          ({"x": [1.0]}, r"values\['x'\] is list"), (3.0, "values is a dict")):
+        with pytest.raises(TypeError, match=named) as error:
+            meter.step(values)
+        assert "\n" not in str(error.value)
+    assert not os.path.exists(out / "log.csv") and meter.step_count == 0  # nothing measured, nothing written
+    meter.step({"loss": torch.tensor(0.5), "lr": np.float32(0.25), "tokens": np.int64(7), "skipped": True,
+                "nan_loss": float("nan"), "unset": None})
+    model(torch.randn(4, 4)).sum().backward()
+    meter.step({"loss": torch.tensor([1.5]), "lr": np.array(0.125), "skipped": torch.tensor(False)})
+    meter.close()
+    with open(out / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["loss"], r["lr"], r["tokens"], r["skipped"], r["nan_loss"], r["unset"]) for r in rows] == [
+        ("0.5", "0.25", "7", "1", "nan", ""), ("1.5", "0.125", "", "0", "", "")]
+    # a resume keeps those rows: every cell is a number (a row with text would be moved aside)
+    state = meter.state_dict()
+    from nanogns.meter import MEASURED_KEY
+    assert state[MEASURED_KEY] == {"0.weight": [4, 4], "0.bias": [4], "1.weight": [1, 4], "1.bias": [1]}
+    resumed = GNSMeter(model, out_dir=str(out))
+    resumed.load_state_dict({**state, "step": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no row moved aside, none missing
+        resumed.open_log()
+    resumed.close()
+    assert not os.path.exists(out / "log.csv.rejected")
