@@ -27,6 +27,14 @@ arguments, its clipping and its logged grad_norm stay its own. A Trainer that do
 method first. attach() wraps trainer.train as well, so that however a run ends (its end, an error, an
 interrupt) the accelerator's method is given back and the run's log closed.
 
+Given in callbacks= alone (Trainer(..., callbacks=[GNSCallback()])), the callback has only the
+Trainer's events, and the first one after the last backward, on_pre_optimizer_step, comes after the
+Trainer has clipped (its unclipped norm reaches callbacks only in on_log, at logging steps, after
+the optimizer step). So it measures there, exactly as attach() does, where the Trainer does not clip
+(max_grad_norm=0), and refuses, in one line saying why, a Trainer that clips. It then comes after
+report_to's integrations, which log without the GNS (one warning says so), and a run that ends in
+an error keeps its log open until the callback's next run.
+
 Only code that uses the callback imports this file, and transformers with it: train.py and the
 modules it imports never do.
 """
@@ -56,7 +64,8 @@ class GNSCallback(TrainerCallback, ExportableState):
     linear, embedding, norm, strict: buffered.measure's (every Linear, Embedding and normalisation
         layer by default; norm="shim", linear=None, embedding=None measures the normalisation
         layers alone); a parameter left unmeasured is named in a warning, strict=True raises.
-    Attach it to the Trainer with attach(trainer) before trainer.train().
+    Attach it to the Trainer with attach(trainer) before trainer.train(); or, for a Trainer that
+    does not clip (max_grad_norm=0), give it in callbacks=.
     """
 
     def __init__(self, out_dir=None, linear="gns", embedding="gns", norm="shim", strict=False):
@@ -112,12 +121,14 @@ class GNSCallback(TrainerCallback, ExportableState):
                                    f"GPUs in one process: each replica adds into its own copy of the per-example "
                                    f"sums): launch one process per GPU with torchrun, or show the process one GPU "
                                    f"(CUDA_VISIBLE_DEVICES)")
-        if self.trainer is None:
-            restored = " (restore_callback_states_from_checkpoint=True replaces it by an unattached copy: leave it " \
-                       "False, the callback restores its own state)" if args.restore_callback_states_from_checkpoint \
-                else ""
-            raise GNSCallbackError(f"GNSCallback is not attached to this Trainer{restored}: call "
-                                   f"GNSCallback(...).attach(trainer) before trainer.train(), in place of callbacks=")
+        # given in callbacks= alone: measured at on_pre_optimizer_step, which comes after the Trainer's clipping
+        if self.trainer is None and (args.max_grad_norm or 0) > 0:
+            raise GNSCallbackError(self._unseen_clipping(args))
+        integrations = args.report_to if isinstance(args.report_to, (list, tuple)) else [args.report_to or "none"]
+        if self.trainer is None and [name for name in integrations if name != "none"]:
+            warnings.warn(f"GNSCallback: given in callbacks=, it runs after report_to's integrations "
+                          f"({', '.join(integrations)}), which then log without the GNS (log.csv and the Trainer's "
+                          f"log_history have it): GNSCallback().attach(trainer) puts it first")
         self._end_run()  # the previous run's meter, if any, is closed before this run's opens
         out_dir = args.output_dir if self.out_dir is None else self.out_dir
         if state.is_hyper_param_search:
@@ -138,7 +149,8 @@ class GNSCallback(TrainerCallback, ExportableState):
                                    f"another output_dir")
         self.meter.discard()  # what the layers hold from before this run (an interrupted step's micro-steps)
         self.meter.open_log()
-        self._wrap_clipping(self.trainer.accelerator)
+        if self.trainer is not None:
+            self._wrap_clipping(self.trainer.accelerator)
 
     def on_step_begin(self, args, state, control, **kwargs):
         # the first micro-step of an optimizer step: the buffers hold this step's micro-steps only
@@ -149,6 +161,8 @@ class GNSCallback(TrainerCallback, ExportableState):
         if self.open_step is None:
             return  # measured in the accelerator's clip_grad_norm_
         if args.max_grad_norm is not None and args.max_grad_norm > 0:
+            if self.trainer is None:  # clipping turned on since the run began (another callback's schedule)
+                raise GNSCallbackError(self._unseen_clipping(args))
             raise GNSCallbackError("GNSCallback: the Trainer clipped the gradient without its accelerator's "
                                    "clip_grad_norm_, so the gradient before clipping went unmeasured: clip through "
                                    "trainer.accelerator.clip_grad_norm_, or set max_grad_norm=0")
@@ -179,6 +193,18 @@ class GNSCallback(TrainerCallback, ExportableState):
         values = self.meter.step(step=self.open_step)
         self.open_step = None
         self.latest = {key: value for key, value in values.items() if key.startswith("gns/")}
+
+    @staticmethod
+    def _unseen_clipping(args):
+        """Why a callback given only in callbacks= cannot measure a Trainer that clips, in one line."""
+        restored = (" (restore_callback_states_from_checkpoint=True put an unattached copy in its place: leave it "
+                    "False, the callback restores its own state)"
+                    if args.restore_callback_states_from_checkpoint else "")
+        return (f"GNSCallback: given in callbacks= and not attached{restored}, it first sees the gradient at "
+                f"on_pre_optimizer_step, which the Trainer calls after clipping it to max_grad_norm="
+                f"{args.max_grad_norm:g}, so the GNS would be that of the clipped gradient: call "
+                f"GNSCallback(...).attach(trainer) before trainer.train() (it measures inside the Trainer's "
+                f"clipping), or train with max_grad_norm=0")
 
     def _wrap_clipping(self, accelerator):
         """Measure inside accelerator.clip_grad_norm_, at the optimizer step's first call of it (the

@@ -103,10 +103,40 @@ def test_attach_takes_the_callback_given_in_callbacks_and_refuses_it_unattached(
     with pytest.raises(ValueError, match="another GNSCallback"):
         GNSCallback().attach(hf)
 
+    # given in callbacks= alone, it first sees the gradient after the Trainer clipped it: refused, saying so
     alone = trainer(tmp_path / "alone", rows, None, steps=1, callbacks=[GNSCallback()])
-    with pytest.raises(ValueError, match=r"attach\(trainer\)") as error:
+    with pytest.raises(ValueError, match=r"on_pre_optimizer_step, which the Trainer calls after clipping it to "
+                                         r"max_grad_norm=0\.5.*attach\(trainer\).*max_grad_norm=0$") as error:
         alone.train()
+    assert "\n" not in str(error.value) and not os.path.exists(tmp_path / "alone" / "log.csv")
+    # and so it is where another callback turns clipping on during the run
+    scheduled = trainer(tmp_path / "scheduled", rows, None, steps=1, max_grad_norm=0.0,
+                        callbacks=[SchedulesClipping(0.1), GNSCallback()])
+    with pytest.raises(ValueError, match=r"after clipping it to max_grad_norm=0\.1") as error:
+        scheduled.train()
     assert "\n" not in str(error.value)
+
+
+def test_given_in_callbacks_to_a_trainer_that_does_not_clip_it_measures_what_attach_does(tmp_path):
+    rows = token_rows(BATCH * ACCUMULATION * 3)
+    attached = trainer(tmp_path / "attached", rows, GNSCallback(), steps=3, max_grad_norm=0.0)
+    attached.train()
+    given = trainer(tmp_path / "given", rows, None, steps=3, max_grad_norm=0.0, callbacks=[GNSCallback()])
+    given.train()
+    assert (tmp_path / "given" / "log.csv").read_bytes() == (tmp_path / "attached" / "log.csv").read_bytes()
+    live = [[entry["gns/total"] for entry in hf.state.log_history if "gns/total" in entry] for hf in (attached, given)]
+    assert len(live[0]) == 3 and live[0] == live[1]
+    own_loop(str(tmp_path / "ours"), rows, BATCH, ACCUMULATION, 3, float("inf"))
+    assert largest_difference(gns_columns(str(tmp_path / "ours")), gns_columns(str(tmp_path / "given"))) < 1e-5
+    # report_to's integrations come before it in the Trainer's list: said in one warning
+    quiet = trainer(tmp_path / "reported", rows, None, steps=1, max_grad_norm=0.0, callbacks=[GNSCallback()])
+    quiet.args.report_to = ["wandb"]  # read by our callback only: the Trainer built its integrations already
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet.train()
+    said = [str(w.message) for w in caught if "GNSCallback" in str(w.message)]
+    assert len(said) == 1 and "report_to's integrations (wandb)" in said[0] and "attach(trainer)" in said[0]
+    assert "\n" not in said[0]
 
 
 def test_attach_warns_in_one_line_where_it_cannot_put_the_callback_first():
@@ -145,6 +175,25 @@ def test_a_trainer_resumed_from_its_checkpoint_continues_the_gns(tmp_path):
     again = [entry for entry in resumed.state.log_history if "gns/total" in entry][-1]
     assert again["step"] == last["step"] == 6
     assert again["gns/total"] == pytest.approx(last["gns/total"], rel=1e-5)  # the EMA went on, not restarted
+
+
+def test_a_resumed_trainer_measures_with_the_restored_methods_without_timing_them(tmp_path, monkeypatch):
+    import nanogns.layers.linear as linear
+    monkeypatch.setattr(buffered._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
+    rows = token_rows(BATCH * ACCUMULATION * 2)
+    trainer(tmp_path / "cut", rows, GNSCallback(), steps=1, save_strategy="steps", save_steps=1).train()
+    with open(tmp_path / "cut" / "checkpoint-1" / "trainer_state.json") as f:
+        saved = json.load(f)["stateful_callbacks"]["GNSCallback"]
+    saved = (saved[0] if isinstance(saved, list) else saved)["attributes"]["meter_state"]["linear_norm_methods"]
+    assert len(saved) == 9
+    timed = []
+    original = linear._timed_choice
+    monkeypatch.setattr(linear, "_timed_choice", lambda layer, ways, device: timed.append(layer) or
+                        original(layer, ways, device))
+    resumed = trainer(tmp_path / "cut", rows, GNSCallback(), steps=2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-1"))
+    assert timed == [] and buffered.linear_norm_methods(resumed.model) == saved
+    assert sorted(gns_columns(str(tmp_path / "cut"))) == [0, 1]
 
 
 def test_two_ddp_ranks_give_one_process_with_the_doubled_batch(tmp_path):
