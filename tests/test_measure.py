@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanogns.layers as buffered  # noqa: E402
+import nanogns.layers.buffers as buffers_module  # noqa: E402  (its warn-once memory)
 from nanogns.layers import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
 from nanogns.logread import load_log  # noqa: E402
 from gns_fixtures import tiny_hf  # noqa: E402
@@ -265,7 +266,7 @@ class SharedLinears(nn.Module):
 @pytest.mark.parametrize("linear", ["gns", "shim"])
 def test_weight_shared_by_two_linears_is_left_out_with_a_warning(linear):
     model = SharedLinears()
-    buffered._warned.clear()
+    buffers_module._warned.clear()
     with pytest.warns(UserWarning, match=r"a.weight \(Linear: |a.weight \(PEGradNorm.*shared with another layer"):
         measure(model, linear=linear)
     model(torch.randn(3, 4)).sum().backward()
@@ -280,7 +281,7 @@ def test_layer_config_built_sharing_is_not_first_buffer_wins(cls):
     model = nn.Sequential(cls(4, 4), nn.Tanh(), cls(4, 4))
     model[2].weight = model[0].weight
     model(torch.randn(3, 4)).sum().backward()
-    buffered._warned.clear()
+    buffers_module._warned.clear()
     with pytest.warns(UserWarning, match=r"0.weight is shared by 2 layers .*it is not reported"):
         names = [n for n, _, _, _ in find_sqgradnorm_buffers(model)]
     assert names == ["0.bias", "2.bias"]

@@ -64,7 +64,8 @@ def _inner_nodes(output_node, input_nodes):
 
 class LayerCalls:
     """What each measured layer's forward was handed and gave, recorded by forward hooks that live for
-    one forward: (layer, its measured name, its parameters, its output's node, its inputs' nodes)."""
+    one forward: (its measured name, its trainable parameters' names by id, the ids of those it measures,
+    its output's node, its inputs' nodes)."""
 
     def __init__(self, layers):
         self.calls = []
@@ -74,7 +75,9 @@ class LayerCalls:
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:
             inputs = {t.grad_fn for t in _tensors([args, kwargs], []) if t.grad_fn is not None}
             params = {id(p): name for name, p in layer._parameters.items() if p is not None and p.requires_grad}
-            self.calls.append((layer, layer._measured_name, params, output.grad_fn, inputs))
+            measured = {id(p) for name, p in layer._parameters.items()
+                        if id(p) in params and f"{name}_sqgradnorm" in layer._buffers}
+            self.calls.append((layer._measured_name, params, measured, output.grad_fn, inputs))
 
     def remove(self):
         for handle in self.handles:
@@ -100,14 +103,17 @@ def refuse_outside_uses(output, calls):
     if not roots or not calls:
         return
     parents, accumulators = _graph(roots)
-    holders = {}  # parameter id -> [(layer name, parameter name, output node, inner nodes)]
-    for layer, name, params, output_node, input_nodes in calls:
+    holders, measured = {}, set()  # parameter id -> [(layer name, parameter name, output node, inner nodes)]
+    for name, params, measures, output_node, input_nodes in calls:
+        measured |= measures
         inner = None
         for pid, pname in params.items():
             if pid in accumulators:
                 inner = inner if inner is not None else _inner_nodes(output_node, input_nodes)
                 holders.setdefault(pid, []).append((name, pname, output_node, inner))
     for pid, held in holders.items():
+        if pid not in measured:  # left out already (a weight shared with an unmeasured layer)
+            continue
         outputs = {output_node for _, _, output_node, _ in held}
         inner = set().union(*(nodes for _, _, _, nodes in held))
         start = accumulators[pid]
