@@ -137,6 +137,7 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=LINEAR_SHAPES, tiling
         print('bench/gpu_check.py: error: --time_linear needs a CUDA GPU', file=sys.stderr)
         return 2
     import nanogns.layers as buffered
+    import nanogns.layers.linear as linear_module
     from nanogns.runlog import atomic_write
     chunk = buffered.PEGradNormLinear.max_chunk_numel
     card = torch.cuda.get_device_name() if device == 'cuda' else device
@@ -187,10 +188,10 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=LINEAR_SHAPES, tiling
             flat_x, flat_dy = x.reshape(-1, K), dy.reshape(-1, L)
             # each route: what it runs, giving (sum of norms or None, dW)
             routes = {'gemm': lambda: (None, flat_dy.mT @ flat_x)}
-            routes.update({route: (lambda r=route: buffered._weight_sqnorm_materialised(x, dy, chunk, True, route=r))
+            routes.update({route: (lambda r=route: linear_module._weight_sqnorm_materialised(x, dy, chunk, True, route=r))
                            for route in ('bmm', 'bmm-f32', *(f'kernel {t}' for t in tilings))})
             if 2 * tokens * tokens < K * L:
-                routes['ghost'] = lambda: (buffered._weight_sqnorm_ghost(x, dy, chunk), flat_dy.mT @ flat_x)
+                routes['ghost'] = lambda: (linear_module._weight_sqnorm_ghost(x, dy, chunk), flat_dy.mT @ flat_x)
             ms = {}
             for route, fn in routes.items():
                 try:

@@ -28,9 +28,14 @@ _PUBLIC = {
     "GNSMeterError": "nanogns.meter",
     "measure": "nanogns.layers",
     "find_sqgradnorm_buffers": "nanogns.layers",
+    # every class measure() builds (nanogns.layers.MEASURED_CLASSES)
     "PEGradNormLinear": "nanogns.layers",
+    "PEGradNormShimLinear": "nanogns.layers",
     "PEGradNormEmbedding": "nanogns.layers",
+    "PEGradNormShimEmbedding": "nanogns.layers",
+    "PEGradNormSeparatedLayerNorm": "nanogns.layers",
     "PEGradNormFusedLayerNorm": "nanogns.layers",
+    "PEGradNormSeparatedRMSNorm": "nanogns.layers",
     "PEGradNormFusedRMSNorm": "nanogns.layers",
     "GradientNoiseScale": "nanogns.maths",
 }

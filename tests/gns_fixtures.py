@@ -134,8 +134,8 @@ def shapes_rule(monkeypatch):
     first step (per_example_mode "auto"): two runs compared to 1e-5 must not take different methods
     because one ran on a busier machine (both exact, they round apart by about 1e-5 where the ghost
     norm's token pairs cancel). Autouse where imported."""
-    import nanogns.layers as buffered
-    monkeypatch.setattr(buffered._MeasuredLinear, "per_example_mode", "shapes")
+    import nanogns.layers.linear as linear_module
+    monkeypatch.setattr(linear_module._MeasuredLinear, "per_example_mode", "shapes")
 
 
 def with_rmsnorms(model, cls=nn.RMSNorm):

@@ -9,10 +9,10 @@ import torch
 
 from test_hf import ACCUMULATION, BATCH, STEPS, trainer
 from nanogns.hf import GNSCallback
-import nanogns.layers as buffered
+import nanogns.layers.linear as linear_module
 from nanogns.stopping import leave
 
-buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
+linear_module._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 
 torch.set_num_threads(1)
 rows_path, out_dir = sys.argv[1:3]

@@ -13,11 +13,11 @@ import lightning
 import torch
 
 from nanogns.lightning import GNSCallback
-import nanogns.layers as buffered
+import nanogns.layers.linear as linear_module
 from nanogns.stopping import leave
 from test_lightning import ACCUMULATION, BATCH, MAX_GRAD_NORM, STEPS, CausalLM
 
-buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
+linear_module._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 
 torch.set_num_threads(1)
 rows_path, out_dir = sys.argv[1:3]

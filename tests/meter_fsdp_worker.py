@@ -11,11 +11,11 @@ import sys
 import torch
 
 from nanogns.meter import GNSMeter
-import nanogns.layers as buffered
+import nanogns.layers.linear as linear_module
 from model import GPT, GPTConfig, fully_shard_gpt
 from nanogns.stopping import leave
 
-buffered._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
+linear_module._MeasuredLinear.per_example_mode = "shapes"  # as the tests it is compared with (gns_fixtures.shapes_rule)
 
 ACCUMULATION, BATCH = 2, 4  # micro-steps per optimizer step, examples per micro-batch over all ranks
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanogns.layers as buffered  # noqa: E402
+import nanogns.layers.buffers as buffers_module  # noqa: E402  (its warn-once memory)
 import nanogns.layers.linear as linear_module  # noqa: E402  (where the Linear maths is patched)
 from nanogns.refusals import ReferenceNameError  # noqa: E402
 from nanogns.layers import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm,  # noqa: E402
@@ -140,7 +141,7 @@ def test_linear_chunks_bound_memory_and_agree(cls, mode, monkeypatch):
     bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda a, b: batch_sizes.append(a.shape[0]) or bmm(a, b))
     for name in ("_weight_sqnorm_ghost", "_weight_sqnorm_materialised"):
-        fn = getattr(buffered, name)
+        fn = getattr(linear_module, name)
         monkeypatch.setattr(linear_module, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
     check(layer, plain, float_batches(2, (7, 3, 6), 5))
     assert batch_sizes and set(batch_sizes) == {1}
@@ -149,22 +150,22 @@ def test_linear_chunks_bound_memory_and_agree(cls, mode, monkeypatch):
 
 
 def test_the_shape_rule_follows_the_shapes():
-    assert buffered._use_ghost(1, 384, 384, True, "shapes")  # one token per example: ghost
-    assert not buffered._use_ghost(1024, 768, 768, True, "shapes")  # long sequences: materialise
-    assert buffered._use_ghost(256, 384, 1536, False, "shapes")  # shim: T (K+L) < K L
-    assert not buffered._use_ghost(256, 384, 65, False, "shapes")
-    assert buffered._use_ghost(1024, 8, 8, True, "ghost") and not buffered._use_ghost(1, 8, 8, True, "materialise")
+    assert linear_module._use_ghost(1, 384, 384, True, "shapes")  # one token per example: ghost
+    assert not linear_module._use_ghost(1024, 768, 768, True, "shapes")  # long sequences: materialise
+    assert linear_module._use_ghost(256, 384, 1536, False, "shapes")  # shim: T (K+L) < K L
+    assert not linear_module._use_ghost(256, 384, 65, False, "shapes")
+    assert linear_module._use_ghost(1024, 8, 8, True, "ghost") and not linear_module._use_ghost(1, 8, 8, True, "materialise")
     with pytest.raises(ValueError):
-        buffered._use_ghost(1, 2, 2, True, "sometimes")
+        linear_module._use_ghost(1, 2, 2, True, "sometimes")
 
 
 def test_none_is_the_shape_rule_as_before_auto_came():
     for shape in ((1, 384, 384, True), (1024, 768, 768, True), (256, 384, 1536, False), (256, 384, 65, False)):
-        assert buffered._use_ghost(*shape, None) == buffered._use_ghost(*shape, "shapes")
+        assert linear_module._use_ghost(*shape, None) == linear_module._use_ghost(*shape, "shapes")
     layer = buffered.PEGradNormLinear(8, 4)
     buffered.set_per_example_mode(layer, None)
     layer(torch.randn(2, 3, 8)).sum().backward()
-    assert layer.norm_method == ("ghost" if buffered._use_ghost(3, 8, 4, True, "shapes") else "materialise")
+    assert layer.norm_method == ("ghost" if linear_module._use_ghost(3, 8, 4, True, "shapes") else "materialise")
 
 
 class FakeClock:
@@ -175,7 +176,7 @@ class FakeClock:
         self.now, self.runs = 0.0, []
         monkeypatch.setattr(linear_module, "time", self)
         for name, cost in (("_weight_sqnorm_ghost", ghost), ("_weight_sqnorm_materialised", materialise)):
-            fn = getattr(buffered, name)
+            fn = getattr(linear_module, name)
             monkeypatch.setattr(linear_module, name, lambda *a, _fn=fn, _name=name, _cost=cost, **k:
                                 self.runs.append(_name) or self.tick(_cost) or _fn(*a, **k))
 
@@ -250,7 +251,7 @@ def test_before_compiling_the_undecided_auto_linears_choose_on_random_tensors_of
     of the model or of the global random state changes."""
     clock = FakeClock(monkeypatch, ghost=1.0 if faster == "ghost" else 2.0, materialise=1.0 if faster != "ghost" else 2.0)
     seen = []
-    timed = buffered._timed_choice
+    timed = linear_module._timed_choice
     monkeypatch.setattr(linear_module, "_timed_choice", lambda layer, ways, device: seen.append(layer) or timed(layer, ways, device))
     model = nn.Sequential(cls(6, 5), nn.Tanh(), cls(5, 4), cls(4, 3), cls(3, 2))
     buffered.set_linear_norm_methods(model, {"2": "ghost"})  # restored from a checkpoint
@@ -289,7 +290,7 @@ def test_linear_sqnorms_are_the_shim_layers_own(shape, dy_dtype, monkeypatch):
     dy = torch.randn(*shape[:-1], 4).to(dy_dtype)
     ran = []
     for name in ("_weight_sqnorm_ghost", "_weight_sqnorm_materialised"):
-        fn = getattr(buffered, name)
+        fn = getattr(linear_module, name)
         monkeypatch.setattr(linear_module, name, lambda *a, _fn=fn, _name=name, **k: ran.append(_name) or _fn(*a, **k))
     w_sq, b_sq = buffered.linear_sqnorms(x, dy)
     assert w_sq.dtype == b_sq.dtype == torch.float32
@@ -323,13 +324,13 @@ def test_the_cublas_routes_match_brute_force(route, dtype, compiling, chunk, mon
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     g = torch.Generator().manual_seed(4)
     x, dy = (torch.randn(5, 3, width, generator=g).to(dtype) for width in (6, 7))
-    sq, grad, _ = buffered._weight_sqnorm_materialised(x, dy, chunk, True, route=route)
+    sq, grad, _ = linear_module._weight_sqnorm_materialised(x, dy, chunk, True, route=route)
     want_sq, want_grad = exact_weight_norms(x, dy)
     rtol = 1e-5 if dtype == torch.float32 or route == "bmm-f32" else 1e-2  # bfloat16 W_b, rounded
     assert sq.dtype == torch.float32 and grad.dtype == torch.float32
     torch.testing.assert_close(sq.double(), want_sq, rtol=rtol, atol=0)
     torch.testing.assert_close(grad.double(), want_grad, rtol=rtol, atol=rtol * want_grad.abs().max().item())
-    alone, none, _ = buffered._weight_sqnorm_materialised(x, dy, chunk, False, route=route)
+    alone, none, _ = linear_module._weight_sqnorm_materialised(x, dy, chunk, False, route=route)
     assert none is None
     torch.testing.assert_close(alone.double(), want_sq, rtol=rtol, atol=0)
 
@@ -343,7 +344,7 @@ def test_the_cublas_routes_bound_their_transient_by_its_bytes(route, per_chunk, 
     bmm = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a, **k: outputs.append(bmm(*a, **k)) or outputs[-1])
     x, dy = torch.randn(7, 3, K).bfloat16(), torch.randn(7, 3, L).bfloat16()
-    sq, grad, _ = buffered._weight_sqnorm_materialised(x, dy, 2 * K * L, True, route=route)
+    sq, grad, _ = linear_module._weight_sqnorm_materialised(x, dy, 2 * K * L, True, route=route)
     assert [w.shape[0] for w in outputs] == [per_chunk] * (7 // per_chunk) + [7 % per_chunk]
     assert all(w.numel() * w.element_size() <= 2 * K * L * 4 for w in outputs)
     assert grad.shape == (L, K) and grad.dtype == torch.float32
@@ -355,7 +356,7 @@ def test_one_read_gives_the_squares_and_the_sum():
     the sum of squares and the sum over examples, against float64."""
     g = torch.Generator().manual_seed(5)
     per_example = 3 + torch.randn(4, 9, 11, generator=g)  # a mean far from 0: the identity's weak spot
-    sq, total = buffered._one_read_squares_and_sum(per_example)
+    sq, total = linear_module._one_read_squares_and_sum(per_example)
     torch.testing.assert_close(sq.double(), per_example.double().square().sum(), rtol=1e-6, atol=0)
     torch.testing.assert_close(total.double(), per_example.double().sum(0), rtol=1e-6, atol=1e-5)
 
@@ -1136,7 +1137,7 @@ def test_tied_embedding_forward_under_no_grad_drops_its_link():
 
 @pytest.mark.parametrize("Embedding,Head", [(PEGradNormEmbedding, nn.Linear), (nn.Embedding, PEGradNormShimLinear)])
 def test_tied_weight_with_a_plain_side_is_not_reported(Embedding, Head):
-    buffered._warned.clear()
+    buffers_module._warned.clear()
     with pytest.warns(UserWarning, match="tied weight"):
         model = TiedLM(Embedding, Head)
     with warnings.catch_warnings():
@@ -1447,3 +1448,12 @@ def test_refused_names_leave_torch_compile_alone():
     torch.testing.assert_close({k.removeprefix("_orig_mod."): v for k, v in got.items()}, want)
     assert all(v.item() > 0 for k, v in want.items() if k.endswith("example_count"))
     torch._dynamo.reset()
+
+
+def test_the_package_names_every_class_measure_builds_and_exports_no_private_name():
+    import nanogns
+    built = {cls.__name__ for classes in buffered.MEASURED_CLASSES.values() for cls in classes.values()}
+    assert built <= set(nanogns.__all__), built - set(nanogns.__all__)
+    assert all(getattr(nanogns, name) is getattr(buffered, name) for name in built)
+    private = [name for name in vars(buffered) if name.startswith("_") and not name.startswith("__")]
+    assert private == [], private

@@ -168,7 +168,7 @@ def test_a_tied_head_runs_the_kernel_and_gives_its_rows_at_the_ids(monkeypatch):
     monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: launches.append(1) or launch(*a, **k))
     for on_kernel in (False, True):
         route = KERNEL_ROUTE if on_kernel else "bmm"
-        results[on_kernel] = buffered._weight_sqnorm_materialised(x, dy, 1 << 24, True, ids, route)
+        results[on_kernel] = linear_module._weight_sqnorm_materialised(x, dy, 1 << 24, True, ids, route)
         assert len(launches) == on_kernel
     for got, want in zip(results[True], results[False]):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-6)
@@ -183,7 +183,7 @@ def test_a_tiling_route_runs_the_kernel_with_its_tiling(monkeypatch):
     launch = linear_gns_kernel._launch
     monkeypatch.setattr(linear_gns_kernel, "_launch", lambda *a, **k: configs.append(k) or launch(*a, **k))
     x, dy = inputs(3, 5, 40, 33, torch.bfloat16)
-    sq, dw, _ = buffered._weight_sqnorm_materialised(x, dy, 1 << 24, True, route="kernel 16x32 t16 w4 s2 split2")
+    sq, dw, _ = linear_module._weight_sqnorm_materialised(x, dy, 1 << 24, True, route="kernel 16x32 t16 w4 s2 split2")
     assert configs == [dict(block_l=16, block_k=32, block_t=16, num_warps=4, num_stages=2, n_splits=2)]
     want_dw, want_sq = brute_force(x, dy)
     assert_close(dw, want_dw, torch.bfloat16)

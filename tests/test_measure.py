@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanogns.layers as buffered  # noqa: E402
+import nanogns.layers.buffers as buffers_module  # noqa: E402  (its warn-once memory)
 from nanogns.layers import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
 from nanogns.logread import load_log  # noqa: E402
 from gns_fixtures import tiny_hf  # noqa: E402
@@ -265,7 +266,7 @@ class SharedLinears(nn.Module):
 @pytest.mark.parametrize("linear", ["gns", "shim"])
 def test_weight_shared_by_two_linears_is_left_out_with_a_warning(linear):
     model = SharedLinears()
-    buffered._warned.clear()
+    buffers_module._warned.clear()
     with pytest.warns(UserWarning, match=r"a.weight \(Linear: |a.weight \(PEGradNorm.*shared with another layer"):
         measure(model, linear=linear)
     model(torch.randn(3, 4)).sum().backward()
@@ -280,7 +281,7 @@ def test_layer_config_built_sharing_is_not_first_buffer_wins(cls):
     model = nn.Sequential(cls(4, 4), nn.Tanh(), cls(4, 4))
     model[2].weight = model[0].weight
     model(torch.randn(3, 4)).sum().backward()
-    buffered._warned.clear()
+    buffers_module._warned.clear()
     with pytest.warns(UserWarning, match=r"0.weight is shared by 2 layers .*it is not reported"):
         names = [n for n, _, _, _ in find_sqgradnorm_buffers(model)]
     assert names == ["0.bias", "2.bias"]
@@ -302,6 +303,75 @@ def test_layer_applied_twice_is_an_error_naming_it(linear):
         model(torch.randn(3, 4))
     with torch.no_grad():
         model(torch.randn(3, 4))  # nothing measured, nothing refused
+
+
+
+class UsedOutside(nn.Module):
+    """An MLP whose last Linear's weight is also used outside that layer, as `use` says: beside the
+    layer's own call (the fault found: its norm came out 27% low), before it (on its input's side),
+    or as a penalty in the forward; None: only through the layer."""
+
+    def __init__(self, use=None):
+        super().__init__()
+        self.use = use
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16))
+
+    def forward(self, x):
+        h = self.mlp[:3](x)
+        w = self.mlp[3].weight
+        if self.use == "before":
+            h = h + F.linear(h, w)
+        y = self.mlp[3](h)
+        if self.use == "beside":
+            y = y + F.linear(h, w)
+        loss = y.pow(2).mean()
+        return loss + w.square().sum() if self.use == "penalty" else loss
+
+
+@pytest.mark.parametrize("linear", ["gns", "shim"])
+@pytest.mark.parametrize("use", ["beside", "before", "penalty"])
+def test_weight_used_outside_its_layer_is_an_error_naming_it(linear, use):
+    model = measure(UsedOutside(use), linear=linear)
+    for _ in range(2):  # refused at every forward, not once
+        with pytest.raises(RuntimeError, match=r"^mlp.3.weight is used outside its measured layer mlp.3 in the forward"):
+            model(torch.randn(3, 5, 8))
+    with torch.no_grad():
+        model(torch.randn(3, 5, 8))  # nothing measured, nothing refused
+
+
+def test_head_computed_from_a_measured_embeddings_weight_is_an_error_naming_it():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.ln = nn.Embedding(V, 8), nn.LayerNorm(8)
+
+        def forward(self, ids):
+            return self.ln(self.wte(ids)) @ self.wte.weight.T  # the head is the embedding's weight, not a layer
+
+    model = measure(Head())
+    with pytest.raises(RuntimeError, match=r"^wte.weight is used outside its measured layer wte"):
+        model(torch.randint(0, V, (B, T)))
+
+
+@pytest.mark.parametrize("linear, embedding, norm", [("gns", "gns", "shim"), ("shim", "shim", "fused")])
+def test_parameters_used_only_by_their_layers_pass_the_check_once(linear, embedding, norm):
+    # a tied embedding and head, the positions shared by the batch, bfloat16 autocast's casts of every
+    # weight, a layer output used twice: uses inside the layers, so measured exactly (brute force);
+    # the check's hooks are gone after the first forward
+    plain, batches, expected, _ = nano_reference(True)
+    model = measure(copy.deepcopy(plain), linear=linear, embedding=embedding, norm=norm,
+                    kinds={NanoLayerNorm: "layernorm"})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        nano_loss(model, *batches[0])
+    assert model._gns_forward_state["uses_checked"]
+    assert all(not m._forward_hooks for m in model.modules() if isinstance(m, buffered.MeasuredLayer))
+    buffered.zero_sqgradnorm_buffers(model)
+    model.zero_grad()
+    train(model, batches, nano_loss)
+    got, counts = measured_sums(model)
+    assert counts == {float(2 * B)}
+    for name in got:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=0, msg=name)
 
 
 def test_module_held_twice_is_left_unmeasured():

@@ -1106,3 +1106,36 @@ def test_gpu_backends_agree_with_torch_path(backend, rms):
         results[name] = bufs
     for a, c in zip(results[backend], results["torch"]):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=0)
+
+
+def test_sharded_input_refused_in_one_line():
+    # a LayerNorm under torch's SequenceParallel is handed DTensors: every measured normalisation
+    # refuses it in one line (the CPU kernel, handed one, crashed the process), and the CPU kernel
+    # itself never takes a tensor whose memory is not its values
+    code = ("import torch, torch.distributed as dist, torch.nn as nn\n"
+            "from torch.distributed.device_mesh import init_device_mesh\n"
+            "from torch.distributed.tensor import distribute_tensor, Shard\n"
+            "from torch.distributed.tensor.parallel import parallelize_module, SequenceParallel\n"
+            "import nanogns.layers as L\n"
+            "from nanogns.normgnorm import cpu_ext\n"
+            "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
+            "mesh = init_device_mesh('cpu', (1,))\n"
+            "for cls in (L.PEGradNormSeparatedLayerNorm, L.PEGradNormFusedLayerNorm,\n"
+            "            L.PEGradNormSeparatedRMSNorm, L.PEGradNormFusedRMSNorm):\n"
+            "    model = parallelize_module(nn.Sequential(cls(8)), mesh, {'0': SequenceParallel()})\n"
+            "    try:\n"
+            "        model(torch.randn(2, 4, 8)).to_local().sum().backward()\n"
+            "    except TypeError as e:\n"
+            "        print(cls.__name__, e)\n"
+            "x = distribute_tensor(torch.randn(2, 4, 8), mesh, [Shard(1)])\n"
+            "torch.set_grad_enabled(False)  # as in a backward, where the kernel runs\n"
+            "print('kernel takes a DTensor:', cpu_ext._takes((x,), ()))\n"
+            "print('kernel takes a tensor:', cpu_ext._takes((x.to_local(),), ()))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 6, done.stdout
+    for line, name in zip(lines, ("LayerNorm", "LayerNorm", "RMSNorm", "RMSNorm")):
+        assert f"a measured {name} was handed a DTensor" in line and "norm=None" in line
+    assert lines[4:] == ["kernel takes a DTensor: False", "kernel takes a tensor: True"]

@@ -25,16 +25,15 @@ between its uses: in a model measure() converted, an error); the one exception h
 token embedding / output head, linked by tie_weights() (or measure()).
 """
 # What other code reads from here (`import buffered; buffered.X`), each from its module
-from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, _warned, all_sqgradnorm_buffers,  # noqa: F401
+from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, all_sqgradnorm_buffers,  # noqa: F401
                                     allreduce_buffers, allreduce_sqgradnorm_buffers, coordinate_buffers,
                                     find_sqgradnorm_buffers, register_sqgradnorm_buffers, sum_of_squares,
                                     zero_sqgradnorm_buffers)
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, link_tied, tie_weights  # noqa: F401
 from nanogns.layers.linear import (CUBLAS_ROUTE, DTYPE_NAMES, FUSED_GHOST_RATIO, HAS_TRITON, NORM_METHODS,  # noqa: F401
                                    PER_EXAMPLE_MODES, ROUTE_COLUMNS, ROUTE_TOLERANCE, ROUTES_DIR, TIMING_REPEATS,
-                                   LinearRouteTableError, PEGradNormLinear, PEGradNormShimLinear, _MeasuredLinear,
-                                   _one_read_squares_and_sum, _timed_choice, _use_ghost, _weight_sqnorm_ghost,
-                                   _weight_sqnorm_materialised, agree_linear_norm_methods, card_family,
+                                   LinearRouteTableError, PEGradNormLinear, PEGradNormShimLinear,
+                                   agree_linear_norm_methods, card_family,
                                    choose_linear_norm_methods, linear_norm_methods, linear_sqnorms,
                                    materialised_route, measured_linears, read_route_table, route_table_path,
                                    set_linear_norm_methods, set_per_example_mode, table_method)

@@ -18,6 +18,7 @@ from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbeddin
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear, _MeasuredLinear
 from nanogns.layers.norms import (LayerNorm, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm,
                                   PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm)
+from nanogns.layers.uses import LayerCalls, refuse_outside_uses
 # the kinds' names (the analysis's groups, layer_config's classes); norm= chooses for both NORM_KINDS
 from nanogns.maths import KIND_NAMES, NORM_KINDS
 
@@ -246,11 +247,21 @@ def _learn_batch(model, args, kwargs):
     state["B"], state["T"] = _batch_of(args, kwargs, state.get("batch_dim", 0))
     state["count"] += 1
     state["forward"] = state["count"]
+    if not state.get("uses_checked") and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # the first forward with grad records what each layer was handed and gave (nanogns.layers.uses)
+        state["calls"] = LayerCalls([m for m in model.modules()
+                                     if isinstance(m, MeasuredLayer) and m._forward_state is state])
 
 
 def _forget_batch(model, args, kwargs, output):
     state = model._gns_forward_state
     state["B"] = state["T"] = state["forward"] = None
+    calls = state.pop("calls", None)
+    if calls is not None:
+        calls.remove()
+        if output is not None:
+            refuse_outside_uses(output, calls.calls)  # raises, and the next forward checks again
+            state["uses_checked"] = True
 
 
 # a measured layer's hooks in a model whose examples are not its input's first dimension

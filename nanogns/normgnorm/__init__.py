@@ -38,6 +38,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -209,6 +210,18 @@ def _autocast_off(ctx):
     return contextlib.nullcontext()
 
 
+def _refuse_sharded(x, weight, rms):
+    """A DTensor (a module that torch.distributed.tensor's parallelize_module shards: sequence or
+    tensor parallelism) is refused in one line: each rank holds part of every example's rows, and
+    the kernels read a tensor's local memory, which a DTensor does not hand them. Only a process that
+    made DTensors has the module loaded, so the check costs a dict read elsewhere."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None and (isinstance(x, dtensor) or isinstance(weight, dtensor)):
+        raise TypeError(f"a measured {'RMSNorm' if rms else 'LayerNorm'} was handed a DTensor (a module sharded by "
+                        "torch.distributed.tensor, e.g. SequenceParallel), which its per-example norms do not take: "
+                        "measure the model with norm=None, or leave the normalisations out of parallelize_module")
+
+
 class _NormFn(torch.autograd.Function):
     """
     The one autograd Function of both normalisations (rms: RMSNorm, bias and its buffer None), in
@@ -241,6 +254,8 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps, backend, rms,
                 torch_output=None, stats=None, coords=None, pairs=None):
+        if not torch.compiler.is_compiling():
+            _refuse_sharded(x, weight, rms)
         ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
         ctx.sink, ctx.pairs, ctx.separated = sink is not None, pairs, torch_output is not None
         if ctx.separated:

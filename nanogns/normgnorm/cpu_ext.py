@@ -106,11 +106,17 @@ def kernel():
     return None if isinstance(_kernel, str) else _kernel
 
 
+def _dense(t):
+    """A tensor whose memory is its values, as the C code reads them: not a subclass (a DTensor, a
+    functorch or fake tensor holds no such memory), strided. The rest goes to the PyTorch path."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+
+
 def _takes(tensors, buffers):
     """Whether the kernel takes these float32 inputs and 0-dim float32 buffers (None: not given).
     Any number of examples: fewer than torch's threads run on one thread each (_threads)."""
     return (not torch.is_grad_enabled()
-            and all(t is None or t.dtype == torch.float32 for t in tensors)
+            and all(t is None or (t.dtype == torch.float32 and _dense(t)) for t in (*tensors, *buffers))
             and all(b is None or (b.dtype == torch.float32 and b.device.type == "cpu" and b.dim() == 0) for b in buffers))
 
 
