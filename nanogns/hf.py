@@ -7,7 +7,7 @@ The gradient noise scale in Hugging Face's Trainer: one callback, attached to th
     trainer.train()
 
 At the start of each run (each train(), each trial of a hyperparameter search) the callback measures
-the model that run trains (gnsmeter.GNSMeter, buffered.measure), and on every optimizer step writes
+the model that run trains (nanogns.GNSMeter, nanogns.measure), and on every optimizer step writes
 the step's row into log.csv for gns-analysis.py (in args.output_dir unless out_dir= says otherwise;
 a hyperparameter search's trials each in a folder of their own there) and the live GNS ('gns/total',
 'gns/LayerNorm') into the Trainer's own logs, where report_to's integrations (wandb, tensorboard) see
@@ -49,7 +49,7 @@ try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import ExportableState
 except ImportError:
-    raise ImportError("hf_gns.GNSCallback is a callback for Hugging Face's Trainer: pip install transformers "
+    raise ImportError("nanogns.hf.GNSCallback is a callback for Hugging Face's Trainer: pip install transformers "
                       "accelerate") from None
 
 
@@ -61,7 +61,7 @@ class GNSCallback(TrainerCallback, ExportableState):
     """
     out_dir: where log.csv goes (default: the Trainer's args.output_dir); a fresh run refuses an
         out_dir that holds another run's log.
-    linear, embedding, norm, strict: buffered.measure's (every Linear, Embedding and normalisation
+    linear, embedding, norm, strict: nanogns.measure's (every Linear, Embedding and normalisation
         layer by default; norm="shim", linear=None, embedding=None measures the normalisation
         layers alone); a parameter left unmeasured is named in a warning, strict=True raises.
     Attach it to the Trainer with attach(trainer) before trainer.train(); or, for a Trainer that

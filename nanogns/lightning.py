@@ -4,8 +4,8 @@ The gradient noise scale in Lightning: one callback, no other change.
     from nanogns.lightning import GNSCallback
     trainer = lightning.Trainer(..., callbacks=[GNSCallback()])
 
-The callback measures the LightningModule when training is set up (gnsmeter.GNSMeter,
-buffered.measure), and on every optimizer step writes the step's row into log.csv for
+The callback measures the LightningModule when training is set up (nanogns.GNSMeter,
+nanogns.measure), and on every optimizer step writes the step's row into log.csv for
 gns-analysis.py (in trainer.default_root_dir unless out_dir= says otherwise) and logs the live
 GNS ('gns/total', 'gns/LayerNorm') through the module's log, to the Trainer's loggers.
 
@@ -29,7 +29,7 @@ from nanogns.meter import GNSMeter
 try:
     import lightning
 except ImportError:
-    raise ImportError("lightning_gns.GNSCallback is a callback for Lightning's Trainer: pip install lightning") from None
+    raise ImportError("nanogns.lightning.GNSCallback is a callback for Lightning's Trainer: pip install lightning") from None
 
 
 class GNSCallback(lightning.pytorch.Callback):
@@ -40,7 +40,7 @@ class GNSCallback(lightning.pytorch.Callback):
         the one child module holding every trainable parameter, if there is one, else the
         LightningModule itself). measure() learns each step's batch from that module's input,
         so it must be the one called with the batch.
-    linear, embedding, norm, strict: buffered.measure's (every Linear, Embedding and normalisation
+    linear, embedding, norm, strict: nanogns.measure's (every Linear, Embedding and normalisation
         layer by default); a parameter left unmeasured is named in a warning, strict=True raises.
     """
 

@@ -28,9 +28,9 @@ A resume: state_dict() goes into the checkpoint, and load_state_dict() before th
 of the continued run carries on the live GNS, the log from that step and each Linear's
 ghost/materialise method; a state saved with another model (other measured parameters, or other
 shapes) is refused. A meter that is not resumed refuses an out_dir that already holds a log.csv
-(another run's): tracker.OutDirTaken.
+(another run's): nanogns.runlog.OutDirTaken.
 A model has one meter at a time: the layers' sums are read and zeroed by whichever steps first.
-hf_gns.GNSCallback and lightning_gns.GNSCallback are this object in those frameworks' loops.
+nanogns.hf.GNSCallback and nanogns.lightning.GNSCallback are this object in those frameworks' loops.
 """
 import math
 import numbers

@@ -7,7 +7,7 @@ reads the values of every pending step in one copy, when the loop asks for the r
 
     pending = PendingSteps()
     ... each step:
-    pending.add({'iter_num': i, 'loss': loss.detach(), ...}, gnstracking.collect_all(...))
+    pending.add({'iter_num': i, 'loss': loss.detach(), ...}, nanogns.estimators.exact.collect_all(...))
     if i % log_interval == 0:
         for row in pending.read():   # one device-to-host copy for all the steps since the last read
             logger.log(row)

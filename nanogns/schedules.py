@@ -115,7 +115,7 @@ def steps_at(points, tokens, world_size=1):
 
 
 def read_schedule_file(path, max_bytes=MAX_SCHEDULE_BYTES):
-    """The text of the schedule file: tracker.read_text_file's, a regular file of at most max_bytes,
+    """The text of the schedule file: nanogns.runlog.read_text_file's, a regular file of at most max_bytes,
     read without ever blocking. Raises OSError or ValueError (one line)."""
     return read_text_file(path, max_bytes)
 
@@ -308,8 +308,8 @@ def controller_for_run(config, estimators, world_size, ddp_device=None, checkpoi
     from a checkpoint's state. Without a measured GNS the batch stays at bs_min_accum (said once).
     Raises ValueError for a group that is not measured.
     """
-    import nanogns.estimators.exact as gnstracking
-    measured = gnstracking.measured_groups(estimators)
+    import nanogns.estimators.exact as exact
+    measured = exact.measured_groups(estimators)
     group = config['bs_gns_group'] or (measured[0] if measured else 'total')
     if measured and group not in measured:
         raise ValueError(f"--bs_gns_group={group} but this run measures the GNS of {' and '.join(measured)} only "
@@ -319,7 +319,7 @@ def controller_for_run(config, estimators, world_size, ddp_device=None, checkpoi
               f"--embeddingclass, --lnclass): the batch stays at --bs_min_accum={config['bs_min_accum']}")
     update_tokens = config['bs_update_tokens']
     controller = GNSBatchController(
-        lambda: gnstracking.live_gns(estimators, group), fraction=config['bs_gns_fraction'],
+        lambda: exact.live_gns(estimators, group), fraction=config['bs_gns_fraction'],
         batch_size=config['batch_size'], floor=config['bs_min_accum'], ceiling=config['gradient_accumulation_steps'],
         warmup_steps=config['bs_warmup_steps'], allow_decrease=config['bs_allow_decrease'],
         update_tokens=config['max_tokens'] // 100 if update_tokens is None else update_tokens,

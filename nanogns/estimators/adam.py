@@ -15,7 +15,7 @@ micro-step of the step. With it, McCandlish's two squared norms (App. A, B_small
 and since P is diagonal, S (one float32 per coordinate, summed over micro-steps) is all the layers
 must keep: P is applied when the step is measured. The normalisation layers' per-example
 gradients are small materialised vectors (dgamma_b, dbeta_b), so keeping S costs a square and a
-sum over [B, D] per layer (buffered.register_coordinate_buffers); a weight matrix would need its
+sum over [B, D] per layer (nanogns.layers.register_coordinate_buffers); a weight matrix would need its
 per-example gradient itself, which is why only the normalisation layers are measured here.
 Under DDP the ranks' S are summed and divided by W^2 as the exact estimator's sums are; under a
 float16 GradScaler both norms carry s^2. The first step has no optimizer state: nothing is logged. Only torch.optim.Adam and AdamW are

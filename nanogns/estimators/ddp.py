@@ -141,7 +141,7 @@ def ddp_gns_log(gns, sq_small, sq_big, n_small, n_big):
 
 class DDPGNS(Estimator):
     """
-    The DDP estimator behind gnstracking's interface: the comm hook on `ddp_model` and its own
+    The DDP estimator behind the estimators' interface (nanogns.estimators.base): the comm hook on `ddp_model` and its own
     GradientNoiseScale (beta 0.995, the reference's), logged as ddp_gns_log() writes it.
     """
     name = PREFIXES['ddp']

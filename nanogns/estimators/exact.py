@@ -11,7 +11,7 @@ rank's layers see its own mean loss; once buffers and counts are summed over ran
 |G_1|^2 = B S / W^2 (under FSDP too; there p.grad is each rank's shard and |G_B|^2 the sum over
 ranks of the shards' squares). Under a float16 GradScaler gradients carry s and buffers s^2.
 
-Every estimator (ExactGNS here, ddpgns.DDPGNS, microbatch_gns.MicrobatchEstimator,
+Every estimator (ExactGNS here, ddp.DDPGNS, microbatch.MicrobatchEstimator,
 gnshooks.HooksEstimator) is an estimator.Estimator; estimators_for() builds a run's list:
 
     estimators = estimators_for(raw_model, ddp_model=model if ddp else None, world_size=W,
@@ -28,7 +28,7 @@ import math
 import torch
 
 import nanogns.estimators.adam as adamgns
-import nanogns.estimators.ddp as ddpgns
+import nanogns.estimators.ddp as ddp
 import nanogns.estimators.hooks as gnshooks
 import nanogns.estimators.microbatch as microbatch_gns
 from nanogns.layers import (agree_linear_norm_methods, all_sqgradnorm_buffers, allreduce_buffers, find_sqgradnorm_buffers,
@@ -78,7 +78,7 @@ class MeasurementTracker:
     buffer, and emits one Measurement per parameter.
 
     entries: list of (name, parameter, sqgradnorm buffer, count buffer), as returned by
-        buffered.find_sqgradnorm_buffers; from_model() finds them.
+        nanogns.layers.find_sqgradnorm_buffers; from_model() finds them.
     callback: None, a callable, or a list of callables; each is called with every Measurement.
         A callback may return a replacement Measurement (or any object) to be returned by step()
         in place of the original; at most one callback may do so per measurement.
@@ -95,7 +95,7 @@ class MeasurementTracker:
 
     Zeroing: step() zeroes every buffer it tracks after reading it, on every call, including
     steps it skips. On an optimizer step where step() is not called, the caller must call
-    buffered.zero_sqgradnorm_buffers(model) instead, or the next step sees two steps' sums
+    nanogns.layers.zero_sqgradnorm_buffers(model) instead, or the next step sees two steps' sums
     (which step() then reports as a count mismatch).
     """
 
@@ -103,7 +103,7 @@ class MeasurementTracker:
         entries = list(entries)
         if not all(isinstance(e, (tuple, list)) and len(e) == 4 for e in entries):
             raise ValueError("MeasurementTracker entries are (name, parameter, sqgradnorm buffer, count buffer) "
-                             "tuples, as buffered.find_sqgradnorm_buffers returns; or use MeasurementTracker.from_model")
+                             "tuples, as nanogns.layers.find_sqgradnorm_buffers returns; or use MeasurementTracker.from_model")
         self.entries = entries
         self.callback = callback
         self.scaler = scaler
@@ -129,7 +129,7 @@ class MeasurementTracker:
         entries = find_sqgradnorm_buffers(model)
         if not entries:
             raise ValueError("the model has no per-example gradient norm buffers: build it with the "
-                             "per-example-norm layer classes (layer_config.set_contextual_config)")
+                             "per-example-norm layer classes (nanogns.layers.config.set_contextual_config)")
         if enforce_coverage:
             measured = {id(p) for _, p, _, _ in entries}
             for name, p in model.named_parameters():
@@ -409,7 +409,7 @@ def estimators_for(model, ddp_model=None, world_size=1, hooks="none", microbatch
     if adam_optimizer is not None:
         estimators.append(adamgns.AdamGNS(model, adam_optimizer, world_size))
     if world_size > 1 and not fsdp:
-        estimators.append(ddpgns.DDPGNS(ddp_model))
+        estimators.append(ddp.DDPGNS(ddp_model))
     if checkpoint is not None:
         load_states(estimators, checkpoint)
     return estimators
@@ -478,7 +478,7 @@ def skipped_steps_line(estimators, float16):
 # the checkpoint key of the estimators' states, and this fork's older keys of single ones
 CHECKPOINT_KEY = "gns_estimators"
 GROUPS_KEY = "gns_groups"
-METHODS_KEY = "linear_norm_methods"  # each measured Linear's ghost/materialise method (buffered.linear_norm_methods)
+METHODS_KEY = "linear_norm_methods"  # each measured Linear's ghost/materialise method (nanogns.layers.linear_norm_methods)
 OLDER_CHECKPOINT_KEYS = {"live_gns": PREFIXES["exact"], "ddp_gns": PREFIXES["ddp"]}
 
 

@@ -5,7 +5,7 @@ Gradient Noise Scale", WANT@NeurIPS), logged beside the exact norms of nanogns/l
 Both kinds accumulate in float32 over the micro-steps until zero_hook_results():
 
 - 'exact' (add_exact_hooks): from the layer's input x and output gradient dy, per example
-  ||sum_t dy_bt x_bt^T||^2 and ||sum_t dy_bt||^2, by buffered.linear_sqnorms (the shim layer's
+  ||sum_t dy_bt x_bt^T||^2 and ||sum_t dy_bt||^2, by nanogns.layers.linear_sqnorms (the shim layer's
   maths and chunking, ghost or materialised from the shapes: a hook keeps no choice to time). The
   big batch is ||p.grad||.
 - 'sogns' (add_sogns_hooks): the Scaled Output GNS, each example's input replaced by its RMS
@@ -69,7 +69,7 @@ def exact_linear_sqnorms(x, dy, with_weight=True, with_bias=True):
     """
     Sums over the batch of the exact per-example squared gradient norms of a Linear
     (weight, bias), float32 0-dim tensors (None where not asked). x [B,...,K], dy [B,...,L].
-    buffered.linear_sqnorms, the shim Linear's own maths.
+    nanogns.layers.linear_sqnorms, the shim Linear's own maths.
     """
     return linear_sqnorms(x, dy, with_weight, with_bias)
 
@@ -272,7 +272,7 @@ def finish_hook_sums(host, context):
 
 class HooksEstimator(Estimator):
     """The Linear hooks ('exact' or 'sogns') on every own parameter of `model`'s Linears, behind
-    gnstracking's interface."""
+    the estimators' interface (nanogns.estimators.base)."""
     deferred = False  # its sums are read when collected, each step
 
     def __init__(self, model, kind):

@@ -24,7 +24,7 @@ class MicrobatchGNS:
     log.update(mb.measurements(micro_batch_size=batch_size, loss_scale=scaler.get_scale()))
     ... clip, optimizer step, zero_grad ...
     mb.zero()
-    (MicrobatchEstimator below does the same behind gnstracking's interface, before unscale_.)
+    (MicrobatchEstimator below does the same behind the estimators' interface, before unscale_.)
     """
 
     def __init__(self, model):
@@ -51,7 +51,7 @@ class MicrobatchGNS:
     @torch.no_grad()
     def measurements(self, micro_batch_size, loss_scale=1.0, prefix=PREFIXES['microbatch'], grad_scale=1.0):
         """
-        The step's measurements in the tracker's CSV schema (gnstracking.parameter_columns), floats:
+        The step's measurements in the tracker's CSV schema (nanogns.maths.parameter_columns), floats:
           {prefix}/{name}/norm              |G_big| = ||p.grad||
           {prefix}/{name}/pegn              |G_small|, the RMS norm of the micro-batch mean gradients
           {prefix}/{name}/batch_size        B, examples of the optimizer step over all processes
@@ -111,7 +111,7 @@ class MicrobatchGNS:
 
 
 class MicrobatchEstimator(Estimator):
-    """The micro-batch estimator behind gnstracking's interface: b = B / (micro-steps * processes)."""
+    """The micro-batch estimator behind the estimators' interface: b = B / (micro-steps * processes)."""
     name = PREFIXES['microbatch']
     deferred = False  # its sums are read when collected, each step
 

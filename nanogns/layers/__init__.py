@@ -14,17 +14,17 @@ puts them into any model. `import buffered` (the reference implementation's name
     norms.py      PEGradNormSeparatedLayerNorm / PEGradNormSeparatedRMSNorm (--lnclass=shim: torch's
                   own normalisation and gradients), PEGradNormFusedLayerNorm / PEGradNormFusedRMSNorm
                   (=fused: the normgnorm kernel), LayerNorm (unmeasured; takes nanoGPT's (ndim, bias))
-    registry.py   MEASURED_CLASSES (kind and flag value -> class, whence layer_config's flags),
+    registry.py   MEASURED_CLASSES (kind and flag value -> class, whence config.py's flags),
                   SOURCE_KINDS, TOKEN_BLOCKS, and measure(model, linear="gns", embedding="gns",
                   norm="shim", kinds=None, strict=False, batch_dim=0)
-    config.py     layer_config: the flags' classes, chosen for nanoGPT's model.py
+    config.py     the flags' classes, chosen for nanoGPT's model.py (the reference's layer_config)
     linear_kernel.py  the Triton GEMM of materialised Linear norms
 
 Every layer must be applied once per forward (a layer used twice would need the cross terms
 between its uses: in a model measure() converted, an error); the one exception handled is the tied
 token embedding / output head, linked by tie_weights() (or measure()).
 """
-# What other code reads from here (`import buffered; buffered.X`), each from its module
+# What other code reads from here (nanogns.layers.X), each from its module
 from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, all_sqgradnorm_buffers,  # noqa: F401
                                     allreduce_buffers, allreduce_sqgradnorm_buffers, coordinate_buffers,
                                     find_sqgradnorm_buffers, register_sqgradnorm_buffers, sum_of_squares,

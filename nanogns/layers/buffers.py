@@ -103,7 +103,7 @@ def all_sqgradnorm_buffers(model):
 @torch.no_grad()
 def allreduce_sqgradnorm_buffers(model, group=None):
     """
-    Sum every per-example-norm buffer (buffered.all_sqgradnorm_buffers) over the ranks of `group`,
+    Sum every per-example-norm buffer (all_sqgradnorm_buffers) over the ranks of `group`,
     in place, with one all_reduce of all of them stacked into one tensor. Call it on every rank
     after the last micro-step's backward, before the tracker reads the buffers (and before they
     are zeroed).

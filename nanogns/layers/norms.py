@@ -232,7 +232,7 @@ class _FusedNorm(_MeasuredNorm):
         super().__init__(*args, **kwargs)
         if len(self.normalized_shape) != 1:
             raise ValueError(f"{type(self).__name__} normalises over the last dimension only, not "
-                             f"{self.normalized_shape}; use buffered.{self.separated}")
+                             f"{self.normalized_shape}; use nanogns.layers.{self.separated}")
         self.backend = backend
         register_sqgradnorm_buffers(self)
 

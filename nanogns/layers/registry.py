@@ -1,6 +1,6 @@
 """
 The registry of measured classes (MEASURED_CLASSES: kind and flag value -> class, whence
-layer_config's flags), the classes measure() converts (SOURCE_KINDS, with Hugging Face's by name)
+nanogns.layers.config's flags), the classes measure() converts (SOURCE_KINDS, with Hugging Face's by name)
 and the blocks whose layers see tokens (TOKEN_BLOCKS), and measure(), which swaps the layers of any
 model for their measured classes in place.
 """
@@ -19,7 +19,7 @@ from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear, _Measu
 from nanogns.layers.norms import (LayerNorm, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm,
                                   PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm)
 from nanogns.layers.uses import LayerCalls, refuse_outside_uses
-# the kinds' names (the analysis's groups, layer_config's classes); norm= chooses for both NORM_KINDS
+# the kinds' names (the analysis's groups, nanogns.layers.config's classes); norm= chooses for both NORM_KINDS
 from nanogns.maths import KIND_NAMES, NORM_KINDS
 
 
@@ -27,7 +27,7 @@ from nanogns.maths import KIND_NAMES, NORM_KINDS
 # The registry, and measure(): per-example norms put into any model
 
 # For each kind of layer and each flag value, the measured class: the one table that
-# layer_config's flags (so train.py's --linearclass / --embeddingclass / --lnclass), measure()
+# nanogns.layers.config's flags (so train.py's --linearclass / --embeddingclass / --lnclass), measure()
 # and the analysis's layer groups come from. A new measured layer type is its class plus one
 # entry here.
 MEASURED_CLASSES = {

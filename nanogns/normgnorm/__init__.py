@@ -346,7 +346,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor],
     _check_buffers("layer_norm", weight_sqgradnorm=weight_sqgradnorm, bias_sqgradnorm=bias_sqgradnorm,
                    example_count=example_count)
     if weight.shape != x.shape[-1:] or (bias is not None and bias.shape != weight.shape):
-        raise ValueError(f"normgnorm.layer_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
+        raise ValueError(f"nanogns.normgnorm.layer_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
                          f"must be ({x.shape[-1] if x.dim() else ''},) for input {tuple(x.shape)}")
     if weight_sqgradnorm is None or example_count is None or (bias is not None and bias_sqgradnorm is None):
         fresh = lambda: x.new_zeros((), dtype=torch.float32)  # noqa: E731  (a buffer not kept: not measured)
@@ -367,7 +367,7 @@ def rms_norm(x: Tensor, weight: Tensor, weight_sqgradnorm: Tensor, example_count
     """
     _check_buffers("rms_norm", weight_sqgradnorm=weight_sqgradnorm, example_count=example_count)
     if x.dim() == 0 or weight.shape != x.shape[-1:]:
-        raise ValueError(f"normgnorm.rms_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
+        raise ValueError(f"nanogns.normgnorm.rms_norm normalizes over the last dimension only: weight {tuple(weight.shape)} "
                          f"must be ({x.shape[-1] if x.dim() else ''},) for input {tuple(x.shape)}")
     return _NormFn.apply(x, weight, None, weight_sqgradnorm, None, example_count, None, rms_norm_eps(eps, x.dtype),
                          backend or "", True)
