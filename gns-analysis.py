@@ -15,7 +15,7 @@ written, one line on stderr.
 """
 if __name__ == "__main__":  # before pandas loads: without the analysis extra, one line, not a traceback
     from nanogns.commands import need_extra
-    need_extra("gns-analysis.py", "analysis", ["pandas"], "the analysis")
+    need_extra("gns-analysis.py", "analysis", ["pandas"], "the analysis needs")
 
 from nanogns.analysis import *  # noqa: E402,F401,F403  the names the scripts loading this file use
 from nanogns.analysis import main as analysis_main  # noqa: E402

@@ -42,6 +42,7 @@ from nanogns.logread import (REFERENCE_PAIR, LogError, ToolParser, figure, load_
                        x_axis)
 from nanogns.maths import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
                      debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
+from nanogns.commands import extra_missing
 from nanogns.refusals import module_refusals
 from nanogns.runlog import atomic_write
 
@@ -644,6 +645,11 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
                              f"{WRITER_KEY} into config.json, the reference implementation nothing that tells "
                              "(default: read it from the run's files; asked for where it matters and they do not say)")
     args = parser.parse_args(argv)
+    missing = None if args.no_plots else extra_missing("analysis", ["plotille"], "the terminal plots (--no-plots "
+                                                                                 "leaves them out) need")
+    if missing:
+        print(f"{prog}: error: {missing}", file=sys.stderr)
+        return 2
 
     try:
         df, path, notes = read_log(args.out_dir, args.tied, args.origin)

@@ -9,14 +9,14 @@ import sys
 
 
 def extra_missing(extra, modules, needs):
-    """None when every module imports, else the one-line reason: the import's error, what `needs`
-    them, and the pip command that installs the extra, e.g. 'nanogns[analysis]'."""
+    """None when every module imports, else the one-line reason: the import's error, what needs the
+    module (`needs`, e.g. "the analysis needs"), and the pip command that installs the extra."""
     for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as e:
             why = str(e).strip().splitlines()[0] if str(e).strip() else f"{module} cannot be imported"
-            return f"{why}: {needs} needs {module}, in the '{extra}' extra: pip install 'nanogns[{extra}]'"
+            return f"{why}: {needs} {module}, in the '{extra}' extra: pip install 'nanogns[{extra}]'"
     return None
 
 
@@ -30,7 +30,7 @@ def need_extra(prog, extra, modules, needs):
 
 def gns_analysis():
     """`gns-analysis OUT_DIR [...]`: nanogns.analysis, the GNS of a run from its log.csv."""
-    need_extra("gns-analysis", "analysis", ["pandas"], "the analysis")
+    need_extra("gns-analysis", "analysis", ["pandas"], "the analysis needs")
     from nanogns.analysis import main
     from nanogns.logread import run_main
     run_main(main)

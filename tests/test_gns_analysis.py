@@ -943,3 +943,31 @@ def test_normalisation_group_is_named_after_the_kinds_recorded(tmp_path, capsys)
         json.dump({**config, "norm": "rmsnorm"}, f)
     assert gns_analysis.main([str(out), "--no-plots"]) == 0
     assert "RMSNorm vs total GNS" in capsys.readouterr().out
+
+
+# -- without the analysis extra ---------------------------------------------------------------------
+
+def without(folder, *modules):
+    """The environment of a run where `modules` cannot be imported (as without the analysis extra): a
+    folder first on the path whose module of each name raises the ImportError a missing one does."""
+    shim = folder / "without"
+    shim.mkdir(parents=True)
+    for name in modules:
+        (shim / f"{name}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n")
+    return dict(os.environ, PYTHONPATH=str(shim))
+
+
+def test_without_the_analysis_extra_one_line_names_it(tmp_path):
+    n = 3
+    pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "a", np.full(n, 1.0), np.full(n, 2.0), 8)}
+                 ).to_csv(tmp_path / "log.csv", index=False)
+    for missing, args, needs in (("pandas", ["--no-plots"], "the analysis needs"),
+                                 ("plotille", [], "the terminal plots (--no-plots leaves them out) need")):
+        r = subprocess.run([sys.executable, SCRIPT, str(tmp_path), *args], cwd=ROOT, capture_output=True, text=True,
+                           env=without(tmp_path / missing, missing), timeout=60)
+        assert (r.returncode, r.stdout) == (2, ""), r.stderr
+        assert r.stderr == (f"gns-analysis.py: error: No module named '{missing}': {needs} {missing}, in the "
+                            f"'analysis' extra: pip install 'nanogns[analysis]'\n")
+    assert not (tmp_path / "gns_analysis.csv").exists()
+    r = run_tool(tmp_path, "--no-plots")  # plotille is only the plots'
+    assert r.returncode == 0 and (tmp_path / "gns_analysis.csv").exists(), r.stderr

@@ -103,7 +103,7 @@ def test_the_gns_analysis_command_of_the_installation_analyses_a_log_without_tor
     (no_torch / "torch.py").write_text("raise ImportError('the analysis imported torch')\n")
     env = dict(installed_env(site), PYTHONPATH=os.pathsep.join([site, str(no_torch)]))
 
-    def run(*args, tool=(command,)):
+    def run(*args, tool=(command,), env=env):
         return subprocess.run([*tool, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
     done = run("out")
@@ -114,6 +114,13 @@ def test_the_gns_analysis_command_of_the_installation_analyses_a_log_without_tor
     assert clone.returncode == 0 and clone.stdout == done.stdout, clone.stderr
     missing = run("no-such-run")
     assert (missing.returncode, missing.stderr) == (2, "gns-analysis: error: no-such-run: no such directory\n")
+    # a pip install without the analysis extra: one line saying which to install
+    no_pandas = tmp_path / "no-pandas"
+    no_pandas.mkdir()
+    (no_pandas / "pandas.py").write_text("raise ModuleNotFoundError(\"No module named 'pandas'\", name='pandas')\n")
+    bare = run("out", env=dict(env, PYTHONPATH=os.pathsep.join([site, str(no_pandas)])))
+    assert (bare.returncode, bare.stderr) == (2, "gns-analysis: error: No module named 'pandas': the analysis needs "
+                                                 "pandas, in the 'analysis' extra: pip install 'nanogns[analysis]'\n")
     usage = run("out", "--alpha", "2")
     assert (usage.returncode, usage.stderr) == (2, "gns-analysis: error: argument --alpha: 2.0 is outside [0, 1) "
                                                    "(see --help)\n")
