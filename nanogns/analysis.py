@@ -23,7 +23,9 @@ also on just the parameters both cover where they cover different ones.
 Writes OUT_DIR/gns_analysis.csv: per group the estimates, their EMAs, the GNS and the EMA's count,
 and the reference implementation's columns (--help says why their numbers differ). Reads the
 reference's logs too, leaving out, with a note, what it measures wrong: its tied weight, and its
-DDP columns under float16. Cells that are not finite numbers are left out with their step, and counted.
+DDP columns under float16. Cells that are not finite numbers, and numbers no measurement gives (a
+negative norm, a batch size below 1 or not whole), are left out with their step and named; a step
+logged twice keeps its later copy, with a warning where the copies differ (nanogns.logread).
 
 Exit status: 0 done; 2 bad input (usage, a missing, unreadable or invalid log, a --prefix that is
 not in it), one line on stderr; 1 the result could not be written, one line on stderr.
@@ -61,6 +63,9 @@ REFERENCE_COLUMNS = {"total/sq_norm": "gtg", "total/trace": "trsigma", "total/sq
                      "total/trace_ema": "trsigma_ema", "total/gns": "gns"}
 TIED = ("wte", "lm_head")  # the reference's analysis leaves out every parameter whose name holds one
 NOT_NUMBERS = ("nan", "-nan", "+nan")  # text that is a (non-finite) number
+# what load_estimator tells of the cells it left out, carried into analyze's info for the summary
+CELL_REPORTS = ("overflow_steps", "bad_cells", "bad_examples", "out_of_range", "out_of_range_examples")
+SHOWN_CELLS = 5  # cells named in the summary's line on each kind of cell left out
 
 
 class AnalysisError(Exception):
@@ -113,13 +118,30 @@ def read_cells(cells):
     return values, bad
 
 
+def cell_text(cell):
+    """A cell as the summary names it: text quoted, a number as it reads ('-0.5', not np.float64(-0.5))."""
+    return repr(cell) if isinstance(cell, str) else str(cell)
+
+
+def out_of_range(kind, values):
+    """The finite cells of a column of `kind` that no measurement gives: a negative norm (norm, pegn),
+    a batch size (batch_size, small_batch_size) below 1 or not a whole number."""
+    finite = np.isfinite(values)
+    safe = np.where(finite, values, 0.0)
+    if kind in NORM_CELLS:
+        return finite & (safe < 0)
+    return finite & ((safe < 1) | (safe != np.round(safe)))
+
+
 def load_estimator(df, prefix, columns):
     """
     One estimator's raw numbers over all log rows: dict with names (parameters with at least one
     measurement), index (name -> column), big_sq, small_sq, B, b, measured ([rows, params]),
     incomplete and never (names left out), overflow_steps (steps with a non-finite norm), bad_cells
     and bad_examples (the other cells that are not finite numbers: how many, and the first few as
-    'step N name/kind (cell)'). Raises AnalysisError if nothing is left.
+    'step N name/kind (cell)'), out_of_range and out_of_range_examples (the same of the numbers no
+    measurement gives: out_of_range()). A cell left out leaves its step out of every group holding
+    its parameter. Raises AnalysisError if nothing is left.
     """
     complete = {n: c for n, c in columns.items() if set(REQUIRED_CELLS) <= set(c)}
     incomplete = sorted(set(columns) - set(complete))
@@ -133,13 +155,20 @@ def load_estimator(df, prefix, columns):
     # filled in place, one column at a time: the log holds many parameters over many steps
     big_sq, small_sq, B, b = np.empty(shape), np.empty(shape), np.empty(shape), np.ones(shape)
     overflow = np.zeros(len(df), dtype=bool)
-    bad_cells, bad_examples = 0, []
+    bad_cells, bad_examples, wrong_cells, wrong_examples = 0, [], 0, []
     for i, name in enumerate(names):
         for kind, out in zip(KINDS, (big_sq, small_sq, B, b)):  # norm, pegn, batch_size, small_batch_size
             if kind not in complete[name]:
                 continue  # no small_batch_size: b = 1, per-example
             cells = df[complete[name][kind]]
             values, bad = read_cells(cells)
+            wrong = out_of_range(kind, values)
+            if wrong.any():
+                rows = np.flatnonzero(wrong)
+                values = np.where(wrong, np.nan, values)  # a copy: values may be the log's own column
+                wrong_cells += len(rows)
+                wrong_examples += [f"step {steps[r]} {name}/{kind} ({cell_text(cells.iloc[r])})"
+                                   for r in rows[:SHOWN_CELLS - len(wrong_examples)]]
             out[:, i] = values ** 2 if kind in NORM_CELLS else values
             if not bad.any():
                 continue
@@ -150,12 +179,14 @@ def load_estimator(df, prefix, columns):
                 overflow[rows[number]] = True
                 rows = rows[~number]
             bad_cells += len(rows)
-            bad_examples += [f"step {steps[r]} {name}/{kind} ({cells.iloc[r]!r})" for r in rows[:3 - len(bad_examples)]]
+            bad_examples += [f"step {steps[r]} {name}/{kind} ({cell_text(cells.iloc[r])})"
+                             for r in rows[:SHOWN_CELLS - len(bad_examples)]]
     measured = np.isfinite(big_sq) & np.isfinite(small_sq) & np.isfinite(B) & np.isfinite(b)
     keep = measured.any(0)
     if not keep.any():
         why = f" ({overflow.sum()} steps with non-finite norms)" if overflow.any() else ""
         why += f" ({bad_cells} cells that are not finite numbers, e.g. {bad_examples[0]})" if bad_cells else ""
+        why += f" ({wrong_cells} cells out of range, e.g. {wrong_examples[0]})" if wrong_cells else ""
         raise AnalysisError(f"the GNS columns under '{prefix}' hold no numbers yet{why}")
     never = [n for n, k in zip(names, keep) if not k]
     names = [n for n, k in zip(names, keep) if k]
@@ -163,7 +194,8 @@ def load_estimator(df, prefix, columns):
         big_sq, small_sq, B, b, measured = (a[:, keep] for a in (big_sq, small_sq, B, b, measured))
     return dict(prefix=prefix, names=names, index={n: i for i, n in enumerate(names)}, big_sq=big_sq,
                 small_sq=small_sq, B=B, b=b, measured=measured, incomplete=incomplete, never=never,
-                overflow_steps=steps[overflow].tolist(), bad_cells=bad_cells, bad_examples=bad_examples)
+                overflow_steps=steps[overflow].tolist(), bad_cells=bad_cells, bad_examples=bad_examples,
+                out_of_range=wrong_cells, out_of_range_examples=wrong_examples)
 
 
 def group_estimates(est, members):
@@ -290,15 +322,14 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
                 out.update(smoothed(common["sq_norm"], common["trace"], alpha, f"{p}/{side}"))
         others[p] = dict(params=len(other["names"]), shared=len(shared), common=shared if shared and differ else None,
                          mixed_batch_rows=g["mixed"], incomplete=other["incomplete"], never_measured=other["never"],
-                         overflow_steps=other["overflow_steps"], bad_cells=other["bad_cells"],
-                         bad_examples=other["bad_examples"])
+                         **{k: other[k] for k in CELL_REPORTS})
 
     # keep the rows where any estimator measured anything; the EMAs carry over the others
     rows = np.zeros(len(df), dtype=bool)
     for e in loaded.values():
         rows |= e["measured"].any(1)
     main_rows = int(est["measured"].any(1).sum())
-    kept = {k: est[k] for k in ("incomplete", "never", "overflow_steps", "bad_cells", "bad_examples")}
+    kept = {k: est[k] for k in ("incomplete", "never", *CELL_REPORTS)}
     est = other = loaded = None  # the raw [rows, params] arrays: freed before the results take their place
     first = [c for c in ("step", "iter_num", "tokens_processed", "batch_size", "small_batch_size") if c in out]
     data = {**{c: out.pop(c) for c in first}, **reference, **out}
@@ -320,7 +351,7 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
     info = dict(main=main, requested=prefix, note=note, notes=[], groups=groups, type_groups=type_groups,
                 norm_group=norm_name,
                 incomplete=kept["incomplete"], never_measured=kept["never"], mixed_batch_rows=mixed_batch_rows,
-                overflow_steps=kept["overflow_steps"], bad_cells=kept["bad_cells"], bad_examples=kept["bad_examples"],
+                **{k: kept[k] for k in CELL_REPORTS},
                 log_rows=len(df), main_rows=main_rows, comparison=ln, estimators=others)
     return results, info
 
@@ -489,7 +520,7 @@ def left_out_lines(what_names, indent="  "):
 
 
 def bad_cell_lines(e, indent="  "):
-    """The summary's lines on GNS cells that were not finite numbers (their steps left out)."""
+    """The summary's lines on the GNS cells left out with their steps: not finite numbers, or out of range."""
     lines = []
     steps = e["overflow_steps"]
     if steps:
@@ -500,6 +531,10 @@ def bad_cell_lines(e, indent="  "):
         more = " ..." if e["bad_cells"] > len(e["bad_examples"]) else ""
         lines.append(f"{indent}{e['bad_cells']} cells that are not finite numbers, left out with their steps: "
                      f"{'; '.join(e['bad_examples'])}{more}")
+    if e["out_of_range"]:
+        more = " ..." if e["out_of_range"] > len(e["out_of_range_examples"]) else ""
+        lines.append(f"{indent}{e['out_of_range']} cells out of range (a negative norm, a batch size below 1 or not "
+                     f"whole), left out with their steps: {'; '.join(e['out_of_range_examples'])}{more}")
     return lines
 
 
@@ -622,8 +657,10 @@ They differ from the reference's numbers because:
   - the tied weight wte = lm_head is included (the reference measures it wrong and leaves it out);
   - gns is not clipped (the reference divides by max(gtg_ema, 1e-6));
   - tokens_processed comes only from the log (the reference made up step * batch_size).
-GNS cells that are not finite numbers (inf, nan, text) are left out with their steps and counted
-in the summary; empty cells are steps without a measurement.
+GNS cells that are not finite numbers (inf, nan, text) or out of range (a negative norm, a batch
+size below 1 or not whole) are left out with their steps and named in the summary; empty cells are
+steps without a measurement. A step logged twice keeps its later copy, with a warning on stderr
+naming the steps whose copies differ.
 Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be written.""")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the run's output directory (holding log.csv), or a log CSV file")
     parser.add_argument("--alpha", type=alpha_type, default=EMA_BETA,

@@ -3,6 +3,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -873,6 +874,96 @@ def test_cells_that_are_not_finite_numbers_are_counted_and_left_out(tmp_path):
     assert ("\n    train/sogns: 1 steps with non-finite norms (e.g. float16 overflow; the optimizer skipped them), "
             "left out: steps 4\n") in r.stdout
     assert "step 2" not in r.stdout, "an empty cell is a step without a measurement"
+
+
+def rewrite_cells(log, changes):
+    """A copy of the log's CSV text with cells replaced: changes {(step, column): new text}."""
+    with open(log, newline="") as f:
+        rows = list(csv.reader(f))
+    header = rows[0]
+    for (step, col), text in changes.items():
+        [row] = [r for r in rows[1:] if r[0] == str(step)]
+        row[header.index(col)] = text
+    return "".join(",".join(r) + "\n" for r in rows)
+
+
+def test_cells_out_of_range_are_left_out_with_their_steps_and_named(tmp_path):
+    """A negative norm or pegn, a batch size below 1 or not whole: no measurement gives them, so each is
+    left out with its step, as an empty cell is, and named; taken as numbers they changed the GNS (a
+    negative norm squared reads as a positive one)."""
+    out = toy_gpt_log(tmp_path / "log", steps=16)
+    log = os.path.join(out, "log.csv")
+    df, _, _ = gns_analysis.read_log(out)
+    ln, fc, wte = "transformer.h.0.ln_1.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.wte.weight"
+    cells = {(5, f"train/gns/{fc}/norm"): f"-{df[f'train/gns/{fc}/norm'][5]}",
+             (7, f"train/gns/{ln}/pegn"): f"-{df[f'train/gns/{ln}/pegn'][7]}",
+             (9, f"train/gns/{wte}/batch_size"): "0", (11, f"train/gns/{fc}/batch_size"): "12.5"}
+    variants = {"wrong": cells, "empty": {key: "" for key in cells}}
+    results = {}
+    for name, changes in variants.items():
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "log.csv").write_text(rewrite_cells(log, changes))
+        shutil.copy(os.path.join(out, "config.json"), tmp_path / name)  # this fork's log: its tied weight kept
+        results[name], info = gns_analysis.analyze(gns_analysis.read_log(tmp_path / name)[0], 0.9)
+        if name == "wrong":
+            wrong_info = info
+    original = gns_analysis.analyze(df, 0.9)[0]
+    for col in ("total/gns", "LayerNorm/gns", "Linear/gns", "Embedding/gns", "h.1/gns"):
+        assert np.allclose(results["wrong"][col], results["empty"][col], equal_nan=True, rtol=1e-12), col
+    assert not np.allclose(results["wrong"]["total/gns"], original["total/gns"], equal_nan=True)
+    assert results["wrong"]["total/trace"].isna().sum() == 4
+    assert wrong_info["out_of_range"] == 4 and wrong_info["bad_cells"] == 0 and wrong_info["overflow_steps"] == []
+
+    r = run_tool(tmp_path / "wrong", "--no-plots")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    [line] = [line for line in r.stdout.splitlines() if "out of range" in line]
+    assert line.startswith("  4 cells out of range (a negative norm, a batch size below 1 or not whole), left out "
+                           "with their steps: ")
+    named = line.split(": ", 1)[1].split("; ")
+    assert sorted(named) == sorted(f"step {step} {col[len('train/gns/'):]} ({text})"
+                                   for (step, col), text in cells.items())
+
+
+def test_out_of_range_cells_of_every_kind_and_estimator():
+    """small_batch_size as batch_size, and the DDP estimator's totals; a whole number written 8.0 is one."""
+    n = 6
+    cols = gns_cols("train/microbatch_gns", "w", np.full(n, 1.0), np.full(n, 2.0), np.full(n, 16.0), np.full(n, 4.0))
+    cols["train/microbatch_gns/w/small_batch_size"][1] = 0.5
+    cols["train/microbatch_gns/w/batch_size"][2] = -16
+    cols.update({"ddp/big_batch_norm": np.full(n, 1.0), "ddp/small_batch_norm": np.full(n, 2.0),
+                 "ddp/big_batch_size": np.full(n, 16.0), "ddp/small_batch_size": np.full(n, 8.0)})
+    cols["ddp/small_batch_norm"][3] = -2.0
+    cols["ddp/small_batch_size"][4] = 7.5
+    results, info = gns_analysis.analyze(pd.DataFrame({"step": np.arange(n), **cols}), 0.5)
+    assert info["main"] == "train/microbatch_gns" and info["out_of_range"] == 2
+    assert info["out_of_range_examples"] == ["step 2 w/batch_size (-16.0)", "step 1 w/small_batch_size (0.5)"]
+    assert results["total/trace"].isna().tolist() == [False, True, True, False, False, False]
+    ddp = info["estimators"]["ddp"]
+    assert ddp["out_of_range"] == 2 and results["ddp/total/trace"].isna().tolist() == [False] * 3 + [True] * 2 + [False]
+    text = gns_analysis.summary(results, info, "log.csv", 0.5)
+    assert "    ddp: 2 cells out of range (a negative norm, a batch size below 1 or not whole), left out with their " \
+           "steps: step 3 (whole model)/pegn (-2.0); step 4 (whole model)/small_batch_size (7.5)" in text.splitlines()
+
+
+def test_steps_logged_twice_with_different_values_are_named_and_the_later_copy_kept(tmp_path):
+    n = 16
+    rng = np.random.default_rng(5)
+    df = pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "w", rng.uniform(0.5, 1, n),
+                                                        rng.uniform(2, 3, n), np.full(n, 8))})
+    redone = df[df["step"].between(10, 12)].assign(**{"train/gns/w/pegn": rng.uniform(2, 3, 3)})
+    same = df[df["step"] == 14]  # a copy that repeats its row says nothing new
+    (tmp_path / "twice").mkdir()
+    pd.concat([df, redone, same]).to_csv(tmp_path / "twice" / "log.csv", index=False)
+    (tmp_path / "later").mkdir()
+    pd.concat([df[~df["step"].between(10, 12)], redone]).sort_values("step").to_csv(
+        tmp_path / "later" / "log.csv", index=False)
+    r = run_tool(tmp_path / "twice", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"gns-analysis.py: warning: {tmp_path / 'twice' / 'log.csv'}: steps 10-12 appear twice with "
+                        f"different values: the later copy is kept\n")
+    later = run_tool(tmp_path / "later", "--no-plots")
+    assert later.returncode == 0 and later.stderr == "", later.stderr
+    assert pd.read_csv(tmp_path / "twice" / "gns_analysis.csv").equals(pd.read_csv(tmp_path / "later" / "gns_analysis.csv"))
 
 
 def test_every_step_overflowed():
