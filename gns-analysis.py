@@ -14,7 +14,7 @@ not in it, the analysis extra not installed), one line on stderr; 1 the result c
 written, one line on stderr.
 """
 if __name__ == "__main__":  # before pandas loads: without the analysis extra, one line, not a traceback
-    from nanogns.commands import need_extra
+    from nanogns.extras import need_extra
     need_extra("gns-analysis.py", "analysis", ["pandas"], "the analysis needs")
 
 from nanogns.analysis import *  # noqa: E402,F401,F403  the names the scripts loading this file use

@@ -21,7 +21,7 @@ import fnmatch
 import sys
 
 if __name__ == "__main__":  # before pandas loads: without the analysis extra, one line, not a traceback
-    from nanogns.commands import need_extra
+    from nanogns.extras import need_extra
     need_extra("plot.py", "analysis", ["pandas", "plotille"], "plot.py needs")
 
 import pandas as pd  # noqa: E402

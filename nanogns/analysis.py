@@ -44,7 +44,7 @@ from nanogns.logread import (REFERENCE_PAIR, LogError, ToolParser, figure, load_
                        x_axis)
 from nanogns.maths import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
                      debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
-from nanogns.commands import extra_missing
+from nanogns.extras import extra_missing
 from nanogns.refusals import module_refusals
 from nanogns.runlog import atomic_write
 
