@@ -45,6 +45,7 @@ from nanogns.logread import (REFERENCE_PAIR, LogError, ToolParser, figure, load_
 from nanogns.maths import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
                      debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
 from nanogns.extras import extra_missing
+from nanogns.figures import GNS_FIGURE, NORM_FIGURE, PIXELS, write_figures  # matplotlib loads only when drawing
 from nanogns.refusals import module_refusals
 from nanogns.runlog import atomic_write
 
@@ -278,7 +279,8 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
     """
     (results DataFrame, info dict) for a loaded log: the main estimator (`prefix`, or with
     fallback the first usable one if it is absent) per group, every other estimator's total, and
-    their comparison with the main one; results also hold the reference's columns (module
+    their comparison with the main one (info's comparison: the normalisation group's with the
+    total, over the results' rows norm_compared); results also hold the reference's columns (module
     docstring). The log is taken as it is: leave out a reference log's tied weight beforehand
     (tied_columns). kinds, norm: how parameters are grouped (read_kinds). Raises AnalysisError.
     """
@@ -344,15 +346,16 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
             o["common_comparison"] = compare(
                 results[f"{p}/common/gns"], results[f"{p}/main_common/gns"],
                 np.minimum(results[f"{p}/common/ema_steps"], results[f"{p}/main_common/ema_steps"]), alpha)
-    ln = None
+    ln = norm_compared = None
     if norm_name is not None:
-        ln = compare(results[f"{norm_name}/gns"], results["total/gns"],
-                     np.minimum(results[f"{norm_name}/ema_steps"], results["total/ema_steps"]), alpha)
+        pair = (results[f"{norm_name}/gns"], results["total/gns"],
+                np.minimum(results[f"{norm_name}/ema_steps"], results["total/ema_steps"]), alpha)
+        ln, norm_compared = compare(*pair), compared_steps(*pair)[0]
     info = dict(main=main, requested=prefix, note=note, notes=[], groups=groups, type_groups=type_groups,
                 norm_group=norm_name,
                 incomplete=kept["incomplete"], never_measured=kept["never"], mixed_batch_rows=mixed_batch_rows,
                 **{k: kept[k] for k in CELL_REPORTS},
-                log_rows=len(df), main_rows=main_rows, comparison=ln, estimators=others)
+                log_rows=len(df), main_rows=main_rows, comparison=ln, norm_compared=norm_compared, estimators=others)
     return results, info
 
 
@@ -361,11 +364,11 @@ def ema_window(alpha):
     return math.ceil(round(1 / (1 - alpha), 6))
 
 
-def compare(numerator, denominator, seen, alpha):
+def compared_steps(numerator, denominator, seen, alpha):
     """
-    How well one GNS series tracks another: ratio numerator/denominator (median, mean) and Pearson
-    r over the steps where both are defined and both EMAs have filled their window (min_ema_steps,
-    ~1/(1 - alpha) estimates); over every step where both are defined if the run is shorter.
+    (mask, window) of the steps compare() uses: where both GNS series are defined and both EMAs have
+    filled their window (~1/(1 - alpha) estimates); every step where both are defined, window 1, if
+    the run is shorter.
     """
     a, d, seen = (np.asarray(v, dtype=float) for v in (numerator, denominator, seen))
     window = ema_window(alpha)
@@ -373,6 +376,16 @@ def compare(numerator, denominator, seen, alpha):
     warm = both & (seen >= window)
     if not warm.any():
         warm, window = both, 1  # a run shorter than the window: use every step
+    return warm, window
+
+
+def compare(numerator, denominator, seen, alpha):
+    """
+    How well one GNS series tracks another: ratio numerator/denominator (median, mean) and Pearson
+    r over compared_steps() (min_ema_steps: the EMA window they start at).
+    """
+    a, d = (np.asarray(v, dtype=float) for v in (numerator, denominator))
+    warm, window = compared_steps(a, d, seen, alpha)
     ratio = a[warm] / d[warm]
     pearson = np.nan
     if warm.sum() >= 3 and np.std(a[warm]) > 0 and np.std(d[warm]) > 0:
@@ -627,6 +640,19 @@ def estimator_table(results, info, alpha):
     return lines
 
 
+def figures_folder_problem(folder):
+    """Why --figures `folder` cannot be made or written into (one line), else None: checked before
+    anything is written, so that the analysis' CSV is not written when its figures would fail."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):  # the folder is made if missing: its nearest existing ancestor decides
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"--figures {folder}: {path} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"--figures {folder}: {path} is not writable"
+    return None
+
+
 def alpha_type(text):
     try:
         value = float(text)
@@ -646,7 +672,8 @@ per-step estimates of |G|^2 and tr(S) (McCandlish et al. 2018, App. A), summed o
 groups, smoothed separately, GNS = EMA(tr S) / EMA(|G|^2). Every estimator in the log is analysed
 (exact per-example train/gns, Linear hooks train/hooks_gns, SOGNS train/sogns, micro-batch
 train/microbatch_gns, DDP ddp/...) and compared with the main one. Prints a summary and terminal
-plots; writes OUT_DIR/gns_analysis.csv. Reads the reference implementation's logs too.""",
+plots; writes OUT_DIR/gns_analysis.csv, and with --figures the figures as PNG files. Reads the
+reference implementation's logs too.""",
         epilog="""\
 gns_analysis.csv also has the reference implementation's columns, from the main estimator's
 total: step, batch_size, sgn and spegn (summed |G_B|^2, |G_b|^2), gtg and trsigma (per-step
@@ -673,6 +700,11 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
                              "estimator; a PREFIX given that the log lacks is an error (default: train/gns, or "
                              "if the log lacks it the first estimator present, with a note)")
     parser.add_argument("--no-plots", action="store_true", help="print only the summary (default: plots too)")
+    parser.add_argument("--figures", metavar="DIR", default=None,
+                        help=f"also write the figures as {PIXELS[0]} x {PIXELS[1]} PNG files into DIR (made if "
+                             f"missing): {GNS_FIGURE}, the GNS of each layer type over tokens, and {NORM_FIGURE}, the "
+                             "LayerNorm (or RMSNorm) GNS against the total, as in Gray et al. 2024; needs matplotlib: "
+                             "pip install 'nanogns[figures]' (default: no figures)")
     parser.add_argument("--tied", choices=("auto", "keep", "drop"), default="auto",
                         help="the tied weight wte = lm_head: keep it (this fork measures it exactly), drop it "
                              "(the reference implementation measures it wrong), or auto: drop it from the "
@@ -684,6 +716,9 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
     args = parser.parse_args(argv)
     missing = None if args.no_plots else extra_missing("analysis", ["plotille"], "the terminal plots (--no-plots "
                                                                                  "leaves them out) need")
+    if args.figures is not None:
+        missing = missing or extra_missing("figures", ["matplotlib"], "--figures needs")
+        missing = missing or figures_folder_problem(args.figures)
     if missing:
         print(f"{prog}: error: {missing}", file=sys.stderr)
         return 2
@@ -708,6 +743,13 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
         print(f"{prog}: error: cannot write {out_path} ({e.strerror})", file=sys.stderr)
         return 1
     print(f"wrote {out_path}")
+    if args.figures is not None:
+        try:
+            for written in write_figures(results, info, info["norm_compared"], args.figures):
+                print(f"wrote {written}")
+        except OSError as e:
+            print(f"{prog}: error: cannot write the figures into {args.figures} ({e.strerror or e})", file=sys.stderr)
+            return 1
     return 0
 
 

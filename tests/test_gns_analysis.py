@@ -1062,3 +1062,51 @@ def test_without_the_analysis_extra_one_line_names_it(tmp_path):
     assert not (tmp_path / "gns_analysis.csv").exists()
     r = run_tool(tmp_path, "--no-plots")  # plotille is only the plots'
     assert r.returncode == 0 and (tmp_path / "gns_analysis.csv").exists(), r.stderr
+
+
+# -- the figures as PNG files (--figures DIR) ---------------------------------------------------------
+
+def png_size(path):
+    """(width, height) from a PNG file's header: the signature, then the IHDR chunk."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_figures_are_written_as_pngs_of_the_size_help_states(tmp_path, capsys):
+    out = toy_gpt_log(tmp_path / "run", steps=12)
+    folder = tmp_path / "figures" / "new"  # made, with its parent
+    assert gns_analysis.main([str(out), "--no-plots", "--alpha", "0.8", "--figures", str(folder)]) == 0
+    stdout = capsys.readouterr().out
+    names = ["gns_over_tokens.png", "norm_vs_total.png"]
+    assert sorted(os.listdir(folder)) == names  # no .tmp left: written through atomic_write
+    for name in names:
+        assert f"\nwrote {folder / name}\n" in stdout
+        assert png_size(folder / name) == (900, 500)
+        assert os.path.getsize(folder / name) > 10_000  # drawn, not blank
+    assert "900 x 500 PNG files" in " ".join(run_tool("--help").stdout.split())
+    # a model without normalisation layers: that figure says so
+    g = torch.Generator().manual_seed(0)
+    linear = log_training(tmp_path / "linear", measure(LinearRegression(3)),
+                          lambda B: (torch.randn(B, 3, generator=g), torch.randn(B, generator=g)),
+                          steps=5, batch_sizes=(4,), per_example=linear_regression_grads)
+    assert gns_analysis.main([str(linear), "--no-plots", "--figures", str(tmp_path / "linear")]) == 0
+    assert png_size(tmp_path / "linear" / "norm_vs_total.png") == (900, 500)
+
+
+def test_figures_refused_in_one_line_before_anything_is_written(tmp_path):
+    n = 3
+    pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "a", np.full(n, 1.0), np.full(n, 2.0), 8)}
+                 ).to_csv(tmp_path / "log.csv", index=False)
+    (tmp_path / "a-file").write_text("")
+    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--no-plots", "--figures", str(tmp_path / "figs")],
+                       cwd=ROOT, capture_output=True, text=True, env=without(tmp_path, "matplotlib"), timeout=60)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+        "gns-analysis.py: error: No module named 'matplotlib': --figures needs matplotlib, in the 'figures' extra: "
+        "pip install 'nanogns[figures]'\n")
+    for folder in ("a-file", "a-file/figs"):
+        r = run_tool(tmp_path, "--no-plots", "--figures", tmp_path / folder)
+        assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+            f"gns-analysis.py: error: --figures {tmp_path / folder}: {tmp_path / 'a-file'} is not a directory\n")
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "log.csv", "without"]  # no gns_analysis.csv, no figs
