@@ -24,8 +24,9 @@ Writes OUT_DIR/gns_analysis.csv: per group the estimates, their EMAs, the GNS an
 and the reference implementation's columns (--help says why their numbers differ). Reads the
 reference's logs too, leaving out, with a note, what it measures wrong: its tied weight, and its
 DDP columns under float16. Cells that are not finite numbers, and numbers no measurement gives (a
-negative norm, a batch size below 1 or not whole), are left out with their step and named; a step
-logged twice keeps its later copy, with a warning where the copies differ (nanogns.logread).
+negative norm, a batch size below 1 or not whole, a small batch above the batch), are left out with
+their step and named; a step logged twice keeps its later copy, with a warning where the copies
+differ (nanogns.logread).
 
 Exit status: 0 done; 2 bad input (usage, a missing, unreadable or invalid log, a --prefix that is
 not in it), one line on stderr; 1 the result could not be written, one line on stderr.
@@ -126,7 +127,8 @@ def cell_text(cell):
 
 def out_of_range(kind, values):
     """The finite cells of a column of `kind` that no measurement gives: a negative norm (norm, pegn),
-    a batch size (batch_size, small_batch_size) below 1 or not a whole number."""
+    a batch size (batch_size, small_batch_size) below 1 or not a whole number. (load_estimator also
+    leaves out a small_batch_size above its batch_size.)"""
     finite = np.isfinite(values)
     safe = np.where(finite, values, 0.0)
     if kind in NORM_CELLS:
@@ -141,8 +143,9 @@ def load_estimator(df, prefix, columns):
     incomplete and never (names left out), overflow_steps (steps with a non-finite norm), bad_cells
     and bad_examples (the other cells that are not finite numbers: how many, and the first few as
     'step N name/kind (cell)'), out_of_range and out_of_range_examples (the same of the numbers no
-    measurement gives: out_of_range()). A cell left out leaves its step out of every group holding
-    its parameter. Raises AnalysisError if nothing is left.
+    measurement gives: out_of_range(), and a small_batch_size above its batch_size). A cell left
+    out leaves its step out of every group holding its parameter. Raises AnalysisError if nothing
+    is left.
     """
     complete = {n: c for n, c in columns.items() if set(REQUIRED_CELLS) <= set(c)}
     incomplete = sorted(set(columns) - set(complete))
@@ -182,6 +185,15 @@ def load_estimator(df, prefix, columns):
             bad_cells += len(rows)
             bad_examples += [f"step {steps[r]} {name}/{kind} ({cell_text(cells.iloc[r])})"
                              for r in rows[:SHOWN_CELLS - len(bad_examples)]]
+        # the small batches are parts of the batch: b > B is no measurement (B == b, one micro-batch, is)
+        rows = np.flatnonzero(np.where(np.isfinite(B[:, i]) & np.isfinite(b[:, i]), b[:, i] > B[:, i], False))
+        if len(rows):
+            B[rows, i] = b[rows, i] = np.nan
+            wrong_cells += len(rows)
+            cells = df[complete[name]["small_batch_size"]]
+            wrong_examples += [f"step {steps[r]} {name}/small_batch_size ({cell_text(cells.iloc[r])} > batch_size "
+                               f"{cell_text(df[complete[name]['batch_size']].iloc[r])})"
+                               for r in rows[:SHOWN_CELLS - len(wrong_examples)]]
     measured = np.isfinite(big_sq) & np.isfinite(small_sq) & np.isfinite(B) & np.isfinite(b)
     keep = measured.any(0)
     if not keep.any():
@@ -546,8 +558,9 @@ def bad_cell_lines(e, indent="  "):
                      f"{'; '.join(e['bad_examples'])}{more}")
     if e["out_of_range"]:
         more = " ..." if e["out_of_range"] > len(e["out_of_range_examples"]) else ""
-        lines.append(f"{indent}{e['out_of_range']} cells out of range (a negative norm, a batch size below 1 or not "
-                     f"whole), left out with their steps: {'; '.join(e['out_of_range_examples'])}{more}")
+        lines.append(f"{indent}{e['out_of_range']} cells out of range (a negative norm, a batch size below 1 or "
+                     f"not whole, a small batch above the batch), left out with their steps: "
+                     f"{'; '.join(e['out_of_range_examples'])}{more}")
     return lines
 
 
@@ -685,9 +698,9 @@ They differ from the reference's numbers because:
   - gns is not clipped (the reference divides by max(gtg_ema, 1e-6));
   - tokens_processed comes only from the log (the reference made up step * batch_size).
 GNS cells that are not finite numbers (inf, nan, text) or out of range (a negative norm, a batch
-size below 1 or not whole) are left out with their steps and named in the summary; empty cells are
-steps without a measurement. A step logged twice keeps its later copy, with a warning on stderr
-naming the steps whose copies differ.
+size below 1 or not whole, a small batch above the batch) are left out with their steps and named
+in the summary; empty cells are steps without a measurement. A step logged twice keeps its later
+copy, with a warning on stderr naming the steps whose copies differ.
 Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be written.""")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="the run's output directory (holding log.csv), or a log CSV file")
     parser.add_argument("--alpha", type=alpha_type, default=EMA_BETA,

@@ -917,8 +917,8 @@ def test_cells_out_of_range_are_left_out_with_their_steps_and_named(tmp_path):
     r = run_tool(tmp_path / "wrong", "--no-plots")
     assert r.returncode == 0 and r.stderr == "", r.stderr
     [line] = [line for line in r.stdout.splitlines() if "out of range" in line]
-    assert line.startswith("  4 cells out of range (a negative norm, a batch size below 1 or not whole), left out "
-                           "with their steps: ")
+    assert line.startswith("  4 cells out of range (a negative norm, a batch size below 1 or not whole, a small "
+                           "batch above the batch), left out with their steps: ")
     named = line.split(": ", 1)[1].split("; ")
     assert sorted(named) == sorted(f"step {step} {col[len('train/gns/'):]} ({text})"
                                    for (step, col), text in cells.items())
@@ -930,19 +930,21 @@ def test_out_of_range_cells_of_every_kind_and_estimator():
     cols = gns_cols("train/microbatch_gns", "w", np.full(n, 1.0), np.full(n, 2.0), np.full(n, 16.0), np.full(n, 4.0))
     cols["train/microbatch_gns/w/small_batch_size"][1] = 0.5
     cols["train/microbatch_gns/w/batch_size"][2] = -16
+    cols["train/microbatch_gns/w/small_batch_size"][5] = 32  # above the batch
     cols.update({"ddp/big_batch_norm": np.full(n, 1.0), "ddp/small_batch_norm": np.full(n, 2.0),
                  "ddp/big_batch_size": np.full(n, 16.0), "ddp/small_batch_size": np.full(n, 8.0)})
     cols["ddp/small_batch_norm"][3] = -2.0
     cols["ddp/small_batch_size"][4] = 7.5
     results, info = gns_analysis.analyze(pd.DataFrame({"step": np.arange(n), **cols}), 0.5)
-    assert info["main"] == "train/microbatch_gns" and info["out_of_range"] == 2
-    assert info["out_of_range_examples"] == ["step 2 w/batch_size (-16.0)", "step 1 w/small_batch_size (0.5)"]
-    assert results["total/trace"].isna().tolist() == [False, True, True, False, False, False]
+    assert info["main"] == "train/microbatch_gns" and info["out_of_range"] == 3
+    assert info["out_of_range_examples"] == ["step 2 w/batch_size (-16.0)", "step 1 w/small_batch_size (0.5)",
+                                             "step 5 w/small_batch_size (32.0 > batch_size 16.0)"]
+    assert results["total/trace"].isna().tolist() == [False, True, True, False, False, True]
     ddp = info["estimators"]["ddp"]
     assert ddp["out_of_range"] == 2 and results["ddp/total/trace"].isna().tolist() == [False] * 3 + [True] * 2 + [False]
     text = gns_analysis.summary(results, info, "log.csv", 0.5)
-    assert "    ddp: 2 cells out of range (a negative norm, a batch size below 1 or not whole), left out with their " \
-           "steps: step 3 (whole model)/pegn (-2.0); step 4 (whole model)/small_batch_size (7.5)" in text.splitlines()
+    assert "    ddp: 2 cells out of range (a negative norm, a batch size below 1 or not whole, a small batch above " \
+           "the batch), left out with their steps: step 3 (whole model)/pegn (-2.0); step 4 (whole model)/small_batch_size (7.5)" in text.splitlines()
 
 
 def test_steps_logged_twice_with_different_values_are_named_and_the_later_copy_kept(tmp_path):
