@@ -15,16 +15,20 @@ The reference implementation's command line works too, with the same meaning:
 tokens_processed <= N). Its default plot size was 80 x 20 characters, ours is 72 x 16.
 
 Exit status: 0 done; 2 bad input (usage, a missing, unreadable or invalid log, a column that is
-not there), one line on stderr; 1 the plot could not be written, one line on stderr.
+not there, the analysis extra not installed), one line on stderr; 1 the plot could not be written, one line on stderr.
 """
 import fnmatch
 import sys
 
-import pandas as pd
+if __name__ == "__main__":  # before pandas loads: without the analysis extra, one line, not a traceback
+    from nanogns.extras import need_extra
+    need_extra("plot.py", "analysis", ["pandas", "plotille"], "plot.py needs")
 
-from nanogns.logread import LogError, ToolParser, figure, load_log, log10_positive, log_columns, run_main, x_axis
-from nanogns.maths import X_COLUMNS, parse_column
-from nanogns.refusals import module_refusals
+import pandas as pd  # noqa: E402
+
+from nanogns.logread import LogError, ToolParser, figure, load_log, log10_positive, log_columns, run_main, x_axis  # noqa: E402
+from nanogns.maths import X_COLUMNS, parse_column  # noqa: E402
+from nanogns.refusals import module_refusals  # noqa: E402
 
 DEFAULT_COLUMNS = ["train/loss", "val/loss"]
 MAX_LINES = 8  # lines per plot; more are hard to tell apart

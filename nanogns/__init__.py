@@ -15,6 +15,8 @@ The package's parts:
     meter.py     GNSMeter, the loop object;  hf.py, lightning.py  the callbacks built on it
     runlog.py    the run's log (log.csv, wandb, the printed line);  pending.py  deferred device reads
     maths.py     the GNS maths and log.csv's column names (no torch);  logread.py  reading log.csv back
+    analysis.py  the offline analysis of a log, the `gns-analysis` command (commands.py; no torch);
+                 figures.py  its PNG figures;  extras.py  the one-line refusal where an extra is missing
     schedules.py, stopping.py  train.py's schedules and its stop on a signal
     refusals.py  the reference implementation's names that are not kept, each with what to use instead
 """

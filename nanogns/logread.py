@@ -158,7 +158,8 @@ def _tensor_cells_as_numbers(col):
 def load_log(out_dir, columns=None, as_written=()):
     """
     (DataFrame, path) of the log in out_dir: one row per logged step, sorted by step; where a
-    step appears twice (an old run resumed by hand), the later row wins. columns: the names to
+    step appears twice (an old run resumed by hand), the later row wins, with a warning naming the
+    steps whose copies differ in the columns read. columns: the names to
     read ('step' always; names the log lacks are ignored), default all. as_written: columns
     where only an empty cell is missing ('nan' or 'None' stay text). Raises LogError.
     """
@@ -212,8 +213,31 @@ def load_log(out_dir, columns=None, as_written=()):
                        f"(data row {int(steps.isna().to_numpy().argmax()) + 1})")
     df["step"] = steps.astype("int64")
     if not (df["step"].is_monotonic_increasing and df["step"].is_unique):  # copies only when needed
+        copies = df[df["step"].duplicated(keep=False)]
+        distinct = copies.drop_duplicates()["step"]  # a copy that repeats its row to the cell says nothing new
+        conflicts = np.unique(distinct[distinct.duplicated()].to_numpy())
+        if len(conflicts):
+            times = copies["step"].value_counts()[conflicts].max()
+            appear = "appears" if len(conflicts) == 1 else "appear"
+            say = (f"{appear} twice with different values: the later copy is kept" if times == 2 else
+                   f"{appear} more than once with different values: the last copy of each is kept")
+            warnings.warn(f"{path}: {step_ranges(conflicts)} {say}", stacklevel=2)
         df = df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
     return df, path
+
+
+def step_ranges(steps, shown=8):
+    """'step 4' or 'steps 3, 10-12, 40' of sorted distinct steps: the first `shown` runs of consecutive
+    steps, then how many steps in all."""
+    runs = []
+    for step in map(int, steps):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:shown])
+    more = f", ... ({len(steps)} steps)" if len(runs) > shown else ""
+    return f"{'step' if len(steps) == 1 else 'steps'} {text}{more}"
 
 
 def load_csv(out_dir):
@@ -234,7 +258,10 @@ def run_main(main):
     """
     sys.exit(main()), where main reports bad input itself (one line, 2). Output that cannot be
     written: quietly 1 when a pipe into head & co. closes, one line and 1 otherwise (a full disk).
+    A warning (rows of the log left out, ...) is one line on stderr, named after the tool.
     """
+    prog = os.path.basename(sys.argv[0])
+    warnings.formatwarning = lambda message, *_: f"{prog}: warning: {message}\n"  # not Python's two lines
     try:
         code = main()
         sys.stdout.flush()

@@ -3,6 +3,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -875,6 +876,98 @@ def test_cells_that_are_not_finite_numbers_are_counted_and_left_out(tmp_path):
     assert "step 2" not in r.stdout, "an empty cell is a step without a measurement"
 
 
+def rewrite_cells(log, changes):
+    """A copy of the log's CSV text with cells replaced: changes {(step, column): new text}."""
+    with open(log, newline="") as f:
+        rows = list(csv.reader(f))
+    header = rows[0]
+    for (step, col), text in changes.items():
+        [row] = [r for r in rows[1:] if r[0] == str(step)]
+        row[header.index(col)] = text
+    return "".join(",".join(r) + "\n" for r in rows)
+
+
+def test_cells_out_of_range_are_left_out_with_their_steps_and_named(tmp_path):
+    """A negative norm or pegn, a batch size below 1 or not whole: no measurement gives them, so each is
+    left out with its step, as an empty cell is, and named; taken as numbers they changed the GNS (a
+    negative norm squared reads as a positive one)."""
+    out = toy_gpt_log(tmp_path / "log", steps=16)
+    log = os.path.join(out, "log.csv")
+    df, _, _ = gns_analysis.read_log(out)
+    ln, fc, wte = "transformer.h.0.ln_1.weight", "transformer.h.1.mlp.c_fc.weight", "transformer.wte.weight"
+    cells = {(5, f"train/gns/{fc}/norm"): f"-{df[f'train/gns/{fc}/norm'][5]}",
+             (7, f"train/gns/{ln}/pegn"): f"-{df[f'train/gns/{ln}/pegn'][7]}",
+             (9, f"train/gns/{wte}/batch_size"): "0", (11, f"train/gns/{fc}/batch_size"): "12.5"}
+    variants = {"wrong": cells, "empty": {key: "" for key in cells}}
+    results = {}
+    for name, changes in variants.items():
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "log.csv").write_text(rewrite_cells(log, changes))
+        shutil.copy(os.path.join(out, "config.json"), tmp_path / name)  # this fork's log: its tied weight kept
+        results[name], info = gns_analysis.analyze(gns_analysis.read_log(tmp_path / name)[0], 0.9)
+        if name == "wrong":
+            wrong_info = info
+    original = gns_analysis.analyze(df, 0.9)[0]
+    for col in ("total/gns", "LayerNorm/gns", "Linear/gns", "Embedding/gns", "h.1/gns"):
+        assert np.allclose(results["wrong"][col], results["empty"][col], equal_nan=True, rtol=1e-12), col
+    assert not np.allclose(results["wrong"]["total/gns"], original["total/gns"], equal_nan=True)
+    assert results["wrong"]["total/trace"].isna().sum() == 4
+    assert wrong_info["out_of_range"] == 4 and wrong_info["bad_cells"] == 0 and wrong_info["overflow_steps"] == []
+
+    r = run_tool(tmp_path / "wrong", "--no-plots")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    [line] = [line for line in r.stdout.splitlines() if "out of range" in line]
+    assert line.startswith("  4 cells out of range (a negative norm, a batch size below 1 or not whole, a small "
+                           "batch above the batch), left out with their steps: ")
+    named = line.split(": ", 1)[1].split("; ")
+    assert sorted(named) == sorted(f"step {step} {col[len('train/gns/'):]} ({text})"
+                                   for (step, col), text in cells.items())
+
+
+def test_out_of_range_cells_of_every_kind_and_estimator():
+    """small_batch_size as batch_size, and the DDP estimator's totals; a whole number written 8.0 is one."""
+    n = 6
+    cols = gns_cols("train/microbatch_gns", "w", np.full(n, 1.0), np.full(n, 2.0), np.full(n, 16.0), np.full(n, 4.0))
+    cols["train/microbatch_gns/w/small_batch_size"][1] = 0.5
+    cols["train/microbatch_gns/w/batch_size"][2] = -16
+    cols["train/microbatch_gns/w/small_batch_size"][5] = 32  # above the batch
+    cols.update({"ddp/big_batch_norm": np.full(n, 1.0), "ddp/small_batch_norm": np.full(n, 2.0),
+                 "ddp/big_batch_size": np.full(n, 16.0), "ddp/small_batch_size": np.full(n, 8.0)})
+    cols["ddp/small_batch_norm"][3] = -2.0
+    cols["ddp/small_batch_size"][4] = 7.5
+    results, info = gns_analysis.analyze(pd.DataFrame({"step": np.arange(n), **cols}), 0.5)
+    assert info["main"] == "train/microbatch_gns" and info["out_of_range"] == 3
+    assert info["out_of_range_examples"] == ["step 2 w/batch_size (-16.0)", "step 1 w/small_batch_size (0.5)",
+                                             "step 5 w/small_batch_size (32.0 > batch_size 16.0)"]
+    assert results["total/trace"].isna().tolist() == [False, True, True, False, False, True]
+    ddp = info["estimators"]["ddp"]
+    assert ddp["out_of_range"] == 2 and results["ddp/total/trace"].isna().tolist() == [False] * 3 + [True] * 2 + [False]
+    text = gns_analysis.summary(results, info, "log.csv", 0.5)
+    assert "    ddp: 2 cells out of range (a negative norm, a batch size below 1 or not whole, a small batch above " \
+           "the batch), left out with their steps: step 3 (whole model)/pegn (-2.0); step 4 (whole model)/small_batch_size (7.5)" in text.splitlines()
+
+
+def test_steps_logged_twice_with_different_values_are_named_and_the_later_copy_kept(tmp_path):
+    n = 16
+    rng = np.random.default_rng(5)
+    df = pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "w", rng.uniform(0.5, 1, n),
+                                                        rng.uniform(2, 3, n), np.full(n, 8))})
+    redone = df[df["step"].between(10, 12)].assign(**{"train/gns/w/pegn": rng.uniform(2, 3, 3)})
+    same = df[df["step"] == 14]  # a copy that repeats its row says nothing new
+    (tmp_path / "twice").mkdir()
+    pd.concat([df, redone, same]).to_csv(tmp_path / "twice" / "log.csv", index=False)
+    (tmp_path / "later").mkdir()
+    pd.concat([df[~df["step"].between(10, 12)], redone]).sort_values("step").to_csv(
+        tmp_path / "later" / "log.csv", index=False)
+    r = run_tool(tmp_path / "twice", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == (f"gns-analysis.py: warning: {tmp_path / 'twice' / 'log.csv'}: steps 10-12 appear twice with "
+                        f"different values: the later copy is kept\n")
+    later = run_tool(tmp_path / "later", "--no-plots")
+    assert later.returncode == 0 and later.stderr == "", later.stderr
+    assert pd.read_csv(tmp_path / "twice" / "gns_analysis.csv").equals(pd.read_csv(tmp_path / "later" / "gns_analysis.csv"))
+
+
 def test_every_step_overflowed():
     df = pd.DataFrame({"step": [0, 1], **gns_cols("train/gns", "w", [np.inf, np.inf], [np.inf, 1.0], 8)})
     with pytest.raises(gns_analysis.AnalysisError, match="hold no numbers yet \\(2 steps with non-finite norms\\)"):
@@ -943,3 +1036,79 @@ def test_normalisation_group_is_named_after_the_kinds_recorded(tmp_path, capsys)
         json.dump({**config, "norm": "rmsnorm"}, f)
     assert gns_analysis.main([str(out), "--no-plots"]) == 0
     assert "RMSNorm vs total GNS" in capsys.readouterr().out
+
+
+# -- without the analysis extra ---------------------------------------------------------------------
+
+def without(folder, *modules):
+    """The environment of a run where `modules` cannot be imported (as without the analysis extra): a
+    folder first on the path whose module of each name raises the ImportError a missing one does."""
+    shim = folder / "without"
+    shim.mkdir(parents=True)
+    for name in modules:
+        (shim / f"{name}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n")
+    return dict(os.environ, PYTHONPATH=str(shim))
+
+
+def test_without_the_analysis_extra_one_line_names_it(tmp_path):
+    n = 3
+    pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "a", np.full(n, 1.0), np.full(n, 2.0), 8)}
+                 ).to_csv(tmp_path / "log.csv", index=False)
+    for missing, args, needs in (("pandas", ["--no-plots"], "the analysis needs"),
+                                 ("plotille", [], "the terminal plots (--no-plots leaves them out) need")):
+        r = subprocess.run([sys.executable, SCRIPT, str(tmp_path), *args], cwd=ROOT, capture_output=True, text=True,
+                           env=without(tmp_path / missing, missing), timeout=60)
+        assert (r.returncode, r.stdout) == (2, ""), r.stderr
+        assert r.stderr == (f"gns-analysis.py: error: No module named '{missing}': {needs} {missing}, in the "
+                            f"'analysis' extra: pip install 'nanogns[analysis]'\n")
+    assert not (tmp_path / "gns_analysis.csv").exists()
+    r = run_tool(tmp_path, "--no-plots")  # plotille is only the plots'
+    assert r.returncode == 0 and (tmp_path / "gns_analysis.csv").exists(), r.stderr
+
+
+# -- the figures as PNG files (--figures DIR) ---------------------------------------------------------
+
+def png_size(path):
+    """(width, height) from a PNG file's header: the signature, then the IHDR chunk."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def test_figures_are_written_as_pngs_of_the_size_help_states(tmp_path, capsys):
+    out = toy_gpt_log(tmp_path / "run", steps=12)
+    folder = tmp_path / "figures" / "new"  # made, with its parent
+    assert gns_analysis.main([str(out), "--no-plots", "--alpha", "0.8", "--figures", str(folder)]) == 0
+    stdout = capsys.readouterr().out
+    names = ["gns_over_tokens.png", "norm_vs_total.png"]
+    assert sorted(os.listdir(folder)) == names  # no .tmp left: written through atomic_write
+    for name in names:
+        assert f"\nwrote {folder / name}\n" in stdout
+        assert png_size(folder / name) == (900, 500)
+        assert os.path.getsize(folder / name) > 10_000  # drawn, not blank
+    assert "900 x 500 PNG files" in " ".join(run_tool("--help").stdout.split())
+    # a model without normalisation layers: that figure says so
+    g = torch.Generator().manual_seed(0)
+    linear = log_training(tmp_path / "linear", measure(LinearRegression(3)),
+                          lambda B: (torch.randn(B, 3, generator=g), torch.randn(B, generator=g)),
+                          steps=5, batch_sizes=(4,), per_example=linear_regression_grads)
+    assert gns_analysis.main([str(linear), "--no-plots", "--figures", str(tmp_path / "linear")]) == 0
+    assert png_size(tmp_path / "linear" / "norm_vs_total.png") == (900, 500)
+
+
+def test_figures_refused_in_one_line_before_anything_is_written(tmp_path):
+    n = 3
+    pd.DataFrame({"step": np.arange(n), **gns_cols("train/gns", "a", np.full(n, 1.0), np.full(n, 2.0), 8)}
+                 ).to_csv(tmp_path / "log.csv", index=False)
+    (tmp_path / "a-file").write_text("")
+    r = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--no-plots", "--figures", str(tmp_path / "figs")],
+                       cwd=ROOT, capture_output=True, text=True, env=without(tmp_path, "matplotlib"), timeout=60)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+        "gns-analysis.py: error: No module named 'matplotlib': --figures needs matplotlib, in the 'figures' extra: "
+        "pip install 'nanogns[figures]'\n")
+    for folder in ("a-file", "a-file/figs"):
+        r = run_tool(tmp_path, "--no-plots", "--figures", tmp_path / folder)
+        assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+            f"gns-analysis.py: error: --figures {tmp_path / folder}: {tmp_path / 'a-file'} is not a directory\n")
+    assert sorted(os.listdir(tmp_path)) == ["a-file", "log.csv", "without"]  # no gns_analysis.csv, no figs

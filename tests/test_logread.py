@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from nanogns.logread import LogError, load_log, log_columns
+from nanogns.logread import LogError, load_log, log_columns, step_ranges
 from nanogns.runlog import LogWrapper
 
 
@@ -62,8 +62,28 @@ def test_a_row_cut_short_after_whole_rows_is_left_out_with_a_warning(tmp_path):
 
 def test_a_path_to_the_file_itself_and_duplicate_steps(tmp_path):
     write(tmp_path / "other.csv", "step,a\n0,1\n1,2\n1,3\n0,4\n")
-    df, _ = load_log(str(tmp_path / "other.csv"))
+    path = str(tmp_path / "other.csv")
+    with pytest.warns(UserWarning) as caught:
+        df, _ = load_log(path)
+    assert [str(w.message) for w in caught] == [
+        f"{path}: steps 0-1 appear twice with different values: the later copy is kept"]
     assert df["step"].tolist() == [0, 1] and df["a"].tolist() == [4, 3]
+    # copies that repeat their row say nothing new; a third copy; differences only in columns not read
+    write(tmp_path / "log.csv", "step,a,b\n0,1,5\n1,2,5\n2,3,5\n1,2,5\n2,3,6\n2,3,7\n5,1,1\n3,1,1\n")
+    with pytest.warns(UserWarning) as caught:
+        df, _ = load_log(tmp_path)
+    assert [str(w.message) for w in caught] == [
+        f"{tmp_path / 'log.csv'}: step 2 appears more than once with different values: the last copy of each is kept"]
+    assert df["step"].tolist() == [0, 1, 2, 3, 5] and df["b"].tolist() == [5, 5, 7, 1, 1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_log(tmp_path, ["a"])[0]["a"].tolist() == [1, 2, 3, 1, 1]
+
+
+def test_step_ranges():
+    assert step_ranges([4]) == "step 4"
+    assert step_ranges([3, 10, 11, 12, 40]) == "steps 3, 10-12, 40"
+    assert step_ranges(list(range(0, 40, 2)), shown=3) == "steps 0, 2, 4, ... (20 steps)"
 
 
 @pytest.mark.parametrize("content, message", [

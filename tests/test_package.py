@@ -1,9 +1,9 @@
 """
 The package as another project gets it: pip installs a copy of this checkout (its git-tracked and
 not-ignored files) offline into a folder outside it, with every file of nanogns/ (the C and CUDA
-sources too) and nothing of the checkout's top-level modules; a script elsewhere then imports the
-installed package and cannot import the checkout's modules; the extra form "nanogns[hf] @ git+<url>"
-installs too. The README's examples run against this installation in the tests of what they show
+sources too) and nothing of the checkout's top-level modules but the `gns-analysis` command; a script
+elsewhere then imports the installed package and cannot import the checkout's modules, and the command
+analyses a log there; the extra form "nanogns[hf] @ git+<url>" installs too. The README's examples run against this installation in the tests of what they show
 (test_meter.py, test_hf.py, test_lightning.py, test_measure.py).
 """
 import json
@@ -40,7 +40,9 @@ def package_files(root):
 
 def test_the_installation_holds_the_whole_package_and_nothing_else(site):
     assert not inside(site, REPO), site
-    assert all(entry.startswith("nanogns") for entry in os.listdir(site)), os.listdir(site)  # no top-level module
+    # no top-level module; pip --target puts the console scripts in bin/
+    assert all(entry.startswith("nanogns") or entry == "bin" for entry in os.listdir(site)), os.listdir(site)
+    assert os.listdir(os.path.join(site, "bin")) == ["gns-analysis"]
     expected = {}
     for path in checkout_files():
         if path.startswith("nanogns/"):
@@ -83,6 +85,45 @@ print(json.dumps({{"nanogns": nanogns.__file__, "maths": nanogns.maths.__file__,
     assert not [origin for origin in seen["found"].values() if origin and inside(origin, REPO)], seen["found"]
     # nothing of the checkout on the path but the interpreter's own environment (a .venv in it)
     assert not [p for p in seen["path"] if p and inside(p, REPO) and not inside(p, seen["prefix"])], seen["path"]
+
+
+def test_the_gns_analysis_command_of_the_installation_analyses_a_log_without_torch(site, tmp_path):
+    """pip's `gns-analysis` (in bin/ under --target), run where a pip user runs it: outside the checkout,
+    with only the installed package on the path and torch unimportable. Its output is the clone's
+    gns-analysis.py's, its messages name the command."""
+    command = os.path.join(site, "bin", "gns-analysis")
+    out = tmp_path / "out"
+    out.mkdir()
+    param = "train/gns/transformer.h.0.ln_1.weight"
+    rows = [f"step,tokens_processed,{param}/norm,{param}/pegn,{param}/batch_size"]
+    rows += [f"{s},{64 * (s + 1)},{0.5 + 0.03 * s:.3f},{2 + 0.1 * (s % 3):.3f},8" for s in range(6)]
+    (out / "log.csv").write_text("\n".join(rows) + "\n")
+    no_torch = tmp_path / "no-torch"
+    no_torch.mkdir()
+    (no_torch / "torch.py").write_text("raise ImportError('the analysis imported torch')\n")
+    env = dict(installed_env(site), PYTHONPATH=os.pathsep.join([site, str(no_torch)]))
+
+    def run(*args, tool=(command,), env=env):
+        return subprocess.run([*tool, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+    done = run("out")
+    assert done.returncode == 0, done.stderr
+    assert "6 steps with GNS measurements under 'train/gns', 1 parameters (LayerNorm 1)" in done.stdout
+    assert "GNS over tokens_processed:" in done.stdout and (out / "gns_analysis.csv").is_file()
+    clone = run("out", tool=(sys.executable, os.path.join(REPO, "gns-analysis.py")))
+    assert clone.returncode == 0 and clone.stdout == done.stdout, clone.stderr
+    missing = run("no-such-run")
+    assert (missing.returncode, missing.stderr) == (2, "gns-analysis: error: no-such-run: no such directory\n")
+    # a pip install without the analysis extra: one line saying which to install
+    no_pandas = tmp_path / "no-pandas"
+    no_pandas.mkdir()
+    (no_pandas / "pandas.py").write_text("raise ModuleNotFoundError(\"No module named 'pandas'\", name='pandas')\n")
+    bare = run("out", env=dict(env, PYTHONPATH=os.pathsep.join([site, str(no_pandas)])))
+    assert (bare.returncode, bare.stderr) == (2, "gns-analysis: error: No module named 'pandas': the analysis needs "
+                                                 "pandas, in the 'analysis' extra: pip install 'nanogns[analysis]'\n")
+    usage = run("out", "--alpha", "2")
+    assert (usage.returncode, usage.stderr) == (2, "gns-analysis: error: argument --alpha: 2.0 is outside [0, 1) "
+                                                   "(see --help)\n")
 
 
 def test_the_extra_form_installs_from_a_git_url(tmp_path):

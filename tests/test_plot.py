@@ -201,3 +201,22 @@ def test_small_batch_size_columns_count_as_per_parameter_columns(tmp_path, capsy
             log.step()
     code, _, err = plot(capsys, tmp_path, "nope")
     assert code == 2 and "4 per-parameter columns like" in err and "small_batch_size" not in err.split("like")[0]
+
+
+def without(tmp_path, *modules):
+    """The environment of a run where `modules` cannot be imported (as without the analysis extra): a
+    folder first on the path whose module of each name raises the ImportError a missing one does."""
+    shim = tmp_path / "without"
+    shim.mkdir()
+    for name in modules:
+        (shim / f"{name}.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name={name!r})\n")
+    return dict(os.environ, PYTHONPATH=str(shim))
+
+
+@pytest.mark.parametrize("missing", ["pandas", "plotille"])
+def test_without_the_analysis_extra_one_line_names_it(run_dir, tmp_path, missing):
+    r = subprocess.run([sys.executable, SCRIPT, str(run_dir), "lr"], cwd=ROOT, env=without(tmp_path, missing),
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr == (f"plot.py: error: No module named '{missing}': plot.py needs {missing}, in the 'analysis' "
+                        f"extra: pip install 'nanogns[analysis]'\n")
