@@ -173,7 +173,7 @@ def total_columns(prefix):
     return {kind: f"{prefix}/{field}" for kind, field in KINDS.items()}
 
 
-# The kinds of measured layer (buffered.MEASURED_CLASSES' keys) and the analysis's name for each;
+# The kinds of measured layer (nanogns.layers.MEASURED_CLASSES' keys) and the analysis's name for each;
 # measure-time kinds are kept in out_dir/KINDS_NAME ({parameter name: kind}) for the analysis
 KIND_NAMES = {"linear": "Linear", "embedding": "Embedding", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 NORM_KINDS = ("layernorm", "rmsnorm")

@@ -179,7 +179,7 @@ def test_a_trainer_resumed_from_its_checkpoint_continues_the_gns(tmp_path):
 
 def test_a_resumed_trainer_measures_with_the_restored_methods_without_timing_them(tmp_path, monkeypatch):
     import nanogns.layers.linear as linear
-    monkeypatch.setattr(buffered._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
+    monkeypatch.setattr(linear._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
     rows = token_rows(BATCH * ACCUMULATION * 2)
     trainer(tmp_path / "cut", rows, GNSCallback(), steps=1, save_strategy="steps", save_steps=1).train()
     with open(tmp_path / "cut" / "checkpoint-1" / "trainer_state.json") as f:

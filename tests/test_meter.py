@@ -551,7 +551,7 @@ def test_the_state_of_another_model_is_refused_in_one_line_and_an_older_state_st
 def test_a_resumed_meter_measures_its_first_backward_with_the_restored_methods_untimed(monkeypatch):
     import nanogns.layers as buffered
     import nanogns.layers.linear as linear
-    monkeypatch.setattr(buffered._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
+    monkeypatch.setattr(linear._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
     state = stepped_state(gpt2())
     chosen = state["linear_norm_methods"]
     assert len(chosen) == 9  # every measured Linear of the tiny GPT-2 timed and chose
