@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import fields
 
 import torch
@@ -41,13 +42,19 @@ REQUIRED_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'
 
 
 def read_checkpoint(path, device='cpu'):
-    """The dict in a ckpt.pt, or CheckpointError if it is missing, damaged or not a training checkpoint."""
+    """The dict in a ckpt.pt, or CheckpointError if it is missing, damaged (its bytes do not match the
+    CRC-32s saved with them: damaged_record) or not a training checkpoint."""
     if not os.path.isfile(path):
         raise CheckpointError(f"there is no checkpoint at {path}")
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:  # truncated, empty, random bytes: torch and pickle raise many kinds
         raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why(e)})") from None
+    damaged = damaged_record(path)
+    if damaged:
+        what = "the pickled values" if damaged.endswith('.pkl') else "a tensor's bytes"
+        raise CheckpointError(f"{path} is damaged: its record {damaged} ({what}) does not match the CRC-32 saved with "
+                              f"it; restore it from a copy, or start the run again")
     if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get('model'), dict)
             and isinstance(checkpoint.get('model_args'), dict)):
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model' and 'model_args' in it)")
@@ -55,6 +62,33 @@ def read_checkpoint(path, device='cpu'):
     if missing:
         raise CheckpointError(f"{path} lacks model_args {', '.join(missing)}; cannot rebuild its model")
     return checkpoint
+
+
+def damaged_record(path):
+    """
+    The name of the first record of the zip file torch.save wrote at path (data.pkl, then a file per
+    tensor storage, data/<n>) whose bytes do not match the CRC-32 written beside them, else None.
+    torch.save computes them as it writes (torch.serialization.get_crc32_options()), so a save pays
+    nothing more for them, but torch.load does not compare them: a file damaged in a tensor's bytes
+    loads without an error. None too where there is nothing to compare: a file written without them
+    (set_crc32_options(False): every CRC is 0) or not a zip file (torch's legacy format).
+    """
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        return None
+    with archive:
+        records = [info for info in archive.infolist() if info.file_size]
+        if not any(info.CRC for info in records):
+            return None
+        for info in records:
+            try:
+                with archive.open(info) as f:
+                    while f.read(1 << 24):  # zipfile compares the CRC-32 at the record's end
+                        pass
+            except (zipfile.BadZipFile, OSError, EOFError):  # (also a damaged local header)
+                return info.filename.split('/', 1)[-1]
+    return None
 
 
 def write_checkpoint(checkpoint, path):

@@ -151,6 +151,65 @@ def test_save_training_state_writes_only_finite_weights_and_only_from_the_writer
     assert read_checkpoint(path)['iter_num'] == 7 and sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pt']
 
 
+def saved_training_state(path):
+    """A small GPT's checkpoint as train.py writes it (save_training_state), after one AdamW step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    model(torch.randint(0, 65, (2, 16)), torch.randint(0, 65, (2, 16)))[1].backward()
+    optimizer.step()
+    assert save_training_state(path, model, optimizer, {'iter_num': 7, 'model_args': asdict(model.config),
+                                                        'best_val_loss': 1.2345})
+    return torch.load(path, weights_only=False)
+
+
+def flipped(data, offset, count=64):
+    """data with `count` bytes from `offset` on XORed with 0xFF."""
+    return data[:offset] + bytes(b ^ 0xFF for b in data[offset:offset + count]) + data[offset + count:]
+
+
+def test_a_checkpoint_damaged_in_its_tensors_or_values_is_refused(tmp_path):
+    """torch.load does not compare the CRC-32s that torch.save writes beside each record: a file
+    damaged in a tensor's bytes loaded, and a resume trained on from the damaged weights or moments."""
+    import struct
+    path = tmp_path / 'ckpt.pt'
+    saved = saved_training_state(str(path))
+    good = path.read_bytes()
+    assert read_checkpoint(str(path))['iter_num'] == 7
+    path.write_bytes(flipped(good, len(good) // 2))  # the middle of the file: some tensor's bytes
+    with pytest.raises(CheckpointError, match=re.escape(f"{path} is damaged: its record data/") + r"\d+ " +
+                       re.escape("(a tensor's bytes) does not match the CRC-32 saved with it")):
+        read_checkpoint(str(path))
+    # an optimizer moment (the run went NaN, and stopped blaming the learning rate)
+    moment = max((s['exp_avg_sq'] for s in saved['optimizer']['state'].values()), key=torch.numel)
+    path.write_bytes(flipped(good, good.index(moment.numpy().tobytes())))
+    with pytest.raises(CheckpointError, match=re.escape("(a tensor's bytes) does not match")):
+        read_checkpoint(str(path))
+    # a value that is not a tensor: a float in data.pkl, which unpickles all the same
+    value = good.index(struct.pack('>d', 1.2345))
+    path.write_bytes(flipped(good, value + 6, 1))
+    assert torch.load(path, weights_only=False)['best_val_loss'] != 1.2345
+    with pytest.raises(CheckpointError, match=re.escape("its record data.pkl (the pickled values) does not match")):
+        read_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("written", ["without CRC-32s", "in torch's legacy format"])
+def test_a_checkpoint_with_nothing_to_compare_is_read_as_it_is(tmp_path, written):
+    """Not damage: torch.save's CRC-32s switched off (every one is 0), or a file that is not a zip."""
+    path = tmp_path / 'ckpt.pt'
+    state = {'model': {'w': torch.ones(3)}, 'model_args': {k: 1 for k in ('n_layer', 'n_head', 'n_embd', 'block_size',
+                                                                             'vocab_size')}}
+    if written == "without CRC-32s":
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(state, path)
+        finally:
+            torch.serialization.set_crc32_options(True)
+    else:
+        torch.save(state, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(read_checkpoint(str(path))['model']['w'], torch.ones(3))
+
+
 def test_model_args_are_the_flags_named_after_gptconfigs_fields_with_the_datasets_vocabulary():
     from checkpoint import model_args_for
     flags = dict(n_layer=2, n_head=2, n_embd=32, norm='rmsnorm', learning_rate=6e-4, out_dir='out')

@@ -445,14 +445,24 @@ def one_step_run(tiny_dataset, tmp_path_factory):
     return made_once(tmp_path_factory, "one_step", make) / "out"
 
 
+def flipped(data, offset, count=64):
+    """data with `count` bytes from `offset` on XORed with 0xFF."""
+    return data[:offset] + bytes(b ^ 0xFF for b in data[offset:offset + count]) + data[offset + count:]
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "not a checkpoint", "wrong model",
-                                    "non-finite weights"])
+                                    "non-finite weights", "64 bytes flipped in the middle", "a moment's bytes flipped"])
 def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, tmp_path, damage):
     out = tmp_path / "out"
     shutil.copytree(one_step_run, out)
     path = out / "ckpt.pt"
     good = path.read_bytes()
-    if damage == "truncated":
+    if damage == "64 bytes flipped in the middle":  # trained on from damaged weights, without a word
+        path.write_bytes(flipped(good, len(good) // 2))
+    elif damage == "a moment's bytes flipped":  # NaN moments: the run diverged, blaming the learning rate
+        moments = [s["exp_avg_sq"] for s in torch.load(path, weights_only=False)["optimizer"]["state"].values()]
+        path.write_bytes(flipped(good, good.index(max(moments, key=torch.numel).numpy().tobytes())))
+    elif damage == "truncated":
         path.write_bytes(good[:len(good) // 2])
     elif damage == "empty":
         path.write_bytes(b"")
@@ -468,12 +478,15 @@ def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, 
         ckpt = torch.load(path, weights_only=False)
         ckpt["model"]["transformer.wpe.weight"] = torch.zeros(99, 32)
         torch.save(ckpt, path)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"}
     code, stderr = train_until_exit(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}",
                                     "--init_from=resume", "--max_iters=2")
     assert code == 2
     err = stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "ckpt.pt" in err[0], stderr
     assert damage != "non-finite weights" or "ckpt.pt: the checkpoint holds non-finite weights" in err[0], stderr
+    assert "flipped" not in damage or f"{path} is damaged: its record data/" in err[0], stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"} == before
 
 
 @pytest.mark.parametrize("checkpoint_kind", ["fingerprinted", "older, named only"])
