@@ -623,6 +623,21 @@ class OutDirTaken(OutDirInUse, FileExistsError):
     and a FileExistsError for callers that catch that."""
 
 
+class OutDirNotWritable(OutDirInUse, PermissionError):
+    """out_dir cannot be written (its permissions, a read-only file system): an OutDirInUse, and a
+    PermissionError for callers that catch that."""
+
+
+def not_writable(out_dir, error=None):
+    """OutDirNotWritable for out_dir: a read-only file system, or permissions (error: the OSError met)."""
+    if error is not None:
+        read_only = error.errno == errno.EROFS
+    else:
+        read_only = os.statvfs(out_dir).f_flag & os.ST_RDONLY
+    reason = "a read-only file system" if read_only else "permission denied"
+    return OutDirNotWritable(f"{out_dir} cannot be written ({reason}): make it writable, or use another out_dir")
+
+
 # what a run of train.py leaves in its out_dir (grad_accum_schedule.txt stays: the user edits it)
 RUN_FILES = ("log.csv", "log.csv.rejected", "ckpt.pt", "config.json", "layer_kinds.json", "linear_norm_methods.json")
 
@@ -635,7 +650,8 @@ def lock_out_dir(out_dir, set_aside=False, holder="train.py"):
     dies, so a lock left by a killed run is simply taken over (the file names its last holder; a
     process that exits by itself, a torchrun rank through stopping.leave too, empties it at exit).
     Creates out_dir if need be. Returns the open lock file (keep it: closing it releases the lock),
-    saying which holder it takes over, or raises OutDirInUse, whose message is one line.
+    saying which holder it takes over, or raises OutDirInUse, whose message is one line
+    (OutDirNotWritable where out_dir cannot be written).
     set_aside (a fresh run): an earlier run's files are moved into out_dir/previous-run-<time>/
     first, with a note, rather than written over (set_aside_previous_run).
     holder: what holds the lock, named to whoever finds it taken ("train.py", "GNSMeter"). The
@@ -650,8 +666,15 @@ def lock_out_dir(out_dir, set_aside=False, holder="train.py"):
     try:
         os.makedirs(out_dir, exist_ok=True)
         f = open(os.path.join(out_dir, "train.lock"), "a+")
+    except PermissionError as e:
+        raise not_writable(out_dir, e) from None
     except OSError as e:
+        if e.errno == errno.EROFS:
+            raise not_writable(out_dir, e) from None
         raise OutDirInUse(f"{out_dir}: cannot write there ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):  # train.lock, left by a run, may be writable where out_dir is not
+        f.close()
+        raise not_writable(out_dir)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

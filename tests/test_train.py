@@ -516,6 +516,23 @@ def test_resume_on_another_dataset_of_the_same_shapes_is_one_line(tiny_dataset, 
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"} == before
 
 
+@pytest.mark.parametrize("init_from", ["scratch", "resume"])
+def test_a_read_only_out_dir_is_one_line_and_changes_nothing(tiny_dataset, one_step_run, tmp_path, init_from):
+    """A fresh run into a read-only out_dir holding a run said it 'could not be moved aside: resume it';
+    a resume took the lock (train.lock, left by the run, writable) and failed at the first file it wrote."""
+    from test_runlog import unwritable
+    out = tmp_path / "out"
+    shutil.copytree(one_step_run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with unwritable(out):
+        code, stderr = train_until_exit(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", f"--init_from={init_from}",
+                                        "--max_iters=2")
+    assert code == 2
+    assert stderr.strip().splitlines() == [f"error: --out_dir={out} cannot be written (permission denied): make it "
+                                           f"writable, or use another out_dir"], stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_resume_on_the_same_dataset_moved_elsewhere_goes_on(tiny_dataset, one_step_run, tmp_path):
     moved = tmp_path / "moved" / "renamed"
     shutil.copytree(tiny_dataset, moved)
