@@ -28,7 +28,7 @@ from nanogns.layers.config import classes_for_flags, set_contextual_config
 from model import clip_unscaled, fully_shard_gpt, grad_scaler, gradient_norm, step_unless_nonfinite
 from nanogns.pending import PendingSteps
 from nanogns.schedules import lr_at, step_sizes_for_run
-from nanogns.stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
+from nanogns.stopping import StopSignals, checkpoint_after, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
 from nanogns.runlog import OutDirInUse, lock_out_dir, log_for_run
 
 # -----------------------------------------------------------------------------
@@ -220,7 +220,7 @@ try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.j
 except (ValueError, OSError) as e:
     die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 params = [p for p in raw_model.parameters() if p.requires_grad]
-last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (none was written)"
+last_checkpoint = checkpoint_after(iter_num) if init_from == 'resume' else "nothing (none was written)"
 tokens_processed = int(raw_model.tokens_processed)  # a host copy of the model's buffer: reading that would sync
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
 signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint, distributed=ddp)
@@ -268,7 +268,7 @@ def save_checkpoint():
                                    data_order_state, estimators, schedule if bs_controller == 'gns' else None)
     try:  # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
         if save_training_state(os.path.join(out_dir, 'ckpt.pt'), raw_model, optimizer, run_state, fsdp, master_process):
-            last_checkpoint = f"iter {iter_num}"
+            last_checkpoint = checkpoint_after(iter_num)
         elif master_process:
             print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
     except CheckpointError as e:
@@ -370,7 +370,7 @@ while eval_only or not finished(tokens_processed, iter_num):
             save_checkpoint()
         if ddp:  # torchrun stops the other ranks once one exits: none leaves before ckpt.pt is written
             torch.distributed.barrier()
-        stop_early(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp), 128 + signals.received, logger, ddp)
+        stop_early(stopped_message(signals.received, iter_num - 1, tokens_processed, last_checkpoint, ddp), 128 + signals.received, logger, ddp)
 
 if master_process:
     logger.close()

@@ -690,17 +690,17 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(
     assert proc.returncode == 128 + getattr(signal, signame)
     lines = [line for line in stderr.strip().splitlines() if line]
     assert len(lines) == 2 and lines[0] == f"{signame}: stopping after this step (send it again to stop now)", stderr
-    done = int(re.search(r"after iter (\d+) ", lines[1]).group(1))
-    assert f"ckpt.pt holds iter {done}" in lines[1] and "--init_from=resume" in lines[1]
-    # the log holds every finished step once, the checkpoint the last one
+    last = int(re.search(r"after iter (\d+) ", lines[1]).group(1))  # the last step it ran
+    assert f"ckpt.pt holds the state after iter {last};" in lines[1] and "--init_from=resume" in lines[1]
+    # the log holds every finished step once, the last one named, and the checkpoint the state after it
     df = pd.read_csv(out / "log.csv")
-    assert df.step.tolist() == list(range(done)) and (out / "log.csv").read_text().endswith("\n")
-    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == done
+    assert df.step.tolist() == list(range(last + 1)) and (out / "log.csv").read_text().endswith("\n")
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == last + 1
     # the printed command goes on from there
     command = shlex.split(lines[1].split("to go on: ", 1)[1])
     assert command[0] == "python" and command[-1] == "--init_from=resume"
-    p = run_train(*command[2:-1], "--init_from=resume", f"--max_iters={done + 2}")
-    assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [done, done + 1]
+    p = run_train(*command[2:-1], "--init_from=resume", f"--max_iters={last + 3}")
+    assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [last + 1, last + 2]
 
 
 # rank 0 takes 3 s to write ckpt.pt, as a large model's checkpoint on a slow disk does
@@ -743,10 +743,10 @@ def test_signalled_ddp_ranks_wait_for_the_masters_checkpoint_before_leaving(tiny
         if proc.poll() is None:  # the launcher and its ranks: orphaned ranks would hold the pipes open
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    stopped = re.search(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds iter (\d+)", stderr)
+    stopped = re.search(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds the state after iter (\d+)", stderr)
     assert stopped and stopped.group(1) == stopped.group(2), stderr[-3000:]
     assert "again: stopping now" not in stderr, stderr[-3000:]
-    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == int(stopped.group(1))
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == int(stopped.group(1)) + 1
 
 
 @pytest.mark.slow
