@@ -187,7 +187,7 @@ def load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=None):
             _load_fsdp_optimizer_state(saved, fsdp_model, optimizer)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"the optimizer state does not fit this model ({why(e, 120)})") from None
-    if 'scaler' in checkpoint:
+    if checkpoint.get('scaler'):  # empty from a run without float16's scaler: a --dtype=float16 resume starts one afresh
         scaler.load_state_dict(checkpoint['scaler'])
 
 
@@ -212,17 +212,49 @@ ARCHITECTURE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab
 LAYOUT_ARGS = tuple(ARCHITECTURE_CHOICES) + ('tie_embeddings',)
 
 
-def resume_model(path, model_args, config, device='cpu'):
+def check_resume_flags(path, saved, model_args, places):
+    """
+    The notes, one line each, of a resume's architecture flags (model_args) that ask for another
+    value than the checkpoint's (its model_args, `saved`): a resume trains the checkpoint's model as
+    it is, so its value is used; a flag the run sets (places: configure()'s, the keys set in a file
+    or on the command line, and where) is said to be replaced, one left unset takes the checkpoint's
+    value without a word, as in nanoGPT. block_size, set or not, raises CheckpointError instead: it
+    is also the length of the batches, and the lengths in iterations were counted in tokens with it.
+    """
+    notes = []
+    for k in ARCHITECTURE_ARGS:
+        theirs = saved.get(k, getattr(GPTConfig, k) if k in LAYOUT_ARGS else None)
+        if k == 'vocab_size' or k not in model_args or theirs is None or _plain(model_args[k]) == _plain(theirs):
+            continue  # (the vocabulary is the dataset's: check_out_dir_model compares it)
+        where = places.get(k, ('the defaults', 0))[0]
+        where = {'the command line': 'set on the command line', 'the defaults': 'the default'}.get(where, f"set in {where}")
+        flag = lambda value: f"--{k}={value if isinstance(value, str) else repr(value)}"  # noqa: E731
+        if k == 'block_size':
+            raise CheckpointError(f"{flag(model_args[k])} ({where}), but {path} holds a model of block_size="
+                                  f"{theirs!r}, and a resume trains it as it is, on batches of its block_size; "
+                                  f"nothing was changed: resume with {flag(theirs)}, or train a model of "
+                                  f"{flag(model_args[k])} in another out_dir")
+        if k in places:
+            notes.append(f"{flag(model_args[k])} ({where}) is not {path}'s {k}={theirs!r}, which this resume uses: "
+                         f"a resume trains the checkpoint's model as it is")
+    return notes
+
+
+def resume_model(path, model_args, config, device='cpu', places=None):
     """
     --init_from=resume: (model, checkpoint) from the ckpt.pt at `path`, model_args updated in place
     with the checkpoint's architecture (nanoGPT's and the reference's lack the newer fields, which
     keep model_args' values, except LAYOUT_ARGS: GPTConfig's defaults, the layout those checkpoints
     hold, whatever the run asks for). `config` is the run's, for nanoGPT's checkpoints, which count no
-    tokens: they get their iterations of the step they were configured with. Build it inside the
-    layer config the run measures with. Raises CheckpointError, one line.
+    tokens: they get their iterations of the step they were configured with. places (train.py's:
+    where each key was set): the run's architecture flags are compared with the checkpoint's first
+    (check_resume_flags). Build it inside the layer config the run measures with. Raises
+    CheckpointError, one line.
     """
     checkpoint = read_checkpoint(path, device)
     saved = checkpoint['model_args']
+    for note in check_resume_flags(path, saved, model_args, places) if places is not None else ():
+        print(f"note: {note}")
     model_args.update({k: saved[k] for k in ARCHITECTURE_ARGS if k in saved})
     model_args.update({k: getattr(GPTConfig, k) for k in LAYOUT_ARGS if k not in saved})
     model = GPT(GPTConfig(**model_args))
@@ -372,14 +404,15 @@ def model_args_for(config, data_vocab_size=None):
     return model_args
 
 
-def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None):
+def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None, places=None):
     """
     train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of
     model_args ('scratch'), the one in out_dir/ckpt.pt ('resume', see resume_model) or OpenAI's
     GPT-2 weights ('gpt2*'), cropped to the run's block_size. model_args is updated in place with
-    the architecture built. A resume first checks that the checkpoint is out_dir's model
-    (check_out_dir_model; data_vocab_size: the dataset's vocabulary, if it says). Build it inside the layer config the run measures with. Raises
-    CheckpointError, one line.
+    the architecture built. A resume first compares the run's flags with the checkpoint's model
+    (places: where each key was set, see check_resume_flags), and checks that the checkpoint is out_dir's
+    model and run (check_out_dir_model; data_vocab_size: the dataset's vocabulary, if it says).
+    Build it inside the layer config the run measures with. Raises CheckpointError, one line.
     """
     checkpoint = None
     if init_from == 'scratch':
@@ -387,7 +420,7 @@ def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_
         model = GPT(GPTConfig(**model_args))
     elif init_from == 'resume':
         print(f"Resuming training from {out_dir}")
-        model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device)
+        model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device, places)
         check_out_dir_model(out_dir, checkpoint, data_vocab_size)
         if 'dataset' in config:
             check_same_dataset(out_dir, checkpoint, config['dataset'])

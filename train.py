@@ -117,7 +117,7 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
-configure_train(sys.argv[1:], config, __doc__)  # every value checked before anything runs: bad input is one line and exit 2
+places = configure_train(sys.argv[1:], config, __doc__)  # every value checked before anything runs: bad input is one line and exit 2
 globals().update(config)
 # the device, the prepared data (a block from each split), and room for the model and a micro-batch: or exit 2
 device_type, data_dir = check_resources(config, root=os.path.dirname(os.path.abspath(__file__)))
@@ -176,7 +176,7 @@ model_args = model_args_for(config, meta_vocab_size)  # the flags named after GP
 # checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
     try:
-        model, checkpoint = init_model(init_from, model_args, config, out_dir, device, data_vocab_size=meta_vocab_size)
+        model, checkpoint = init_model(init_from, model_args, config, out_dir, device, meta_vocab_size, places)
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
 config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built

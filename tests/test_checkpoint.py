@@ -210,6 +210,37 @@ def test_a_checkpoint_with_nothing_to_compare_is_read_as_it_is(tmp_path, written
     assert torch.equal(read_checkpoint(str(path))['model']['w'], torch.ones(3))
 
 
+def test_a_resume_trains_the_checkpoints_architecture_saying_so_and_refuses_another_block_size(tmp_path, capsys):
+    torch.manual_seed(0)
+    run_args = dict(GPTConfig(**CFG).__dict__, dropout=0.0)
+    path = tmp_path / 'ckpt.pt'
+    save_run(GPT(GPTConfig(**run_args)), str(path), dict(run_args))
+    config = {'block_size': 16}
+    # another value: the checkpoint's is used, as before; set in a file or on the command line, in one line each
+    asked = dict(run_args, n_layer=5, n_embd=64, norm='rmsnorm', tie_embeddings=False)
+    places = {'n_layer': ('the command line', 2), 'n_embd': ('config/x.py', 0), 'norm': ('the command line', 3)}
+    capsys.readouterr()
+    resumed, _ = init_model('resume', asked, config, str(tmp_path), places=places)
+    assert resumed.config == GPTConfig(**run_args) and asked['n_layer'] == 2 and asked['tie_embeddings'] is True
+    notes = [line for line in capsys.readouterr().out.splitlines() if "which this resume uses" in line]
+    assert notes == [f"note: --n_layer=5 (set on the command line) is not {path}'s n_layer=2, which this resume uses: "
+                     f"a resume trains the checkpoint's model as it is",
+                     f"note: --n_embd=64 (set in config/x.py) is not {path}'s n_embd=32, which this resume uses: "
+                     f"a resume trains the checkpoint's model as it is",
+                     f"note: --norm=rmsnorm (set on the command line) is not {path}'s norm='layernorm', which this "
+                     f"resume uses: a resume trains the checkpoint's model as it is"]  # tie_embeddings: not set
+    # the block_size, set or not: it is also the batches' length; refused in one line before anything is built
+    for value, where, said in [(32, ('the command line', 1), "--block_size=32 (set on the command line)"),
+                               (8, ('config/x.py', 1), "--block_size=8 (set in config/x.py)"),
+                               (1024, None, "--block_size=1024 (the default)")]:
+        with pytest.raises(CheckpointError) as e:
+            init_model('resume', dict(run_args, block_size=value), {'block_size': value}, str(tmp_path),
+                       places={'block_size': where} if where else {})
+        assert str(e.value) == (f"{said}, but {path} holds a model of block_size=16, and a resume trains it as it "
+                                f"is, on batches of its block_size; nothing was changed: resume with --block_size=16, "
+                                f"or train a model of --block_size={value} in another out_dir")
+
+
 def test_model_args_are_the_flags_named_after_gptconfigs_fields_with_the_datasets_vocabulary():
     from checkpoint import model_args_for
     flags = dict(n_layer=2, n_head=2, n_embd=32, norm='rmsnorm', learning_rate=6e-4, out_dir='out')
@@ -287,6 +318,20 @@ def test_an_unfused_optimizers_state_loads_into_the_fused_step_and_steps_as_it_w
         old_optimizer.step()
         for p, q in zip(model.parameters(), old_model.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_float32_runs_checkpoint_resumes_in_float16_with_a_fresh_scaler():
+    """--dtype=float16 on resume of a float32 run's checkpoint, whose disabled GradScaler saved an empty
+    state: GradScaler.load_state_dict raised 'The source state dict is empty', a traceback."""
+    from checkpoint import load_optimizer_state
+    model, optimizer = _adamw_after(1, [torch.randn_like(p) for p in GPT(GPTConfig(**CFG)).parameters()], fused=True)
+    checkpoint = {'optimizer': optimizer.state_dict(), 'scaler': torch.amp.GradScaler('cpu', enabled=False).state_dict()}
+    scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
+    load_optimizer_state(checkpoint, optimizer, scaler)
+    assert scaler.get_scale() == 1024.0
+    float16_run = torch.amp.GradScaler('cpu', init_scale=512.0).state_dict()
+    load_optimizer_state({**checkpoint, 'scaler': float16_run}, optimizer, scaler)
+    assert scaler.get_scale() == 512.0  # a float16 run's own scale goes on
 
 
 def test_the_step_never_hands_found_inf_to_an_optimizer_that_cannot_take_it():

@@ -235,6 +235,44 @@ def test_another_models_checkpoint_stops_the_resume_and_leaves_everything_as_it_
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "train.lock"} == before
 
 
+def files_in(out):
+    return {f.name: f.read_bytes() for f in out.iterdir() if f.is_file() and f.name != "train.lock"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--block_size=32", "--block_size=8"])
+def test_a_resume_with_another_block_size_stops_before_it_changes_anything(tiny_dataset, short_runs, tmp_path, flag):
+    """--block_size=32 on a block-16 checkpoint crashed at the first evaluation (a traceback), after it had
+    rewritten config.json (and moved the rows after the checkpoint to log.csv.rejected)."""
+    out = tmp_path / "out"
+    shutil.copytree(short_runs["ours"], out)
+    before = files_in(out)
+    code, stderr = resume(tiny_dataset, out, "--max_iters=8", flag)
+    assert code == 2, stderr
+    assert stderr.strip().splitlines() == [
+        f"error: --init_from=resume: {flag} (set on the command line), but {out}/ckpt.pt holds a model of block_size=16, "
+        f"and a resume trains it as it is, on batches of its block_size; nothing was changed: resume with "
+        f"--block_size=16, or train a model of {flag} in another out_dir"], stderr
+    assert files_in(out) == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_architecture_trains_the_checkpoints_saying_so(tiny_dataset, short_runs, tmp_path):
+    """--n_layer=3 --n_embd=64 --bias=True on a resume went on with the checkpoint's 2 layers of 32 without biases,
+    without a word."""
+    out = tmp_path / "out"
+    shutil.copytree(short_runs["ours"], out)
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--lnclass=shim", f"--out_dir={out}",
+                  "--init_from=resume", "--max_iters=8", "--n_layer=3", "--n_embd=64", "--bias=True")
+    notes = [line for line in p.stdout.splitlines() if "which this resume uses" in line]
+    assert notes == [f"note: --{k}={mine} (set on the command line) is not {out}/ckpt.pt's {k}={theirs}, which this "
+                     f"resume uses: a resume trains the checkpoint's model as it is"
+                     for k, mine, theirs in (("n_layer", 3, 2), ("n_embd", 64, 32), ("bias", True, False))], p.stdout
+    saved = torch.load(out / "ckpt.pt", weights_only=False)
+    assert saved["iter_num"] == 8 and (saved["model_args"]["n_layer"], saved["model_args"]["n_embd"]) == (2, 32)
+    assert json.loads((out / "config.json").read_text())["n_layer"] == 2  # config.json names the model trained
+
+
 @pytest.mark.slow
 def test_a_malformed_row_before_the_checkpoint_is_moved_aside_and_reported(tiny_dataset, short_runs, tmp_path):
     import shutil

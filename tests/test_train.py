@@ -622,6 +622,8 @@ def test_the_llama_style_config_trains_measures_and_resumes_as_itself(tiny_datas
     p = run_train(*common, f"--max_tokens={4 * step}", "--init_from=resume", "--norm=layernorm", "--mlp=gelu",
                   "--pos_emb=learned", "--tie_embeddings=True")
     assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [2, 3]
+    assert [line.split(" (")[0] for line in p.stdout.splitlines() if "which this resume uses" in line] == [
+        "note: --norm=layernorm", "note: --mlp=gelu", "note: --pos_emb=learned", "note: --tie_embeddings=True"]
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     assert {k: ckpt["model_args"][k] for k in LLAMA} == LLAMA and ckpt["iter_num"] == 4
     assert ckpt["model"].keys() == sd.keys()
