@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import zipfile
 from dataclasses import fields
@@ -18,7 +19,7 @@ import torch
 
 from configurator import dataset_folder
 from model import ARCHITECTURE_CHOICES, GPT, GPTConfig
-from nanogns.runlog import atomic_write
+from nanogns.runlog import atomic_write, logged_row
 
 
 class CheckpointError(Exception):
@@ -362,7 +363,10 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
     describe, and one that reads the dataset's tokens: another model's checkpoint copied in must
     stop the resume before it cuts the log. config.json names the architecture and the vocabulary
     (one written before it recorded the model built names the flags, which the checkpoint's own
-    config holds too); log.csv's GNS columns name the parameters. Reads, never writes.
+    config holds too); log.csv's GNS columns name the parameters. Another run's checkpoint of the
+    same model must stop it too: config.json and the checkpoint's config keep the run's run_id
+    (run_identity), and the checkpoint the last row its run had logged (its log_row), which log.csv
+    must hold as it was. Files from before either was kept are not compared. Reads, never writes.
     """
     saved, then = checkpoint['model_args'], checkpoint.get('config') or {}
     path = os.path.join(out_dir, 'config.json')
@@ -379,6 +383,10 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
             raise CheckpointError(f"{out_dir}/ckpt.pt holds another model than {path} describes ({k} {saved[k]!r} in "
                                   f"ckpt.pt, {described[k]!r} in config.json); nothing was changed: move one of "
                                   f"them away or use another out_dir")
+    ours, described_run = then.get('run_id'), described.get('run_id') if isinstance(described, dict) else None
+    if ours and described_run and ours != described_run:
+        raise CheckpointError(f"{out_dir}/ckpt.pt is another run's (run_id {ours}) than {path} describes (run_id "
+                              f"{described_run}); nothing was changed: move one of them away or use another out_dir")
     if data_vocab_size is not None and data_vocab_size > saved['vocab_size']:
         raise CheckpointError(f"{out_dir}/ckpt.pt's model reads {saved['vocab_size']} tokens, the dataset has "
                               f"{data_vocab_size}: it is another model's checkpoint, or the wrong --dataset")
@@ -394,6 +402,22 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
         raise CheckpointError(f"{out_dir}/log.csv measures {alien[0]}, which {out_dir}/ckpt.pt's model does not "
                               f"have: the checkpoint is another model's; nothing was changed: move one of them "
                               f"away or use another out_dir")
+    kept = checkpoint.get('log_row')
+    if isinstance(kept, dict) and isinstance(kept.get('cells'), dict):
+        found = logged_row(os.path.join(out_dir, 'log.csv'), kept.get('step'))
+        differ = [k for k, cell in kept['cells'].items() if found is not None and found.get(k, '') != cell]
+        if differ:
+            k = differ[0]
+            raise CheckpointError(f"{out_dir}/log.csv's row of step {kept['step']} is not the one {out_dir}/ckpt.pt's "
+                                  f"run logged ({k} {found.get(k, '')!r} there, {kept['cells'][k]!r} in ckpt.pt): "
+                                  f"they are two runs' files; nothing was changed: move one of them away or use "
+                                  f"another out_dir")
+
+
+def run_identity(checkpoint=None):
+    """train.py's run_id (in config.json and ckpt.pt's config): a resumed run's from its checkpoint, a new
+    random one for a new run, or for a checkpoint written before runs had one."""
+    return ((checkpoint or {}).get('config') or {}).get('run_id') or secrets.token_hex(8)
 
 
 def model_args_for(config, data_vocab_size=None):
@@ -464,13 +488,14 @@ def eval_generator(seed, iter_num, split):
 
 
 def training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps, data_order_state,
-                       estimators, controller=None):
+                       estimators, controller=None, last_row=None):
     """
     What ckpt.pt holds beside the model's and the optimizer's state (save_training_state's run_state),
     read back on resume: the scaler's state (load_optimizer_state), the architecture and the config
     (resume_model), the counts (resumed_counts), the train batches' order (data_order), the GNS
     estimators' states (gnstracking.load_states) and the batch-size controller's, if the run has one
-    (schedules.controller_for_run).
+    (schedules.controller_for_run); last_row, the log's last row (LogWrapper.last_row), for
+    check_out_dir_model.
     """
     import nanogns.estimators.exact as gnstracking  # here: sample.py reads checkpoints without the estimators
     run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
@@ -479,6 +504,8 @@ def training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonf
     gnstracking.save_states(estimators, run_state)
     if controller is not None:
         run_state['bs_controller'] = controller.state_dict()
+    if last_row is not None:
+        run_state['log_row'] = {'step': last_row[0], 'cells': last_row[1]}
     return run_state
 
 

@@ -21,7 +21,7 @@ import torch
 
 import nanogns.estimators.exact as gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
-                        resumed_counts, save_training_state, step_seed, training_run_state)
+                        resumed_counts, run_identity, save_training_state, step_seed, training_run_state)
 from configurator import check_resources, configure_train, dataset_vocab_size, die
 from nanogns.layers import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
 from nanogns.layers.config import classes_for_flags, set_contextual_config
@@ -172,14 +172,14 @@ def get_batch(split, rng=None):
 
 meta_vocab_size = dataset_vocab_size(data_dir)  # from meta.pkl (character-level datasets), else None
 model_args = model_args_for(config, meta_vocab_size)  # the flags named after GPTConfig's fields, and vocab_size
-# from scratch, from out_dir/ckpt.pt (its architecture, and weights from nanoGPT's and the reference's
-# checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
+# from scratch, from out_dir/ckpt.pt (nanoGPT's and the reference's too) or OpenAI's GPT-2, in the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
     try:
         model, checkpoint = init_model(init_from, model_args, config, out_dir, device, meta_vocab_size, places)
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
-config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
+# config.json names the model built, and the run: a resume checks that ckpt.pt and config.json are the same run's
+config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'}, run_id=run_identity(checkpoint))
 set_per_example_mode(model, per_example_mode)
 iter_num, best_val_loss, nonfinite_steps = resumed_counts(checkpoint)  # nonfinite_steps: steps in a row skipped, not finite
 model.to(device)
@@ -264,8 +264,8 @@ def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
     flush_steps()  # the estimators' states and the non-finite count up to this step
-    run_state = training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps,
-                                   data_order_state, estimators, schedule if bs_controller == 'gns' else None)
+    run_state = training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps, data_order_state,
+                                   estimators, schedule if bs_controller == 'gns' else None, logger and logger.last_row())
     try:  # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
         if save_training_state(os.path.join(out_dir, 'ckpt.pt'), raw_model, optimizer, run_state, fsdp, master_process):
             last_checkpoint = checkpoint_after(iter_num)

@@ -298,6 +298,7 @@ class LogWrapper:
         self._fd = None          # log.csv opened O_APPEND once it is ours
         self._size = 0           # bytes of complete rows in log.csv: a failed append is cut back to it
         self._header_keys = 0    # columns after `step` in log.csv's header
+        self._last_line = None   # the last row written, and how many keys it had columns for: last_row()
         self._missing_warned = set()
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
@@ -386,14 +387,25 @@ class LogWrapper:
 
     # -- the CSV --------------------------------------------------------------------------------
 
+    def last_row(self):
+        """(step, {column: cell}) of the last row written to log.csv, its non-empty cells as the file holds
+        them; None before the first. A checkpoint keeps it, so that a resume can tell whether the log
+        in its out_dir is the one its run wrote (logged_row)."""
+        if self._last_line is None:
+            return None
+        line, width = self._last_line
+        cells = _cells(line)
+        return int(cells[0]), {k: c for k, c in zip(self.ordered_keys[:width], cells[1:]) if c != ""}
+
     def _write_row(self, step, row):
         line = _csv_line([step] + [row.get(k, "") for k in self.ordered_keys])
         if not self._owns_file or len(self.ordered_keys) > self._header_keys:
             self._rewrite(line)
-            return
-        if self._fd is None:  # after close()
-            self._open_for_append()
-        self._size = _append_file(self._fd, self._size, line, self.path, f"appending the row of step {step}")
+        else:
+            if self._fd is None:  # after close()
+                self._open_for_append()
+            self._size = _append_file(self._fd, self._size, line, self.path, f"appending the row of step {step}")
+        self._last_line = (line, len(self.ordered_keys))
 
     def _open_for_append(self):
         try:
@@ -593,6 +605,24 @@ class LogWrapper:
         if len(matches) > 1:
             raise ValueError(f"LogWrapper.print: {name!r} matches several logged keys {matches}; write the key exactly")
         return matches[0] if matches else None
+
+
+def logged_row(path, step):
+    """{column: cell} of the first complete row of `step` in the log at path (cells as the file holds
+    them, empty ones left out), or None where it has no such row or cannot be read. Reads, never writes."""
+    prefix = f"{step},".encode()
+    try:
+        with open(path, "rb") as f:
+            header = _cells(f.readline())
+            for _, _, raw, complete in _records(f):
+                if complete and raw.startswith(prefix):
+                    cells = _cells(raw)
+                    if not header or cells is None:
+                        return None
+                    return {k: c for k, c in zip(header[1:], cells[1:]) if c != ""}
+    except OSError:
+        return None
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

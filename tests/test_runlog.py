@@ -330,6 +330,27 @@ def test_config_json_is_rewritten_on_resume_and_takes_any_value(tmp_path):
     assert json.loads((out / "config.json").read_text()) == {"lr": 2, "dtype": "torch.float16", WRITER_KEY: WRITER}
 
 
+def test_the_last_row_written_is_read_back_from_the_log_as_the_file_holds_it(tmp_path):
+    """A checkpoint keeps LogWrapper.last_row(); a resume finds that row in log.csv (logged_row) whatever
+    was rewritten since: a longer header pads the older rows, a resume cuts the ones after it."""
+    from nanogns.runlog import logged_row
+    out = tmp_path / "out"
+    log = LogWrapper(out_dir=out, numbers_only=True)
+    assert log.last_row() is None
+    for step in range(3):
+        log.log({"iter_num": step, "train/lossf": 1 / (step + 1), **({"grad_norm": 0.1 + 0.2} if step else {})})
+        log.step()
+    kept = log.last_row()
+    assert kept == (2, {"iter_num": "2", "train/lossf": repr(1 / 3), "grad_norm": repr(0.1 + 0.2)})
+    log.log({"iter_num": 3, "val/loss": 2.5})  # a new column: the file is rewritten, its rows padded
+    log.step()
+    log.close()
+    assert logged_row(out / "log.csv", 2) == kept[1] and logged_row(out / "log.csv", 3) == {"iter_num": "3", "val/loss": "2.5"}
+    LogWrapper(out_dir=out, resume_step=3, numbers_only=True).close()  # rows of step 3 on moved aside
+    assert logged_row(out / "log.csv", 2) == kept[1] and logged_row(out / "log.csv", 3) is None
+    assert logged_row(out / "log.csv", 9) is None and logged_row(tmp_path / "nowhere.csv", 2) is None
+
+
 def test_wandb_gets_the_csv_step_numbers(monkeypatch):
     calls = []
 
