@@ -10,14 +10,16 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
+import zipfile
 from dataclasses import fields
 
 import torch
 
 from configurator import dataset_folder
 from model import ARCHITECTURE_CHOICES, GPT, GPTConfig
-from nanogns.runlog import atomic_write
+from nanogns.runlog import atomic_write, logged_row
 
 
 class CheckpointError(Exception):
@@ -41,13 +43,19 @@ REQUIRED_MODEL_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'
 
 
 def read_checkpoint(path, device='cpu'):
-    """The dict in a ckpt.pt, or CheckpointError if it is missing, damaged or not a training checkpoint."""
+    """The dict in a ckpt.pt, or CheckpointError if it is missing, damaged (its bytes do not match the
+    CRC-32s saved with them: damaged_record) or not a training checkpoint."""
     if not os.path.isfile(path):
         raise CheckpointError(f"there is no checkpoint at {path}")
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:  # truncated, empty, random bytes: torch and pickle raise many kinds
         raise CheckpointError(f"{path} cannot be read, it is damaged or not a checkpoint ({why(e)})") from None
+    damaged = damaged_record(path)
+    if damaged:
+        what = "the pickled values" if damaged.endswith('.pkl') else "a tensor's bytes"
+        raise CheckpointError(f"{path} is damaged: its record {damaged} ({what}) does not match the CRC-32 saved with "
+                              f"it; restore it from a copy, or start the run again")
     if not (isinstance(checkpoint, dict) and isinstance(checkpoint.get('model'), dict)
             and isinstance(checkpoint.get('model_args'), dict)):
         raise CheckpointError(f"{path} is not a training checkpoint (no 'model' and 'model_args' in it)")
@@ -55,6 +63,33 @@ def read_checkpoint(path, device='cpu'):
     if missing:
         raise CheckpointError(f"{path} lacks model_args {', '.join(missing)}; cannot rebuild its model")
     return checkpoint
+
+
+def damaged_record(path):
+    """
+    The name of the first record of the zip file torch.save wrote at path (data.pkl, then a file per
+    tensor storage, data/<n>) whose bytes do not match the CRC-32 written beside them, else None.
+    torch.save computes them as it writes (torch.serialization.get_crc32_options()), so a save pays
+    nothing more for them, but torch.load does not compare them: a file damaged in a tensor's bytes
+    loads without an error. None too where there is nothing to compare: a file written without them
+    (set_crc32_options(False): every CRC is 0) or not a zip file (torch's legacy format).
+    """
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError):
+        return None
+    with archive:
+        records = [info for info in archive.infolist() if info.file_size]
+        if not any(info.CRC for info in records):
+            return None
+        for info in records:
+            try:
+                with archive.open(info) as f:
+                    while f.read(1 << 24):  # zipfile compares the CRC-32 at the record's end
+                        pass
+            except (zipfile.BadZipFile, OSError, EOFError):  # (also a damaged local header)
+                return info.filename.split('/', 1)[-1]
+    return None
 
 
 def write_checkpoint(checkpoint, path):
@@ -153,7 +188,7 @@ def load_optimizer_state(checkpoint, optimizer, scaler, fsdp_model=None):
             _load_fsdp_optimizer_state(saved, fsdp_model, optimizer)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"the optimizer state does not fit this model ({why(e, 120)})") from None
-    if 'scaler' in checkpoint:
+    if checkpoint.get('scaler'):  # empty from a run without float16's scaler: a --dtype=float16 resume starts one afresh
         scaler.load_state_dict(checkpoint['scaler'])
 
 
@@ -178,17 +213,49 @@ ARCHITECTURE_ARGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'bias', 'vocab
 LAYOUT_ARGS = tuple(ARCHITECTURE_CHOICES) + ('tie_embeddings',)
 
 
-def resume_model(path, model_args, config, device='cpu'):
+def check_resume_flags(path, saved, model_args, places):
+    """
+    The notes, one line each, of a resume's architecture flags (model_args) that ask for another
+    value than the checkpoint's (its model_args, `saved`): a resume trains the checkpoint's model as
+    it is, so its value is used; a flag the run sets (places: configure()'s, the keys set in a file
+    or on the command line, and where) is said to be replaced, one left unset takes the checkpoint's
+    value without a word, as in nanoGPT. block_size, set or not, raises CheckpointError instead: it
+    is also the length of the batches, and the lengths in iterations were counted in tokens with it.
+    """
+    notes = []
+    for k in ARCHITECTURE_ARGS:
+        theirs = saved.get(k, getattr(GPTConfig, k) if k in LAYOUT_ARGS else None)
+        if k == 'vocab_size' or k not in model_args or theirs is None or _plain(model_args[k]) == _plain(theirs):
+            continue  # (the vocabulary is the dataset's: check_out_dir_model compares it)
+        where = places.get(k, ('the defaults', 0))[0]
+        where = {'the command line': 'set on the command line', 'the defaults': 'the default'}.get(where, f"set in {where}")
+        flag = lambda value: f"--{k}={value if isinstance(value, str) else repr(value)}"  # noqa: E731
+        if k == 'block_size':
+            raise CheckpointError(f"{flag(model_args[k])} ({where}), but {path} holds a model of block_size="
+                                  f"{theirs!r}, and a resume trains it as it is, on batches of its block_size; "
+                                  f"nothing was changed: resume with {flag(theirs)}, or train a model of "
+                                  f"{flag(model_args[k])} in another out_dir")
+        if k in places:
+            notes.append(f"{flag(model_args[k])} ({where}) is not {path}'s {k}={theirs!r}, which this resume uses: "
+                         f"a resume trains the checkpoint's model as it is")
+    return notes
+
+
+def resume_model(path, model_args, config, device='cpu', places=None):
     """
     --init_from=resume: (model, checkpoint) from the ckpt.pt at `path`, model_args updated in place
     with the checkpoint's architecture (nanoGPT's and the reference's lack the newer fields, which
     keep model_args' values, except LAYOUT_ARGS: GPTConfig's defaults, the layout those checkpoints
     hold, whatever the run asks for). `config` is the run's, for nanoGPT's checkpoints, which count no
-    tokens: they get their iterations of the step they were configured with. Build it inside the
-    layer config the run measures with. Raises CheckpointError, one line.
+    tokens: they get their iterations of the step they were configured with. places (train.py's:
+    where each key was set): the run's architecture flags are compared with the checkpoint's first
+    (check_resume_flags). Build it inside the layer config the run measures with. Raises
+    CheckpointError, one line.
     """
     checkpoint = read_checkpoint(path, device)
     saved = checkpoint['model_args']
+    for note in check_resume_flags(path, saved, model_args, places) if places is not None else ():
+        print(f"note: {note}")
     model_args.update({k: saved[k] for k in ARCHITECTURE_ARGS if k in saved})
     model_args.update({k: getattr(GPTConfig, k) for k in LAYOUT_ARGS if k not in saved})
     model = GPT(GPTConfig(**model_args))
@@ -296,7 +363,10 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
     describe, and one that reads the dataset's tokens: another model's checkpoint copied in must
     stop the resume before it cuts the log. config.json names the architecture and the vocabulary
     (one written before it recorded the model built names the flags, which the checkpoint's own
-    config holds too); log.csv's GNS columns name the parameters. Reads, never writes.
+    config holds too); log.csv's GNS columns name the parameters. Another run's checkpoint of the
+    same model must stop it too: config.json and the checkpoint's config keep the run's run_id
+    (run_identity), and the checkpoint the last row its run had logged (its log_row), which log.csv
+    must hold as it was. Files from before either was kept are not compared. Reads, never writes.
     """
     saved, then = checkpoint['model_args'], checkpoint.get('config') or {}
     path = os.path.join(out_dir, 'config.json')
@@ -313,6 +383,10 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
             raise CheckpointError(f"{out_dir}/ckpt.pt holds another model than {path} describes ({k} {saved[k]!r} in "
                                   f"ckpt.pt, {described[k]!r} in config.json); nothing was changed: move one of "
                                   f"them away or use another out_dir")
+    ours, described_run = then.get('run_id'), described.get('run_id') if isinstance(described, dict) else None
+    if ours and described_run and ours != described_run:
+        raise CheckpointError(f"{out_dir}/ckpt.pt is another run's (run_id {ours}) than {path} describes (run_id "
+                              f"{described_run}); nothing was changed: move one of them away or use another out_dir")
     if data_vocab_size is not None and data_vocab_size > saved['vocab_size']:
         raise CheckpointError(f"{out_dir}/ckpt.pt's model reads {saved['vocab_size']} tokens, the dataset has "
                               f"{data_vocab_size}: it is another model's checkpoint, or the wrong --dataset")
@@ -328,6 +402,22 @@ def check_out_dir_model(out_dir, checkpoint, data_vocab_size=None):
         raise CheckpointError(f"{out_dir}/log.csv measures {alien[0]}, which {out_dir}/ckpt.pt's model does not "
                               f"have: the checkpoint is another model's; nothing was changed: move one of them "
                               f"away or use another out_dir")
+    kept = checkpoint.get('log_row')
+    if isinstance(kept, dict) and isinstance(kept.get('cells'), dict):
+        found = logged_row(os.path.join(out_dir, 'log.csv'), kept.get('step'))
+        differ = [k for k, cell in kept['cells'].items() if found is not None and found.get(k, '') != cell]
+        if differ:
+            k = differ[0]
+            raise CheckpointError(f"{out_dir}/log.csv's row of step {kept['step']} is not the one {out_dir}/ckpt.pt's "
+                                  f"run logged ({k} {found.get(k, '')!r} there, {kept['cells'][k]!r} in ckpt.pt): "
+                                  f"they are two runs' files; nothing was changed: move one of them away or use "
+                                  f"another out_dir")
+
+
+def run_identity(checkpoint=None):
+    """train.py's run_id (in config.json and ckpt.pt's config): a resumed run's from its checkpoint, a new
+    random one for a new run, or for a checkpoint written before runs had one."""
+    return ((checkpoint or {}).get('config') or {}).get('run_id') or secrets.token_hex(8)
 
 
 def model_args_for(config, data_vocab_size=None):
@@ -338,14 +428,15 @@ def model_args_for(config, data_vocab_size=None):
     return model_args
 
 
-def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None):
+def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_size=None, places=None):
     """
     train.py's model and the checkpoint it resumes (None unless init_from='resume'): a new GPT of
     model_args ('scratch'), the one in out_dir/ckpt.pt ('resume', see resume_model) or OpenAI's
     GPT-2 weights ('gpt2*'), cropped to the run's block_size. model_args is updated in place with
-    the architecture built. A resume first checks that the checkpoint is out_dir's model
-    (check_out_dir_model; data_vocab_size: the dataset's vocabulary, if it says). Build it inside the layer config the run measures with. Raises
-    CheckpointError, one line.
+    the architecture built. A resume first compares the run's flags with the checkpoint's model
+    (places: where each key was set, see check_resume_flags), and checks that the checkpoint is out_dir's
+    model and run (check_out_dir_model; data_vocab_size: the dataset's vocabulary, if it says).
+    Build it inside the layer config the run measures with. Raises CheckpointError, one line.
     """
     checkpoint = None
     if init_from == 'scratch':
@@ -353,7 +444,7 @@ def init_model(init_from, model_args, config, out_dir, device='cpu', data_vocab_
         model = GPT(GPTConfig(**model_args))
     elif init_from == 'resume':
         print(f"Resuming training from {out_dir}")
-        model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device)
+        model, checkpoint = resume_model(os.path.join(out_dir, 'ckpt.pt'), model_args, config, device, places)
         check_out_dir_model(out_dir, checkpoint, data_vocab_size)
         if 'dataset' in config:
             check_same_dataset(out_dir, checkpoint, config['dataset'])
@@ -397,13 +488,14 @@ def eval_generator(seed, iter_num, split):
 
 
 def training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps, data_order_state,
-                       estimators, controller=None):
+                       estimators, controller=None, last_row=None):
     """
     What ckpt.pt holds beside the model's and the optimizer's state (save_training_state's run_state),
     read back on resume: the scaler's state (load_optimizer_state), the architecture and the config
     (resume_model), the counts (resumed_counts), the train batches' order (data_order), the GNS
     estimators' states (gnstracking.load_states) and the batch-size controller's, if the run has one
-    (schedules.controller_for_run).
+    (schedules.controller_for_run); last_row, the log's last row (LogWrapper.last_row), for
+    check_out_dir_model.
     """
     import nanogns.estimators.exact as gnstracking  # here: sample.py reads checkpoints without the estimators
     run_state = {'scaler': scaler.state_dict(), 'model_args': model_args, 'iter_num': iter_num,
@@ -412,6 +504,8 @@ def training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonf
     gnstracking.save_states(estimators, run_state)
     if controller is not None:
         run_state['bs_controller'] = controller.state_dict()
+    if last_row is not None:
+        run_state['log_row'] = {'step': last_row[0], 'cells': last_row[1]}
     return run_state
 
 

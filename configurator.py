@@ -406,7 +406,8 @@ def configure_train(argv, config, doc=""):
     checked (check_train_config()) before anything runs: bad input is one line and exit code 2,
     and from here on every warning (a resumed log's missing rows, a schedule edit refused) is one
     line too. Where each key was set goes along, so that a later place's length replaces an
-    earlier one's other unit."""
+    earlier one's other unit; it is returned ({key: (where, position)}, configure()'s places), for
+    a resume's check of the architecture flags set against the checkpoint's."""
     warnings.formatwarning = lambda message, *args, **kwargs: f"warning: {message}\n"
     places = {}
     try:
@@ -414,6 +415,7 @@ def configure_train(argv, config, doc=""):
     except ConfigError as e:
         die(str(e))
     check_train_config(config, places)
+    return places
 
 
 def _checked(key, value, default, shown):

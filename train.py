@@ -21,14 +21,14 @@ import torch
 
 import nanogns.estimators.exact as gnstracking
 from checkpoint import (CheckpointError, data_order, eval_generator, init_model, load_optimizer_state, model_args_for,
-                        resumed_counts, save_training_state, step_seed, training_run_state)
+                        resumed_counts, run_identity, save_training_state, step_seed, training_run_state)
 from configurator import check_resources, configure_train, dataset_vocab_size, die
 from nanogns.layers import choose_linear_norm_methods, layer_kinds, linear_norm_methods, set_per_example_mode
 from nanogns.layers.config import classes_for_flags, set_contextual_config
 from model import clip_unscaled, fully_shard_gpt, grad_scaler, gradient_norm, step_unless_nonfinite
 from nanogns.pending import PendingSteps
 from nanogns.schedules import lr_at, step_sizes_for_run
-from nanogns.stopping import StopSignals, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
+from nanogns.stopping import StopSignals, checkpoint_after, diverged_message, leave, log_step_or_stop, stop_early, stopped_message
 from nanogns.runlog import OutDirInUse, lock_out_dir, log_for_run
 
 # -----------------------------------------------------------------------------
@@ -117,7 +117,7 @@ config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str, list, type(None)))]
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
-configure_train(sys.argv[1:], config, __doc__)  # every value checked before anything runs: bad input is one line and exit 2
+places = configure_train(sys.argv[1:], config, __doc__)  # every value checked before anything runs: bad input is one line and exit 2
 globals().update(config)
 # the device, the prepared data (a block from each split), and room for the model and a micro-batch: or exit 2
 device_type, data_dir = check_resources(config, root=os.path.dirname(os.path.abspath(__file__)))
@@ -172,14 +172,14 @@ def get_batch(split, rng=None):
 
 meta_vocab_size = dataset_vocab_size(data_dir)  # from meta.pkl (character-level datasets), else None
 model_args = model_args_for(config, meta_vocab_size)  # the flags named after GPTConfig's fields, and vocab_size
-# from scratch, from out_dir/ckpt.pt (its architecture, and weights from nanoGPT's and the reference's
-# checkpoints too) or from OpenAI's GPT-2, with the layer classes the flags choose
+# from scratch, from out_dir/ckpt.pt (nanoGPT's and the reference's too) or OpenAI's GPT-2, in the layer classes the flags choose
 with set_contextual_config(**classes_for_flags(linearclass=linearclass, embeddingclass=embeddingclass, lnclass=lnclass)):
     try:
-        model, checkpoint = init_model(init_from, model_args, config, out_dir, device, data_vocab_size=meta_vocab_size)
+        model, checkpoint = init_model(init_from, model_args, config, out_dir, device, meta_vocab_size, places)
     except (CheckpointError, TypeError, ValueError) as e:
         die(f"--init_from={init_from}: {e}")
-config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'})  # config.json names the model built
+# config.json names the model built, and the run: a resume checks that ckpt.pt and config.json are the same run's
+config.update({k: v for k, v in model_args.items() if k in config or k == 'vocab_size'}, run_id=run_identity(checkpoint))
 set_per_example_mode(model, per_example_mode)
 iter_num, best_val_loss, nonfinite_steps = resumed_counts(checkpoint)  # nonfinite_steps: steps in a row skipped, not finite
 model.to(device)
@@ -220,7 +220,7 @@ try:  # the master's out_dir/log.csv (a row per iteration, crash-safe), config.j
 except (ValueError, OSError) as e:
     die(f"--init_from=resume: {e}" if init_from == 'resume' else str(e))
 params = [p for p in raw_model.parameters() if p.requires_grad]
-last_checkpoint = f"iter {iter_num}" if init_from == 'resume' else "nothing (none was written)"
+last_checkpoint = checkpoint_after(iter_num) if init_from == 'resume' else "nothing (none was written)"
 tokens_processed = int(raw_model.tokens_processed)  # a host copy of the model's buffer: reading that would sync
 local_iter_num = 0  # iterations of this process (MFU skips the first, slow ones)
 signals = StopSignals(announce=master_process, checkpoint_held=lambda: last_checkpoint, distributed=ddp)
@@ -264,11 +264,11 @@ def save_checkpoint():
     """ckpt.pt, never from non-finite weights; a failed write (a full disk) stops the run."""
     global last_checkpoint
     flush_steps()  # the estimators' states and the non-finite count up to this step
-    run_state = training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps,
-                                   data_order_state, estimators, schedule if bs_controller == 'gns' else None)
+    run_state = training_run_state(scaler, model_args, config, iter_num, best_val_loss, nonfinite_steps, data_order_state,
+                                   estimators, schedule if bs_controller == 'gns' else None, logger and logger.last_row())
     try:  # FSDP: every rank takes part in gathering the full state onto rank 0, which alone writes it
         if save_training_state(os.path.join(out_dir, 'ckpt.pt'), raw_model, optimizer, run_state, fsdp, master_process):
-            last_checkpoint = f"iter {iter_num}"
+            last_checkpoint = checkpoint_after(iter_num)
         elif master_process:
             print(f"not saving a checkpoint: the weights are not finite; ckpt.pt keeps {last_checkpoint}")
     except CheckpointError as e:
@@ -370,7 +370,7 @@ while eval_only or not finished(tokens_processed, iter_num):
             save_checkpoint()
         if ddp:  # torchrun stops the other ranks once one exits: none leaves before ckpt.pt is written
             torch.distributed.barrier()
-        stop_early(stopped_message(signals.received, iter_num, tokens_processed, last_checkpoint, ddp), 128 + signals.received, logger, ddp)
+        stop_early(stopped_message(signals.received, iter_num - 1, tokens_processed, last_checkpoint, ddp), 128 + signals.received, logger, ddp)
 
 if master_process:
     logger.close()

@@ -298,6 +298,7 @@ class LogWrapper:
         self._fd = None          # log.csv opened O_APPEND once it is ours
         self._size = 0           # bytes of complete rows in log.csv: a failed append is cut back to it
         self._header_keys = 0    # columns after `step` in log.csv's header
+        self._last_line = None   # the last row written, and how many keys it had columns for: last_row()
         self._missing_warned = set()
         if out_dir is not None:
             os.makedirs(out_dir, exist_ok=True)
@@ -386,14 +387,25 @@ class LogWrapper:
 
     # -- the CSV --------------------------------------------------------------------------------
 
+    def last_row(self):
+        """(step, {column: cell}) of the last row written to log.csv, its non-empty cells as the file holds
+        them; None before the first. A checkpoint keeps it, so that a resume can tell whether the log
+        in its out_dir is the one its run wrote (logged_row)."""
+        if self._last_line is None:
+            return None
+        line, width = self._last_line
+        cells = _cells(line)
+        return int(cells[0]), {k: c for k, c in zip(self.ordered_keys[:width], cells[1:]) if c != ""}
+
     def _write_row(self, step, row):
         line = _csv_line([step] + [row.get(k, "") for k in self.ordered_keys])
         if not self._owns_file or len(self.ordered_keys) > self._header_keys:
             self._rewrite(line)
-            return
-        if self._fd is None:  # after close()
-            self._open_for_append()
-        self._size = _append_file(self._fd, self._size, line, self.path, f"appending the row of step {step}")
+        else:
+            if self._fd is None:  # after close()
+                self._open_for_append()
+            self._size = _append_file(self._fd, self._size, line, self.path, f"appending the row of step {step}")
+        self._last_line = (line, len(self.ordered_keys))
 
     def _open_for_append(self):
         try:
@@ -595,6 +607,24 @@ class LogWrapper:
         return matches[0] if matches else None
 
 
+def logged_row(path, step):
+    """{column: cell} of the first complete row of `step` in the log at path (cells as the file holds
+    them, empty ones left out), or None where it has no such row or cannot be read. Reads, never writes."""
+    prefix = f"{step},".encode()
+    try:
+        with open(path, "rb") as f:
+            header = _cells(f.readline())
+            for _, _, raw, complete in _records(f):
+                if complete and raw.startswith(prefix):
+                    cells = _cells(raw)
+                    if not header or cells is None:
+                        return None
+                    return {k: c for k, c in zip(header[1:], cells[1:]) if c != ""}
+    except OSError:
+        return None
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # The reference implementation's names (exact/tracker.py)
 
@@ -623,6 +653,21 @@ class OutDirTaken(OutDirInUse, FileExistsError):
     and a FileExistsError for callers that catch that."""
 
 
+class OutDirNotWritable(OutDirInUse, PermissionError):
+    """out_dir cannot be written (its permissions, a read-only file system): an OutDirInUse, and a
+    PermissionError for callers that catch that."""
+
+
+def not_writable(out_dir, error=None):
+    """OutDirNotWritable for out_dir: a read-only file system, or permissions (error: the OSError met)."""
+    if error is not None:
+        read_only = error.errno == errno.EROFS
+    else:
+        read_only = os.statvfs(out_dir).f_flag & os.ST_RDONLY
+    reason = "a read-only file system" if read_only else "permission denied"
+    return OutDirNotWritable(f"{out_dir} cannot be written ({reason}): make it writable, or use another out_dir")
+
+
 # what a run of train.py leaves in its out_dir (grad_accum_schedule.txt stays: the user edits it)
 RUN_FILES = ("log.csv", "log.csv.rejected", "ckpt.pt", "config.json", "layer_kinds.json", "linear_norm_methods.json")
 
@@ -635,7 +680,8 @@ def lock_out_dir(out_dir, set_aside=False, holder="train.py"):
     dies, so a lock left by a killed run is simply taken over (the file names its last holder; a
     process that exits by itself, a torchrun rank through stopping.leave too, empties it at exit).
     Creates out_dir if need be. Returns the open lock file (keep it: closing it releases the lock),
-    saying which holder it takes over, or raises OutDirInUse, whose message is one line.
+    saying which holder it takes over, or raises OutDirInUse, whose message is one line
+    (OutDirNotWritable where out_dir cannot be written).
     set_aside (a fresh run): an earlier run's files are moved into out_dir/previous-run-<time>/
     first, with a note, rather than written over (set_aside_previous_run).
     holder: what holds the lock, named to whoever finds it taken ("train.py", "GNSMeter"). The
@@ -650,8 +696,15 @@ def lock_out_dir(out_dir, set_aside=False, holder="train.py"):
     try:
         os.makedirs(out_dir, exist_ok=True)
         f = open(os.path.join(out_dir, "train.lock"), "a+")
+    except PermissionError as e:
+        raise not_writable(out_dir, e) from None
     except OSError as e:
+        if e.errno == errno.EROFS:
+            raise not_writable(out_dir, e) from None
         raise OutDirInUse(f"{out_dir}: cannot write there ({e.strerror or e})") from None
+    if not os.access(out_dir, os.W_OK | os.X_OK):  # train.lock, left by a run, may be writable where out_dir is not
+        f.close()
+        raise not_writable(out_dir)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -98,15 +98,21 @@ class StopSignals:
         return agreed
 
 
-def stopped_message(signum, iter_num, tokens, checkpoint_held, distributed):
-    """The one line a run stopped by a signal ends with: where it stopped and how to go on (with
-    --init_from=resume, or from the start when no checkpoint was written)."""
-    resumable = checkpoint_held.startswith('iter')
+def checkpoint_after(iter_num):
+    """What a ckpt.pt saved after iter_num steps holds, named as log.csv and the status lines name steps:
+    the state after its last step, iter_num - 1."""
+    return f"the state after iter {iter_num - 1}" if iter_num > 0 else "the state before iter 0"
+
+
+def stopped_message(signum, last_iter, tokens, checkpoint_held, distributed):
+    """The one line a run stopped by a signal ends with: the last step it ran (and logged), and how to
+    go on (with --init_from=resume, or from the start when no checkpoint was written)."""
+    resumable = not checkpoint_held.startswith('nothing')
     argv = [a for a in sys.argv if not (resumable and a.startswith('--init_from='))]
     command = "the torchrun command that started it" if distributed else "python " + ' '.join(map(shlex.quote, argv))
     go_on = (f"{command}{', with' if distributed else ''} --init_from=resume" if resumable
              else f"nothing to resume from, start again: {command}")
-    return (f"stopped by {signal.Signals(signum).name} after iter {iter_num} ({tokens:,} tokens); "
+    return (f"stopped by {signal.Signals(signum).name} after iter {last_iter} ({tokens:,} tokens); "
             f"ckpt.pt holds {checkpoint_held}; to go on: {go_on}")
 
 

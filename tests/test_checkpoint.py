@@ -151,6 +151,96 @@ def test_save_training_state_writes_only_finite_weights_and_only_from_the_writer
     assert read_checkpoint(path)['iter_num'] == 7 and sorted(p.name for p in tmp_path.iterdir()) == ['ckpt.pt']
 
 
+def saved_training_state(path):
+    """A small GPT's checkpoint as train.py writes it (save_training_state), after one AdamW step."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CFG))
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 'cpu')
+    model(torch.randint(0, 65, (2, 16)), torch.randint(0, 65, (2, 16)))[1].backward()
+    optimizer.step()
+    assert save_training_state(path, model, optimizer, {'iter_num': 7, 'model_args': asdict(model.config),
+                                                        'best_val_loss': 1.2345})
+    return torch.load(path, weights_only=False)
+
+
+def flipped(data, offset, count=64):
+    """data with `count` bytes from `offset` on XORed with 0xFF."""
+    return data[:offset] + bytes(b ^ 0xFF for b in data[offset:offset + count]) + data[offset + count:]
+
+
+def test_a_checkpoint_damaged_in_its_tensors_or_values_is_refused(tmp_path):
+    """torch.load does not compare the CRC-32s that torch.save writes beside each record: a file
+    damaged in a tensor's bytes loaded, and a resume trained on from the damaged weights or moments."""
+    import struct
+    path = tmp_path / 'ckpt.pt'
+    saved = saved_training_state(str(path))
+    good = path.read_bytes()
+    assert read_checkpoint(str(path))['iter_num'] == 7
+    path.write_bytes(flipped(good, len(good) // 2))  # the middle of the file: some tensor's bytes
+    with pytest.raises(CheckpointError, match=re.escape(f"{path} is damaged: its record data/") + r"\d+ " +
+                       re.escape("(a tensor's bytes) does not match the CRC-32 saved with it")):
+        read_checkpoint(str(path))
+    # an optimizer moment (the run went NaN, and stopped blaming the learning rate)
+    moment = max((s['exp_avg_sq'] for s in saved['optimizer']['state'].values()), key=torch.numel)
+    path.write_bytes(flipped(good, good.index(moment.numpy().tobytes())))
+    with pytest.raises(CheckpointError, match=re.escape("(a tensor's bytes) does not match")):
+        read_checkpoint(str(path))
+    # a value that is not a tensor: a float in data.pkl, which unpickles all the same
+    value = good.index(struct.pack('>d', 1.2345))
+    path.write_bytes(flipped(good, value + 6, 1))
+    assert torch.load(path, weights_only=False)['best_val_loss'] != 1.2345
+    with pytest.raises(CheckpointError, match=re.escape("its record data.pkl (the pickled values) does not match")):
+        read_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("written", ["without CRC-32s", "in torch's legacy format"])
+def test_a_checkpoint_with_nothing_to_compare_is_read_as_it_is(tmp_path, written):
+    """Not damage: torch.save's CRC-32s switched off (every one is 0), or a file that is not a zip."""
+    path = tmp_path / 'ckpt.pt'
+    state = {'model': {'w': torch.ones(3)}, 'model_args': {k: 1 for k in ('n_layer', 'n_head', 'n_embd', 'block_size',
+                                                                             'vocab_size')}}
+    if written == "without CRC-32s":
+        torch.serialization.set_crc32_options(False)
+        try:
+            torch.save(state, path)
+        finally:
+            torch.serialization.set_crc32_options(True)
+    else:
+        torch.save(state, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(read_checkpoint(str(path))['model']['w'], torch.ones(3))
+
+
+def test_a_resume_trains_the_checkpoints_architecture_saying_so_and_refuses_another_block_size(tmp_path, capsys):
+    torch.manual_seed(0)
+    run_args = dict(GPTConfig(**CFG).__dict__, dropout=0.0)
+    path = tmp_path / 'ckpt.pt'
+    save_run(GPT(GPTConfig(**run_args)), str(path), dict(run_args))
+    config = {'block_size': 16}
+    # another value: the checkpoint's is used, as before; set in a file or on the command line, in one line each
+    asked = dict(run_args, n_layer=5, n_embd=64, norm='rmsnorm', tie_embeddings=False)
+    places = {'n_layer': ('the command line', 2), 'n_embd': ('config/x.py', 0), 'norm': ('the command line', 3)}
+    capsys.readouterr()
+    resumed, _ = init_model('resume', asked, config, str(tmp_path), places=places)
+    assert resumed.config == GPTConfig(**run_args) and asked['n_layer'] == 2 and asked['tie_embeddings'] is True
+    notes = [line for line in capsys.readouterr().out.splitlines() if "which this resume uses" in line]
+    assert notes == [f"note: --n_layer=5 (set on the command line) is not {path}'s n_layer=2, which this resume uses: "
+                     f"a resume trains the checkpoint's model as it is",
+                     f"note: --n_embd=64 (set in config/x.py) is not {path}'s n_embd=32, which this resume uses: "
+                     f"a resume trains the checkpoint's model as it is",
+                     f"note: --norm=rmsnorm (set on the command line) is not {path}'s norm='layernorm', which this "
+                     f"resume uses: a resume trains the checkpoint's model as it is"]  # tie_embeddings: not set
+    # the block_size, set or not: it is also the batches' length; refused in one line before anything is built
+    for value, where, said in [(32, ('the command line', 1), "--block_size=32 (set on the command line)"),
+                               (8, ('config/x.py', 1), "--block_size=8 (set in config/x.py)"),
+                               (1024, None, "--block_size=1024 (the default)")]:
+        with pytest.raises(CheckpointError) as e:
+            init_model('resume', dict(run_args, block_size=value), {'block_size': value}, str(tmp_path),
+                       places={'block_size': where} if where else {})
+        assert str(e.value) == (f"{said}, but {path} holds a model of block_size=16, and a resume trains it as it "
+                                f"is, on batches of its block_size; nothing was changed: resume with --block_size=16, "
+                                f"or train a model of --block_size={value} in another out_dir")
+
+
 def test_model_args_are_the_flags_named_after_gptconfigs_fields_with_the_datasets_vocabulary():
     from checkpoint import model_args_for
     flags = dict(n_layer=2, n_head=2, n_embd=32, norm='rmsnorm', learning_rate=6e-4, out_dir='out')
@@ -228,6 +318,20 @@ def test_an_unfused_optimizers_state_loads_into_the_fused_step_and_steps_as_it_w
         old_optimizer.step()
         for p, q in zip(model.parameters(), old_model.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_float32_runs_checkpoint_resumes_in_float16_with_a_fresh_scaler():
+    """--dtype=float16 on resume of a float32 run's checkpoint, whose disabled GradScaler saved an empty
+    state: GradScaler.load_state_dict raised 'The source state dict is empty', a traceback."""
+    from checkpoint import load_optimizer_state
+    model, optimizer = _adamw_after(1, [torch.randn_like(p) for p in GPT(GPTConfig(**CFG)).parameters()], fused=True)
+    checkpoint = {'optimizer': optimizer.state_dict(), 'scaler': torch.amp.GradScaler('cpu', enabled=False).state_dict()}
+    scaler = torch.amp.GradScaler('cpu', init_scale=1024.0)
+    load_optimizer_state(checkpoint, optimizer, scaler)
+    assert scaler.get_scale() == 1024.0
+    float16_run = torch.amp.GradScaler('cpu', init_scale=512.0).state_dict()
+    load_optimizer_state({**checkpoint, 'scaler': float16_run}, optimizer, scaler)
+    assert scaler.get_scale() == 512.0  # a float16 run's own scale goes on
 
 
 def test_the_step_never_hands_found_inf_to_an_optimizer_that_cannot_take_it():

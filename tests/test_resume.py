@@ -200,10 +200,10 @@ def test_a_compiled_run_chooses_each_linears_method_before_compiling_and_keeps_i
 
 @pytest.fixture(scope="module")
 def short_runs(tiny_dataset, tmp_path_factory):
-    """{name: out_dir} after 6 steps (checkpoint at 6, GNS columns): 'ours', and two other models,
-    'block_size' and 'n_layer', each run on first use."""
+    """{name: out_dir} after 6 steps (checkpoint at 6, GNS columns): 'ours', two other models,
+    'block_size' and 'n_layer', and another run of our model, 'seed 7', each run on first use."""
     from conftest import OnFirstUse
-    others = {"ours": [], "block_size": ["--block_size=8"], "n_layer": ["--n_layer=1"]}
+    others = {"ours": [], "block_size": ["--block_size=8"], "n_layer": ["--n_layer=1"], "seed 7": ["--seed=7"]}
 
     def make(name, folder):
         run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--max_iters=6", "--lnclass=shim",
@@ -233,6 +233,84 @@ def test_another_models_checkpoint_stops_the_resume_and_leaves_everything_as_it_
     err = stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "another model" in err[0], stderr
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "train.lock"} == before
+
+
+def files_in(out):
+    return {f.name: f.read_bytes() for f in out.iterdir() if f.is_file() and f.name != "train.lock"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("copied", [["ckpt.pt"], ["ckpt.pt", "config.json"]], ids=["ckpt.pt", "ckpt.pt and config.json"])
+def test_another_runs_checkpoint_stops_the_resume_and_leaves_everything_as_it_was(tiny_dataset, short_runs, tmp_path,
+                                                                                copied):
+    """The checkpoint of a --seed=7 run of the same model copied into a seed-1337 out_dir resumed, its
+    rows mixed with the other run's in log.csv under a config.json of the other run; copied with its
+    config.json too, the log alone is the other run's."""
+    theirs = short_runs["seed 7"]
+    out = tmp_path / "out"
+    shutil.copytree(short_runs["ours"], out)
+    for name in copied:
+        shutil.copy(theirs / name, out / name)
+    before = files_in(out)
+    code, stderr = resume(tiny_dataset, out, "--max_iters=8")
+    assert code == 2, stderr
+    err = stderr.strip().splitlines()
+    said = (f"{out}/ckpt.pt is another run's (run_id " if copied == ["ckpt.pt"] else
+            f"{out}/log.csv's row of step 5 is not the one {out}/ckpt.pt's run logged (")
+    assert len(err) == 1 and err[0].startswith(f"error: --init_from=resume: {said}") and "nothing was changed" in err[0], \
+        stderr
+    assert files_in(out) == before
+
+
+@pytest.mark.slow
+def test_an_out_dir_from_before_run_identities_resumes_and_then_keeps_one(tiny_dataset, short_runs, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(short_runs["ours"], out)
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    del ckpt["log_row"], ckpt["config"]["run_id"]
+    torch.save(ckpt, out / "ckpt.pt")
+    config = json.loads((out / "config.json").read_text())
+    del config["run_id"]
+    (out / "config.json").write_text(json.dumps(config))
+    code, stderr = resume(tiny_dataset, out, "--max_iters=7")
+    assert code == 0, stderr
+    resumed = torch.load(out / "ckpt.pt", weights_only=False)
+    assert resumed["config"]["run_id"] == json.loads((out / "config.json").read_text())["run_id"]
+    assert resumed["log_row"]["step"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--block_size=32", "--block_size=8"])
+def test_a_resume_with_another_block_size_stops_before_it_changes_anything(tiny_dataset, short_runs, tmp_path, flag):
+    """--block_size=32 on a block-16 checkpoint crashed at the first evaluation (a traceback), after it had
+    rewritten config.json (and moved the rows after the checkpoint to log.csv.rejected)."""
+    out = tmp_path / "out"
+    shutil.copytree(short_runs["ours"], out)
+    before = files_in(out)
+    code, stderr = resume(tiny_dataset, out, "--max_iters=8", flag)
+    assert code == 2, stderr
+    assert stderr.strip().splitlines() == [
+        f"error: --init_from=resume: {flag} (set on the command line), but {out}/ckpt.pt holds a model of block_size=16, "
+        f"and a resume trains it as it is, on batches of its block_size; nothing was changed: resume with "
+        f"--block_size=16, or train a model of {flag} in another out_dir"], stderr
+    assert files_in(out) == before
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_architecture_trains_the_checkpoints_saying_so(tiny_dataset, short_runs, tmp_path):
+    """--n_layer=3 --n_embd=64 --bias=True on a resume went on with the checkpoint's 2 layers of 32 without biases,
+    without a word."""
+    out = tmp_path / "out"
+    shutil.copytree(short_runs["ours"], out)
+    p = run_train(*TINY, f"--dataset={tiny_dataset}", "--eval_interval=3", "--lnclass=shim", f"--out_dir={out}",
+                  "--init_from=resume", "--max_iters=8", "--n_layer=3", "--n_embd=64", "--bias=True")
+    notes = [line for line in p.stdout.splitlines() if "which this resume uses" in line]
+    assert notes == [f"note: --{k}={mine} (set on the command line) is not {out}/ckpt.pt's {k}={theirs}, which this "
+                     f"resume uses: a resume trains the checkpoint's model as it is"
+                     for k, mine, theirs in (("n_layer", 3, 2), ("n_embd", 64, 32), ("bias", True, False))], p.stdout
+    saved = torch.load(out / "ckpt.pt", weights_only=False)
+    assert saved["iter_num"] == 8 and (saved["model_args"]["n_layer"], saved["model_args"]["n_embd"]) == (2, 32)
+    assert json.loads((out / "config.json").read_text())["n_layer"] == 2  # config.json names the model trained
 
 
 @pytest.mark.slow

@@ -1,8 +1,10 @@
+import contextlib
 import csv
 import errno
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -326,6 +328,27 @@ def test_config_json_is_rewritten_on_resume_and_takes_any_value(tmp_path):
     LogWrapper(out_dir=out, config={"lr": 1}).close()
     LogWrapper(out_dir=out, config={"lr": 2, "dtype": torch.float16}, resume_step=0).close()
     assert json.loads((out / "config.json").read_text()) == {"lr": 2, "dtype": "torch.float16", WRITER_KEY: WRITER}
+
+
+def test_the_last_row_written_is_read_back_from_the_log_as_the_file_holds_it(tmp_path):
+    """A checkpoint keeps LogWrapper.last_row(); a resume finds that row in log.csv (logged_row) whatever
+    was rewritten since: a longer header pads the older rows, a resume cuts the ones after it."""
+    from nanogns.runlog import logged_row
+    out = tmp_path / "out"
+    log = LogWrapper(out_dir=out, numbers_only=True)
+    assert log.last_row() is None
+    for step in range(3):
+        log.log({"iter_num": step, "train/lossf": 1 / (step + 1), **({"grad_norm": 0.1 + 0.2} if step else {})})
+        log.step()
+    kept = log.last_row()
+    assert kept == (2, {"iter_num": "2", "train/lossf": repr(1 / 3), "grad_norm": repr(0.1 + 0.2)})
+    log.log({"iter_num": 3, "val/loss": 2.5})  # a new column: the file is rewritten, its rows padded
+    log.step()
+    log.close()
+    assert logged_row(out / "log.csv", 2) == kept[1] and logged_row(out / "log.csv", 3) == {"iter_num": "3", "val/loss": "2.5"}
+    LogWrapper(out_dir=out, resume_step=3, numbers_only=True).close()  # rows of step 3 on moved aside
+    assert logged_row(out / "log.csv", 2) == kept[1] and logged_row(out / "log.csv", 3) is None
+    assert logged_row(out / "log.csv", 9) is None and logged_row(tmp_path / "nowhere.csv", 2) is None
 
 
 def test_wandb_gets_the_csv_step_numbers(monkeypatch):
@@ -900,6 +923,57 @@ def test_an_out_dir_that_is_a_link_to_nothing_or_under_a_file_is_said_to_be_so(t
     with pytest.raises(tracker_module.OutDirInUse, match=re.escape(f"{tmp_path / 'file'} is not a directory")):
         tracker_module.lock_out_dir(str(tmp_path / "file" / "run"))
     assert not (tmp_path / "gone").exists()
+
+
+@contextlib.contextmanager
+def unwritable(folder):
+    """folder made unwritable for this process and its children: its mode (r-x) for a user, and for root,
+    whom modes do not stop, also the immutable attribute (chattr +i), where the file system has one;
+    where it has none, a test run as root is skipped, saying so."""
+    os.chmod(folder, 0o555)
+    immutable = False
+    try:
+        if os.geteuid() == 0:
+            made = shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+            if not made or made.returncode:
+                pytest.skip(f"run as root, whom modes do not stop, and {folder} cannot be made immutable "
+                            f"({made.stderr.strip() if made else 'no chattr'})")
+            immutable = True
+        yield
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        os.chmod(folder, 0o755)
+
+
+@pytest.mark.parametrize("holds", ["an earlier run", "the lock of an earlier run", "nothing, out_dir to be made"])
+def test_an_out_dir_that_cannot_be_written_is_said_to_be_so(tmp_path, holds):
+    """A read-only out_dir was 'in use', or held 'an earlier run that could not be moved aside' (resume
+    it, said the message, which failed again), or with its lock file writable, taken, to fail later."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "log.csv").write_text("step,x\n0,1\n")
+    if holds == "the lock of an earlier run":  # left by the run, writable: the folder is not
+        (out / "train.lock").write_text("")
+    target = out / "run" if holds.startswith("nothing") else out
+    before = sorted(os.listdir(out))
+    with unwritable(out):
+        with pytest.raises(tracker_module.OutDirNotWritable) as e:
+            tracker_module.lock_out_dir(str(target), set_aside=holds == "an earlier run")
+    assert str(e.value) == f"{target} cannot be written (permission denied): make it writable, or use another out_dir"
+    assert isinstance(e.value, tracker_module.OutDirInUse) and isinstance(e.value, PermissionError)
+    assert sorted(os.listdir(out)) == before
+
+
+def test_an_out_dir_on_a_read_only_file_system_is_said_to_be_so(tmp_path, monkeypatch):
+    """What a read-only mount answers, which stops root too (access() false, statvfs's ST_RDONLY)."""
+    class ReadOnly:
+        f_flag = os.ST_RDONLY
+    monkeypatch.setattr(tracker_module.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(tracker_module.os, "statvfs", lambda path: ReadOnly())
+    with pytest.raises(tracker_module.OutDirNotWritable) as e:
+        tracker_module.lock_out_dir(str(tmp_path))
+    assert str(e.value) == f"{tmp_path} cannot be written (a read-only file system): make it writable, or use another out_dir"
 
 
 class DiskFullOnFlush:

@@ -9,7 +9,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from nanogns.stopping import StopSignals, diverged_message, log_step_or_stop, stopped_message  # noqa: E402
+from nanogns.stopping import StopSignals, checkpoint_after, diverged_message, log_step_or_stop, stopped_message  # noqa: E402
 
 
 @pytest.fixture
@@ -50,8 +50,8 @@ def test_a_second_signal_exits_at_once_saying_what_ckpt_pt_keeps():
 
 def test_the_stopped_message_gives_the_resume_command(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["train.py", "config/x.py", "--init_from=scratch", "--out_dir=a b"])
-    line = stopped_message(signal.SIGTERM, 12, 34567, "iter 12", distributed=False)
-    assert line == ("stopped by SIGTERM after iter 12 (34,567 tokens); ckpt.pt holds iter 12; "
+    line = stopped_message(signal.SIGTERM, 11, 34567, checkpoint_after(12), distributed=False)
+    assert line == ("stopped by SIGTERM after iter 11 (34,567 tokens); ckpt.pt holds the state after iter 11; "
                     "to go on: python train.py config/x.py '--out_dir=a b' --init_from=resume")
     assert "torchrun command" in stopped_message(signal.SIGINT, 1, 1, "nothing", distributed=True)
 
@@ -231,12 +231,12 @@ def test_a_preempted_torchrun_run_stops_every_rank_after_the_same_step_with_its_
         _, stderr = proc.communicate(timeout=120)
     finally:
         end_all(proc, ranks)
-    stopped = re.findall(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds iter (\d+)", stderr)
+    stopped = re.findall(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds the state after iter (\d+)", stderr)
     assert len(stopped) == 1 and stopped[0][0] == stopped[0][1], stderr[-3000:]
     assert "again: stopping now" not in stderr, stderr[-3000:]
-    done = int(stopped[0][0])
-    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == done
-    assert pd.read_csv(out / "log.csv").step.tolist() == list(range(done))
+    last = int(stopped[0][0])  # the last step run, logged and checkpointed
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == last + 1
+    assert pd.read_csv(out / "log.csv").step.tolist() == list(range(last + 1))
 
 
 # train.py's import of numpy waits 30 s, having said so: a Ctrl-C lands inside the imports

@@ -445,14 +445,24 @@ def one_step_run(tiny_dataset, tmp_path_factory):
     return made_once(tmp_path_factory, "one_step", make) / "out"
 
 
+def flipped(data, offset, count=64):
+    """data with `count` bytes from `offset` on XORed with 0xFF."""
+    return data[:offset] + bytes(b ^ 0xFF for b in data[offset:offset + count]) + data[offset + count:]
+
+
 @pytest.mark.parametrize("damage", ["truncated", "empty", "random bytes", "not a checkpoint", "wrong model",
-                                    "non-finite weights"])
+                                    "non-finite weights", "64 bytes flipped in the middle", "a moment's bytes flipped"])
 def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, tmp_path, damage):
     out = tmp_path / "out"
     shutil.copytree(one_step_run, out)
     path = out / "ckpt.pt"
     good = path.read_bytes()
-    if damage == "truncated":
+    if damage == "64 bytes flipped in the middle":  # trained on from damaged weights, without a word
+        path.write_bytes(flipped(good, len(good) // 2))
+    elif damage == "a moment's bytes flipped":  # NaN moments: the run diverged, blaming the learning rate
+        moments = [s["exp_avg_sq"] for s in torch.load(path, weights_only=False)["optimizer"]["state"].values()]
+        path.write_bytes(flipped(good, good.index(max(moments, key=torch.numel).numpy().tobytes())))
+    elif damage == "truncated":
         path.write_bytes(good[:len(good) // 2])
     elif damage == "empty":
         path.write_bytes(b"")
@@ -468,12 +478,15 @@ def test_resume_on_a_damaged_checkpoint_is_one_line(tiny_dataset, one_step_run, 
         ckpt = torch.load(path, weights_only=False)
         ckpt["model"]["transformer.wpe.weight"] = torch.zeros(99, 32)
         torch.save(ckpt, path)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"}
     code, stderr = train_until_exit(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}",
                                     "--init_from=resume", "--max_iters=2")
     assert code == 2
     err = stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --init_from=resume:") and "ckpt.pt" in err[0], stderr
     assert damage != "non-finite weights" or "ckpt.pt: the checkpoint holds non-finite weights" in err[0], stderr
+    assert "flipped" not in damage or f"{path} is damaged: its record data/" in err[0], stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"} == before
 
 
 @pytest.mark.parametrize("checkpoint_kind", ["fingerprinted", "older, named only"])
@@ -501,6 +514,23 @@ def test_resume_on_another_dataset_of_the_same_shapes_is_one_line(tiny_dataset, 
     assert len(err) == 1 and f"was trained on --dataset={trained_on!r}, this run reads --dataset={str(other)!r}" in err[0]
     assert "nothing was changed" in err[0]
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != "train.lock"} == before
+
+
+@pytest.mark.parametrize("init_from", ["scratch", "resume"])
+def test_a_read_only_out_dir_is_one_line_and_changes_nothing(tiny_dataset, one_step_run, tmp_path, init_from):
+    """A fresh run into a read-only out_dir holding a run said it 'could not be moved aside: resume it';
+    a resume took the lock (train.lock, left by the run, writable) and failed at the first file it wrote."""
+    from test_runlog import unwritable
+    out = tmp_path / "out"
+    shutil.copytree(one_step_run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with unwritable(out):
+        code, stderr = train_until_exit(*TINY, f"--dataset={tiny_dataset}", f"--out_dir={out}", f"--init_from={init_from}",
+                                        "--max_iters=2")
+    assert code == 2
+    assert stderr.strip().splitlines() == [f"error: --out_dir={out} cannot be written (permission denied): make it "
+                                           f"writable, or use another out_dir"], stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_resume_on_the_same_dataset_moved_elsewhere_goes_on(tiny_dataset, one_step_run, tmp_path):
@@ -592,6 +622,8 @@ def test_the_llama_style_config_trains_measures_and_resumes_as_itself(tiny_datas
     p = run_train(*common, f"--max_tokens={4 * step}", "--init_from=resume", "--norm=layernorm", "--mlp=gelu",
                   "--pos_emb=learned", "--tie_embeddings=True")
     assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [2, 3]
+    assert [line.split(" (")[0] for line in p.stdout.splitlines() if "which this resume uses" in line] == [
+        "note: --norm=layernorm", "note: --mlp=gelu", "note: --pos_emb=learned", "note: --tie_embeddings=True"]
     ckpt = torch.load(out / "ckpt.pt", weights_only=False)
     assert {k: ckpt["model_args"][k] for k in LLAMA} == LLAMA and ckpt["iter_num"] == 4
     assert ckpt["model"].keys() == sd.keys()
@@ -660,17 +692,17 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_command(
     assert proc.returncode == 128 + getattr(signal, signame)
     lines = [line for line in stderr.strip().splitlines() if line]
     assert len(lines) == 2 and lines[0] == f"{signame}: stopping after this step (send it again to stop now)", stderr
-    done = int(re.search(r"after iter (\d+) ", lines[1]).group(1))
-    assert f"ckpt.pt holds iter {done}" in lines[1] and "--init_from=resume" in lines[1]
-    # the log holds every finished step once, the checkpoint the last one
+    last = int(re.search(r"after iter (\d+) ", lines[1]).group(1))  # the last step it ran
+    assert f"ckpt.pt holds the state after iter {last};" in lines[1] and "--init_from=resume" in lines[1]
+    # the log holds every finished step once, the last one named, and the checkpoint the state after it
     df = pd.read_csv(out / "log.csv")
-    assert df.step.tolist() == list(range(done)) and (out / "log.csv").read_text().endswith("\n")
-    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == done
+    assert df.step.tolist() == list(range(last + 1)) and (out / "log.csv").read_text().endswith("\n")
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == last + 1
     # the printed command goes on from there
     command = shlex.split(lines[1].split("to go on: ", 1)[1])
     assert command[0] == "python" and command[-1] == "--init_from=resume"
-    p = run_train(*command[2:-1], "--init_from=resume", f"--max_iters={done + 2}")
-    assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [done, done + 1]
+    p = run_train(*command[2:-1], "--init_from=resume", f"--max_iters={last + 3}")
+    assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [last + 1, last + 2]
 
 
 # rank 0 takes 3 s to write ckpt.pt, as a large model's checkpoint on a slow disk does
@@ -713,10 +745,10 @@ def test_signalled_ddp_ranks_wait_for_the_masters_checkpoint_before_leaving(tiny
         if proc.poll() is None:  # the launcher and its ranks: orphaned ranks would hold the pipes open
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    stopped = re.search(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds iter (\d+)", stderr)
+    stopped = re.search(r"stopped by SIGTERM after iter (\d+) .*ckpt.pt holds the state after iter (\d+)", stderr)
     assert stopped and stopped.group(1) == stopped.group(2), stderr[-3000:]
     assert "again: stopping now" not in stderr, stderr[-3000:]
-    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == int(stopped.group(1))
+    assert torch.load(out / "ckpt.pt", weights_only=False)["iter_num"] == int(stopped.group(1)) + 1
 
 
 @pytest.mark.slow
