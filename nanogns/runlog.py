@@ -321,14 +321,14 @@ class LogWrapper:
 
     def record_kinds(self, kinds):
         """Write out_dir/layer_kinds.json: {parameter name: kind} of the measured layers
-        (buffered.layer_kinds(model)), by which gns-analysis.py groups the parameters. Nothing
+        (nanogns.layers.layer_kinds(model)), by which gns-analysis.py groups the parameters. Nothing
         without out_dir."""
         from nanogns.maths import KINDS_NAME  # here: nanogns.maths imports numpy, which the log does not need
         self._record(KINDS_NAME, kinds, "writing the layer kinds")
 
     def record_norm_methods(self, methods):
         """Write out_dir/linear_norm_methods.json: {layer name: 'ghost' or 'materialise'}, the method
-        each measured Linear measures its weight with (buffered.linear_norm_methods(model), chosen
+        each measured Linear measures its weight with (nanogns.layers.linear_norm_methods(model), chosen
         in the first step). Nothing without out_dir."""
         from nanogns.maths import METHODS_NAME
         self._record(METHODS_NAME, methods, "writing the Linears' methods")

@@ -181,3 +181,33 @@ def test_each_compatibility_name_is_the_package_module_and_holds_no_logic():
         statements = [node for node in tree.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
         assert all(isinstance(node, (ast.Import, ast.ImportFrom, ast.Assign)) for node in statements), old
         assert len(statements) <= 3, old
+
+
+# the top-level names kept for the reference's code and this repository's earlier code
+OLD_NAMES = ("buffered", "gnstracking", "ddpgns", "tracker", "layer_config", "normgnorm", "fused_gns", "gnsmeter",
+             "hf_gns", "lightning_gns")
+# of which nanogns.normgnorm is the package's own name too, and "the tracker's" is English
+
+
+def test_the_package_names_only_its_own_modules():
+    # a pip user has nanogns.runlog, not tracker: inside the package, no import, message or docstring
+    # names an old top-level module, but where it says what the reference's code imports (refusals.py,
+    # each module's module_refusals line and the comments on it) and the log's writer tag (data)
+    import re
+    old = "|".join(n for n in OLD_NAMES if n != "normgnorm")
+    owned = "|".join(n for n in OLD_NAMES if n not in ("normgnorm", "tracker"))
+    pattern = re.compile(rf"(?<![\w./])({old})\.\w|(?<![\w./])({owned})'s\b|\bimport ({old})\b|\bas ({old})\b")
+    found = []
+    for folder, _, files in os.walk(os.path.join(REPO, "nanogns")):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, REPO)
+            if rel == os.path.join("nanogns", "refusals.py"):
+                continue
+            with open(path) as f:
+                for number, line in enumerate(f, 1):
+                    if ("module_refusals(" in line or "reference" in line or line.startswith("WRITER_KEY")
+                            or not pattern.search(line)):
+                        continue
+                    found.append(f"{rel}:{number}: {line.strip()}")
+    assert found == [], "\n".join(found)
