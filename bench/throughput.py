@@ -78,6 +78,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.runs import dies_with_parent  # noqa: E402
 from nanogns.logread import ToolParser  # noqa: E402
 from nanogns.runlog import atomic_write  # noqa: E402
 
@@ -328,7 +329,8 @@ def run_train(repo, setting, args, work, memory=False, profile=None, compiled=No
     cmd = [sys.executable, '-c', wrapper_code(), json.dumps(options), 'train.py'] + [f'--{k}={v}' for k, v in flags.items()]
     started = time.monotonic()
     try:
-        done = subprocess.run(cmd, cwd=repo, env=run_env(setting, args, memory), capture_output=True, text=True)
+        done = subprocess.run(cmd, cwd=repo, env=run_env(setting, args, memory), capture_output=True, text=True,
+                              preexec_fn=dies_with_parent())
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)  # a checkpoint of a large model is large
     if done.returncode != 0:
