@@ -302,8 +302,9 @@ def write_dataset(folder, vocab_size, block_size, seed):
 
 
 def run_env(setting, args, memory=False):
-    """The environment of a run of train.py: the compile cache every run shares."""
+    """The environment of a run of train.py: the compile cache every run shares, its threads' wait policy."""
     env = dict(os.environ, WANDB_MODE='disabled', **COMPILE_CACHES)
+    env.setdefault('OMP_WAIT_POLICY', 'PASSIVE')  # train.py's own: the wrapper loads torch before train.py can set it
     if args.compile_cache:
         env['TORCHINDUCTOR_CACHE_DIR'] = args.compile_cache
     if args.threads:
