@@ -11,12 +11,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-
-# torch's CPU threads wait for each other after every parallel operator. Spinning there (OpenMP's
-# default) burns the time slices of a machine busy with other work, and each wait lasts until the other
-# thread is scheduled again; sleeping, they take only their share of the cores. Set before torch loads
-# OpenMP; a policy given (OMP_WAIT_POLICY, or GNU OpenMP's GOMP_SPINCOUNT) is kept.
-os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')
+os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')  # before torch loads OpenMP: threads spinning while they wait stall a busy machine (README)
 from nanogns.stopping import interrupt_in_one_line
 interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
 if hasattr(sys.stdout, 'reconfigure'):  # each status line reaches a redirected file as it is printed
