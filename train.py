@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-
+os.environ.setdefault('OMP_WAIT_POLICY', 'PASSIVE')  # before torch loads OpenMP: threads spinning while they wait stall a busy machine (README)
 from nanogns.stopping import interrupt_in_one_line
 interrupt_in_one_line()  # before the slow imports: Ctrl-C while starting is one line
 if hasattr(sys.stdout, 'reconfigure'):  # each status line reaches a redirected file as it is printed
@@ -65,11 +65,11 @@ cos_attn = []  # block indices with cosine attention
 spectral_c_attn = []  # block indices with spectral-normalised Q/K/V
 fp32_attention_layers = []  # block indices whose attention runs in float32
 device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
-# per-example-norm layers (layer_config.FLAG_CLASSES): nn (torch's, not measured), gns (norms in
-# the layer's own backward), shim (torch's backward, norms beside it), fused (the LayerNorm kernel)
+# per-example-norm layers (nanogns.layers.config.FLAG_CLASSES): nn (torch's, not measured), gns (norms
+# in the layer's own backward), shim (torch's backward, norms beside it), fused (the normalisation kernel)
 linearclass = 'nn'  # nn, gns or shim: the Linears' class
 embeddingclass = 'nn'  # nn, gns or shim: the token/position Embeddings' class
-lnclass = 'nn'  # nn, gns, shim or fused: the LayerNorms'/RMSNorms' class
+lnclass = 'nn'  # nn, shim or fused: the LayerNorms'/RMSNorms' class
 per_example_mode = 'auto'  # Linears' weight norms: auto (timed at the first step), shapes (bit-reproducible), ghost, materialise
 # earlier estimators, logged beside the exact one for comparison: hooks on nn.Linear layers
 # (nanogns/estimators/hooks.py), the micro-batch estimator (nanogns/estimators/microbatch.py)

@@ -27,6 +27,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.runs import dies_with_parent  # noqa: E402
 from nanogns.logread import ToolParser  # noqa: E402
 
 # A 4-layer, 128-wide character-level GPT (as in the CPU demo), 32 examples of 64 tokens per
@@ -86,7 +87,8 @@ def main(argv=None):
         argv += [f'--{k}={v}' for k, v in {**flags, **run_flags, 'out_dir': out_dir}.items()] + extra
         log = open(os.path.join(args.out_dir, f'{name}.out'), 'w')
         env = dict(os.environ, OMP_NUM_THREADS=threads, WANDB_MODE='disabled')
-        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env), log)
+        procs[name] = (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                        preexec_fn=dies_with_parent()), log)
         print(f"{name}: training into {out_dir} (output in {log.name})", flush=True)
     wait_showing_progress(procs)
     failed = []

@@ -50,6 +50,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.runs import dies_with_parent  # noqa: E402
 from nanogns.logread import ToolParser  # noqa: E402
 
 GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n_embd', '768', '--n_head', '12',
@@ -65,7 +66,8 @@ SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused,llama-all-gns' 
 
 def _workers(python):
     """pytest-xdist's workers, one per CPU core, where `python` has it: the tests compile many Triton kernels."""
-    has = subprocess.run([python, '-c', 'import xdist'], capture_output=True).returncode == 0
+    has = subprocess.run([python, '-c', 'import xdist'], capture_output=True,
+                         preexec_fn=dies_with_parent()).returncode == 0
     return ['-n', str(os.cpu_count() or 1)] if has else []
 
 
@@ -221,7 +223,8 @@ def run_command(cmd, log, seconds):
     to the next step."""
     try:
         process = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=dict(os.environ, PYTHONUNBUFFERED='1', WANDB_MODE='disabled'))
+                                   env=dict(os.environ, PYTHONUNBUFFERED='1', WANDB_MODE='disabled'),
+                                   preexec_fn=dies_with_parent())
     except OSError as e:
         return f'could not start ({e.strerror})'
     try:

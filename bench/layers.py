@@ -27,6 +27,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanogns.layers as buffered  # noqa: E402
+from bench.runs import dies_with_parent  # noqa: E402
 from nanogns.logread import ToolParser  # noqa: E402
 from nanogns.layers.config import classes_for_flags, set_contextual_config  # noqa: E402
 
@@ -114,7 +115,8 @@ def main():
         for name in SETTINGS:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name,
                                   f"--batch_size={args.batch_size}", f"--iters={args.iters}",
-                                  f"--warmup={args.warmup}"], capture_output=True, text=True)
+                                  f"--warmup={args.warmup}"], capture_output=True, text=True,
+                                 preexec_fn=dies_with_parent())
             if out.returncode != 0:
                 sys.exit(f"setting {name} failed:\n{out.stderr}")
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -78,6 +78,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.runs import dies_with_parent  # noqa: E402
 from nanogns.logread import ToolParser  # noqa: E402
 from nanogns.runlog import atomic_write  # noqa: E402
 
@@ -301,8 +302,9 @@ def write_dataset(folder, vocab_size, block_size, seed):
 
 
 def run_env(setting, args, memory=False):
-    """The environment of a run of train.py: the compile cache every run shares."""
+    """The environment of a run of train.py: the compile cache every run shares, its threads' wait policy."""
     env = dict(os.environ, WANDB_MODE='disabled', **COMPILE_CACHES)
+    env.setdefault('OMP_WAIT_POLICY', 'PASSIVE')  # train.py's own: the wrapper loads torch before train.py can set it
     if args.compile_cache:
         env['TORCHINDUCTOR_CACHE_DIR'] = args.compile_cache
     if args.threads:
@@ -328,7 +330,8 @@ def run_train(repo, setting, args, work, memory=False, profile=None, compiled=No
     cmd = [sys.executable, '-c', wrapper_code(), json.dumps(options), 'train.py'] + [f'--{k}={v}' for k, v in flags.items()]
     started = time.monotonic()
     try:
-        done = subprocess.run(cmd, cwd=repo, env=run_env(setting, args, memory), capture_output=True, text=True)
+        done = subprocess.run(cmd, cwd=repo, env=run_env(setting, args, memory), capture_output=True, text=True,
+                              preexec_fn=dies_with_parent())
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)  # a checkpoint of a large model is large
     if done.returncode != 0:

@@ -319,6 +319,17 @@ def test_every_run_shares_the_compile_cache(tmp_path, monkeypatch):
     assert seen[0]["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath("cache")
 
 
+def test_the_timed_runs_threads_wait_as_train_pys_do(monkeypatch):
+    """train.py sets OMP_WAIT_POLICY=PASSIVE before torch loads; the wrapper loads torch first, so the
+    environment says it (a policy given is kept)."""
+    throughput = load_bench()
+    args = throughput.parse_args(["--quick"])
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert throughput.run_env("nn", args)["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert throughput.run_env("nn", args)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_time_limit_starts_no_run_that_would_not_end_in_time(tmp_path, monkeypatch, capsys):
     """Runs of 10 s (the clock is the test's): within 45 s, round 1's three runs (30 s) and round 2's nn (40 s);
     nn-null would end at 50 s. What was timed is reported, in the table and the CSV."""

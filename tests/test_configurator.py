@@ -1,10 +1,14 @@
 """configurator.py: config files and --key=value overrides, with clear errors."""
 import os
 import re
+import subprocess
+import sys
+from ast import literal_eval
 
 import pytest
 
 from configurator import ConfigError, configure
+from conftest import REPO
 
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, compile=True, dataset='owt', cos_attn=[], init=None)
 
@@ -330,3 +334,63 @@ def test_under_torchrun_the_first_process_says_it_and_the_others_leave_after_it(
         with pytest.raises(SystemExit) as stop:
             configurator.die("bad")
         assert stop.value.code == 2 and capsys.readouterr().err == said and slept == waited
+
+
+MADE_UP = 'no-such-value'
+
+
+def help_rows():
+    """{key: (default, comment)} of train.py's --help, as a user reads it."""
+    p = subprocess.run([sys.executable, os.path.join(REPO, 'train.py'), '--help'], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = [re.match(r"  --(\w+)=(.*?)(?:\s{2,}(.*))?$", line) for line in p.stdout.splitlines()]
+    return {m[1]: (literal_eval(m[2]), m[3] or '') for m in rows if m}
+
+
+def listed_values(comment):
+    """The values a key's help comment lists: in each clause (split at ':' and ';', asides in parentheses
+    left out), the quoted words ('scratch' or 'resume'), or a clause that is nothing but words joined by
+    ', ' and ' or ' (nn, gns or shim). A '*' (gpt2*) stands for nothing."""
+    values = []
+    for clause in re.split(r'[:;]', re.sub(r'\([^)]*\)', '', comment)):
+        clause = re.sub(r'\s+,', ',', clause).strip()
+        quoted = re.findall(r"'([\w.*-]+)'", clause)
+        if quoted:
+            values += quoted
+        elif re.fullmatch(r"(or )?[\w.-]+((, | or )[\w.-]+)+", clause):
+            values += re.split(r', | or ', clause.removeprefix('or '))
+    return [v.replace('*', '') for v in values]
+
+
+def test_every_value_help_lists_for_a_choice_flag_is_accepted(capsys):
+    """A choice flag: one whose made-up word and number are both refused. Each value its --help lists
+    must be accepted, or refused for another reason than a made-up word is (bs_gns_group='adam'
+    needs --gns_adam=True)."""
+    import configurator
+    rows = help_rows()
+    config = {key: default for key, (default, _) in rows.items()}
+
+    def why_refused(key, value):
+        """check_train_config's line for key=value with the value written as MADE_UP; None: accepted."""
+        capsys.readouterr()
+        try:
+            configurator.check_train_config({**config, key: value})
+        except SystemExit:
+            return capsys.readouterr().err.replace(repr(value), repr(MADE_UP))
+        return None
+    choices = {key: comment for key, (default, comment) in rows.items() if (default is None or isinstance(default, str))
+               and why_refused(key, MADE_UP) and why_refused(key, 1)}
+    assert {'linearclass', 'embeddingclass', 'lnclass', 'init_from', 'norm', 'per_example_mode'} <= set(choices)
+    wrong = []
+    for key, comment in choices.items():
+        made_up = why_refused(key, MADE_UP)
+        for value in listed_values(comment):
+            why = why_refused(key, value)
+            if why == made_up:
+                wrong.append(f"--{key}={value} ({why.strip()})")
+    assert not wrong, f"--help lists values that are refused: {'; '.join(wrong)}"
+    # and the layer-class flags list every value there is
+    from nanogns.layers.config import FLAG_CLASSES
+    for flag, table in FLAG_CLASSES.items():
+        assert sorted(listed_values(choices[flag])) == sorted(table), flag
