@@ -599,6 +599,40 @@ def test_embedding_matches_brute_force(cls, num_embeddings, padding_idx, shape, 
         assert layer.weight.grad[padding_idx].abs().sum() == 0
 
 
+def test_embedding_rows_on_cuda_are_added_without_index_add(monkeypatch):
+    """On CUDA the rows are added by index_put_(accumulate=True), which sorts and adds in order, never by
+    index_add_, whose CUDA kernel adds with atomics in no fixed order (the shapes rule promises runs that
+    agree bit for bit). Shown on the CPU with the tensors taken for CUDA ones."""
+    import nanogns.layers.embedding as embedding_module
+    torch.manual_seed(6)
+    src, index = torch.randn(40, 5), torch.randint(0, 7, (40,))
+    expected = torch.zeros(7, 5).index_add_(0, index, src)
+
+    def no_index_add(*args, **kwargs):
+        raise AssertionError("index_add_ called: its CUDA sums are not repeatable")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "index_add_", no_index_add)
+    torch.testing.assert_close(embedding_module._rows_added(7, index, src), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cls", EMBEDDINGS)
+def test_cuda_embedding_backward_repeats_bit_for_bit(cls):
+    """Many positions of many examples on few rows: the sums that atomics would reorder."""
+    torch.manual_seed(7)
+    layer = cls(50, 256).cuda()
+    ids = torch.randint(0, 50, (16, 512), device="cuda")
+    dy = torch.randn(16, 512, 256, device="cuda")
+    results = []
+    for _ in range(20):
+        layer.zero_grad()
+        zero_sqgradnorm_buffers(layer)
+        layer(ids).backward(dy)
+        results.append((layer.weight_sqgradnorm.clone(), layer.weight.grad.clone()))
+    for sq, grad in results[1:]:
+        assert torch.equal(sq, results[0][0]) and torch.equal(grad, results[0][1])
+
+
 @pytest.mark.parametrize("cls", EMBEDDINGS)
 def test_embedding_noncontiguous_gradient_and_frozen(cls):
     torch.manual_seed(5)

@@ -12,13 +12,24 @@ from nanogns.layers.buffers import MeasuredLayer, _examples, _warn_once, registe
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear
 
 
+def _rows_added(n, index, src):
+    """[n, D] float32 zeros with src's rows added at `index`, in a fixed order on every device. On CUDA
+    by index_put_ with accumulate, which sorts the indices and adds each row's sources in turn:
+    index_add_ there adds with atomics in whatever order the threads arrive (another last bit from run
+    to run). On the CPU index_add_ already adds in order, and faster."""
+    if src.is_cuda:
+        return src.new_zeros(n, src.shape[-1]).index_put_((index,), src, accumulate=True)
+    return src.new_zeros(n, src.shape[-1]).index_add_(0, index, src)
+
+
 def _embedding_rows(ids, dx, num_embeddings, padding_idx):
     """
     Per-example embedding gradients, compactly: one float32 row per distinct (example b,
     id v) pair, holding sum_{t: id_bt = v} dx_bt (padding positions zeroed, as nn.Embedding
     does), so that sum of squares over all rows = sum_b ||E_b||^2. Returns (rows [R, D],
     row_ids [R] the vocabulary row of each, dx as float32 [B*T, D] with padding zeroed);
-    unused rows are zero. No loop over examples, no host sync.
+    unused rows are zero. No loop over examples, no host sync, and the same sums bit for bit on
+    every run (_rows_added).
     """
     B, T = ids.shape
     D = dx.shape[-1]
@@ -29,7 +40,7 @@ def _embedding_rows(ids, dx, num_embeddings, padding_idx):
     key = (ids + num_embeddings * torch.arange(B, device=ids.device)[:, None]).reshape(-1)
     if num_embeddings <= T:
         # a dense [B, V, D] table is no bigger than dx itself (e.g. position embeddings)
-        rows = dx.new_zeros(B * num_embeddings, D).index_add_(0, key, dx)
+        rows = _rows_added(B * num_embeddings, key, dx)
         row_ids = torch.arange(B * num_embeddings, device=ids.device) % num_embeddings
     else:
         # sort the (example, id) keys and give each distinct key one row
@@ -38,7 +49,7 @@ def _embedding_rows(ids, dx, num_embeddings, padding_idx):
         is_new[1:] = sorted_key[1:] != sorted_key[:-1]
         segment = torch.cumsum(is_new, 0) - 1
         row_of_position = torch.empty_like(segment).scatter_(0, order, segment)
-        rows = dx.new_zeros(B * T, D).index_add_(0, row_of_position, dx)
+        rows = _rows_added(B * T, row_of_position, dx)
         row_ids = torch.zeros_like(key).scatter_(0, segment, sorted_key % num_embeddings)
     return rows, row_ids, dx
 
@@ -69,7 +80,7 @@ def _embedding_backward_norms(ctx, dy, dq, ds, fused):
     if ctx.num_embeddings <= ids2.shape[1]:
         dw = rows.view(B, ctx.num_embeddings, D).sum(0)
     else:
-        dw = rows.new_zeros(ctx.num_embeddings, D).index_add_(0, row_ids, rows)
+        dw = _rows_added(ctx.num_embeddings, row_ids, rows)
     return dw.to(ctx.weight_dtype)
 
 
