@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -905,3 +906,56 @@ def test_the_count_of_skipped_steps_goes_into_the_checkpoint_and_comes_back():
     # a checkpoint from before the count was kept resumes with none counted
     older = {gnstracking.CHECKPOINT_KEY: {"train/gns/": estimator.gns.state_dict()}}
     assert gnstracking.estimators_for(make_model(), checkpoint=older)[0].skipped_steps == 0
+
+
+def _norm_and_linear():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(buffered.PEGradNormFusedLayerNorm(16), buffered.PEGradNormLinear(16, 8))
+
+
+def _gradients(model, way, x):
+    """The parameters' .grad by way of backward(), backward(inputs=...) or torch.autograd.grad."""
+    loss = model(x).square().mean()
+    params = [p for p in model.parameters()]
+    if way == "backward":
+        loss.backward()
+    elif way == "inputs":
+        loss.backward(inputs=params)
+    else:
+        for p, g in zip(params, torch.autograd.grad(loss, params)):
+            p.grad = g
+
+
+@pytest.mark.parametrize("way", ["inputs", "autograd.grad"])
+def test_eager_layers_measure_under_autograd_grad_and_backward_inputs(way):
+    """In eager mode the layers' backward writes the sums itself, whichever call runs it."""
+    x = torch.randn(4, 6, 16)
+    expected, model = _norm_and_linear(), _norm_and_linear()
+    _gradients(expected, "backward", x)
+    _gradients(model, way, x)
+    want = {n: (sq.item(), count.item()) for n, _, sq, count in buffered.find_sqgradnorm_buffers(expected)}
+    got = {n: (sq.item(), count.item()) for n, _, sq, count in buffered.find_sqgradnorm_buffers(model)}
+    assert got.keys() == want.keys() and all(count == 4 for _, count in got.values())
+    for name in want:  # (each Linear chooses its method for itself: equal up to rounding)
+        assert got[name] == pytest.approx(want[name], rel=1e-6)
+
+
+@pytest.mark.parametrize("way", ["inputs", "autograd.grad"])
+def test_compiled_parameters_whose_sums_went_astray_are_named_once(way):
+    """Compiled, a normalisation's sums leave the backward as its sink's gradient, which
+    backward(inputs=) and autograd.grad do not compute: the tracker names the parameters that got a
+    gradient without sums, once, rather than leave them out in silence; a layer not run stays quiet."""
+    model = _norm_and_linear()
+    model.append(buffered.PEGradNormLinear(8, 8))  # in the model, never run: no gradient, no warning
+    compiled = torch.compile(model[:2], backend="aot_eager")
+    tracker = MeasurementTracker(buffered.find_sqgradnorm_buffers(model))
+    _gradients(compiled, way, torch.randn(4, 6, 16))
+    with pytest.warns(UserWarning, match=r"^0\.weight, 0\.bias: received a gradient but no per-example sums") as seen:
+        names = [m.metadata["name"] for m in tracker.step()]
+    assert len([w for w in seen if "per-example sums" in str(w.message)]) == 1
+    assert "0.weight" not in names and "2.weight" not in " ".join(str(w.message) for w in seen)
+    model.zero_grad()
+    _gradients(compiled, way, torch.randn(4, 6, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named once: not again
+        tracker.step()

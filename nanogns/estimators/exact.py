@@ -24,6 +24,7 @@ gnshooks.HooksEstimator) is an estimator.Estimator; estimators_for() builds a ru
 """
 import collections
 import math
+import warnings
 
 import torch
 
@@ -113,6 +114,7 @@ class MeasurementTracker:
         self.step_count = 0
         self.skipped_steps = 0
         self.measurements = []
+        self._unmeasured_named = set()  # parameters named once already as unmeasured (finish)
         # the count buffer is shared by all parameters of a module: zero each buffer once
         unique = {}
         for _, _, sq, count in self.entries:
@@ -154,7 +156,8 @@ class MeasurementTracker:
         optimizer step over all ranks and micro-steps; every buffer's count must equal it
         (default: take B from the counts). step goes into the metadata (default: step_count,
         the number of earlier calls). Parameters without a gradient or with a zero count this
-        step are left out.
+        step are left out; one that has a gradient but a zero count (its sums never reached its
+        buffers) is named in a warning, once per tracker.
 
         A step with an inf/nan gradient or buffer (float16 overflow, which GradScaler skips too,
         or a diverged run) is counted in skipped_steps and still gives every parameter its
@@ -210,10 +213,12 @@ class MeasurementTracker:
         if not finite:
             self.skipped_steps += 1
 
-        measurements = []
+        measurements, unmeasured = [], []
         for name, grad_sqnorm, sq_sum, count in zip(names, grad_sqnorms, sq_sums, counts):
-            if count == 0:
-                continue  # module not run this step: no per-example information
+            if count == 0:  # no per-example information: its module did not run this step, or
+                if grad_sqnorm != 0 and name not in self._unmeasured_named:  # it ran and its sums went astray
+                    unmeasured.append(name)
+                continue
             B = int(round(count)) if batch_size is None else int(batch_size)
             if count != B:
                 times = count / B if B and count > B and count % B == 0 else None
@@ -230,6 +235,12 @@ class MeasurementTracker:
             m = Measurement(big_batch_norm=big_norm, small_batch_norm=small_norm, big_batch_size=B,
                             small_batch_size=1, metadata={"name": name, "step": step})
             measurements.append(self._run_callbacks(m))
+        if unmeasured:
+            self._unmeasured_named.update(unmeasured)
+            warnings.warn(f"{', '.join(unmeasured)}: received a gradient but no per-example sums, so "
+                          f"{'they are' if len(unmeasured) > 1 else 'it is'} not measured (under torch.compile a "
+                          "measured normalisation hands its sums out as a gradient that torch.autograd.grad and "
+                          "backward(inputs=...) leave uncomputed: call backward() on the whole loss)", stacklevel=3)
         return measurements
 
     def _run_callbacks(self, m):
