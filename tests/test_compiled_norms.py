@@ -1,6 +1,6 @@
 """
-The measured normalisations under torch.compile: one route on every device, whatever backend a
-layer names. The PyTorch path is traced with the model, so that the compiler fuses its
+The measured normalisations under torch.compile (and the other measured layers, which hand their
+sums out the same way): one route on every device, whatever backend a layer names. The PyTorch path is traced with the model, so that the compiler fuses its
 per-example sums with the model's own kernels: no opaque op in the graph, and nothing written
 inside the backward (the sums leave it as the gradient of the layer's sink, and reach the buffers
 after it). No environment variable chooses anything.
@@ -18,8 +18,10 @@ from torch._functorch.aot_autograd import make_boxed_func
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanogns.normgnorm as normgnorm  # noqa: E402
-from nanogns.layers import (PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm, PEGradNormSeparatedLayerNorm,  # noqa: E402
-                      PEGradNormSeparatedRMSNorm, find_sqgradnorm_buffers, measure, register_coordinate_buffers)
+from nanogns.layers import (PEGradNormEmbedding, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm,  # noqa: E402
+                            PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
+                            PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers, measure,
+                            register_coordinate_buffers)
 from gns_fixtures import gpt_loss, one_thread, sqgradnorm_sums  # noqa: E402,F401  (one_thread: autouse)
 from nanogns.layers.config import classes_for_flags, set_contextual_config  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
@@ -89,6 +91,48 @@ def test_compiled_graphs_hold_no_opaque_op_and_write_no_buffer(layer, backend):
     torch._dynamo.reset()
     compiled = torch.compile(loss_of, backend=graph_recorder(graphs), fullgraph=True)
     got = run_twice(randomised(LAYERS[layer](**kwargs)), compiled)
+    torch._dynamo.reset()
+    assert_plain_aten(graphs)
+    for eager_values, got_values in zip(eager, got):
+        assert list(got_values) == list(eager_values)
+        for name in eager_values:
+            torch.testing.assert_close(got_values[name], eager_values[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert got[0]["example_count"].item() == 6 and got[0]["weight_sqgradnorm"].item() > 0
+
+
+def shapes_rule(linear):
+    """A Linear that takes its method from the shapes, eager as compiled, so both compute alike."""
+    linear.per_example_mode = "shapes"
+    return linear
+
+
+OTHER_LAYERS = {
+    "fused Linear": lambda: shapes_rule(PEGradNormLinear(16, 8)),
+    "shim Linear, no bias": lambda: shapes_rule(PEGradNormShimLinear(16, 8, bias=False)),
+    "fused Embedding": lambda: PEGradNormEmbedding(30, 16),
+    "shim Embedding": lambda: PEGradNormShimEmbedding(30, 16),
+}
+
+
+def input_loss_of(layer, x):
+    """loss_of for any layer: an Embedding looks up ids made from x."""
+    if isinstance(layer, nn.Embedding):
+        x = (x.detach()[..., 0].abs() * 10).long() % layer.num_embeddings
+    return layer(x).sin().sum()
+
+
+@pytest.mark.parametrize("layer", OTHER_LAYERS)
+def test_every_measured_layer_compiled_writes_no_buffer(layer):
+    """The Linears and Embeddings hand their sums out of the compiled backward as the norms do, as
+    the gradient of their sink: no op of their compiled graphs writes to an input (which would rule
+    out CUDA graphs), and their buffers and gradients are eager's, over two micro-steps."""
+    torch.manual_seed(1)
+    eager = run_twice(OTHER_LAYERS[layer](), input_loss_of)
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(input_loss_of, backend=graph_recorder(graphs), fullgraph=True)
+    torch.manual_seed(1)
+    got = run_twice(OTHER_LAYERS[layer](), compiled)
     torch._dynamo.reset()
     assert_plain_aten(graphs)
     for eager_values, got_values in zip(eager, got):

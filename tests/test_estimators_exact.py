@@ -942,7 +942,7 @@ def test_eager_layers_measure_under_autograd_grad_and_backward_inputs(way):
 
 @pytest.mark.parametrize("way", ["inputs", "autograd.grad"])
 def test_compiled_parameters_whose_sums_went_astray_are_named_once(way):
-    """Compiled, a normalisation's sums leave the backward as its sink's gradient, which
+    """Compiled, a measured layer's sums leave the backward as its sink's gradient, which
     backward(inputs=) and autograd.grad do not compute: the tracker names the parameters that got a
     gradient without sums, once, rather than leave them out in silence; a layer not run stays quiet."""
     model = _norm_and_linear()
@@ -950,7 +950,7 @@ def test_compiled_parameters_whose_sums_went_astray_are_named_once(way):
     compiled = torch.compile(model[:2], backend="aot_eager")
     tracker = MeasurementTracker(buffered.find_sqgradnorm_buffers(model))
     _gradients(compiled, way, torch.randn(4, 6, 16))
-    with pytest.warns(UserWarning, match=r"^0\.weight, 0\.bias: received a gradient but no per-example sums") as seen:
+    with pytest.warns(UserWarning, match=r"^0\.weight, 0\.bias, 1\.weight, 1\.bias: received a gradient but no per-example sums") as seen:
         names = [m.metadata["name"] for m in tracker.step()]
     assert len([w for w in seen if "per-example sums" in str(w.message)]) == 1
     assert "0.weight" not in names and "2.weight" not in " ".join(str(w.message) for w in seen)

@@ -239,7 +239,7 @@ class MeasurementTracker:
             self._unmeasured_named.update(unmeasured)
             warnings.warn(f"{', '.join(unmeasured)}: received a gradient but no per-example sums, so "
                           f"{'they are' if len(unmeasured) > 1 else 'it is'} not measured (under torch.compile a "
-                          "measured normalisation hands its sums out as a gradient that torch.autograd.grad and "
+                          "measured layer hands its sums out as a gradient that torch.autograd.grad and "
                           "backward(inputs=...) leave uncomputed: call backward() on the whole loss)", stacklevel=3)
         return measurements
 

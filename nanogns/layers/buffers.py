@@ -23,6 +23,7 @@ import warnings
 import torch
 from torch.nn.utils.parametrize import is_parametrized
 
+from nanogns.normgnorm.torch_path import SINK_SLOTS
 from nanogns.refusals import refuse_layer_attribute
 
 
@@ -193,6 +194,13 @@ def _examples(t, trailing):
     return t.shape[0] if t.dim() > trailing else 1
 
 
+def _sink_grad(device, weight_sq, bias_sq, examples):
+    """A sink's gradient laid out as SINK_SLOTS from the float32 0-dim sums (None: 0) and the example count."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([zero if weight_sq is None else weight_sq, zero if bias_sq is None else bias_sq,
+                        zero + examples])
+
+
 def _autocast_dtype(x):
     """The autocast compute dtype for x's device if autocast is on, else None."""
     kind = x.device.type
@@ -203,6 +211,18 @@ class MeasuredLayer:
     """
     Mixin of every per-example-norm layer: moves keep the buffers'
     values and casts keep them float32; the reference implementation's accessors read them.
+
+    Under torch.compile no measured layer's backward writes a buffer: it returns its per-example
+    sums as the gradient of the layer's sink, a float32 leaf vector laid out as sink_layout()
+    (SINK_SLOTS, then whatever a class adds), and autograd accumulates that gradient like any
+    other. A hook run as it lands adds it to the buffers and clears it, so the buffers stay what
+    the estimators read, over any number of micro-steps. (A buffer written inside a compiled
+    backward costs copies, rules out CUDA graphs and has open correctness bugs in torch.) In eager
+    mode the backward adds to the buffers itself, and the sink is not used.
+    The sink is neither a parameter nor a buffer (nothing optimises, saves, broadcasts or
+    all-reduces it). It lives where the weight does, made anew wherever the weight is moved or
+    assigned (measure() builds its layers on the meta device and then hands them their Parameters),
+    a buffer is registered, or the layer is copied or unpickled.
     """
 
     # set by measure(): the model's forward state its pre-hook keeps (batch size, sequence length,
@@ -248,7 +268,62 @@ class MeasuredLayer:
         for n, b in ours.items():
             moved = fn(b)
             self._buffers[n] = moved if moved.dtype == torch.float32 else b.to(moved.device)
+        self._new_sink()
         return self
+
+    # -- the sink (see the class docstring) --
+
+    def sink_layout(self):
+        """(buffer name, size) of each part of the sink, in order: SINK_SLOTS (a part whose buffer the
+        layer has not, a Linear's bias's without a bias, holds 0 and goes nowhere)."""
+        return [(name, 1) for name in SINK_SLOTS]
+
+    def _new_sink(self):
+        """A fresh sink, with its hook, where the weight is; None while there is no weight, or no
+        buffers yet, or the weight is on the meta device."""
+        weight = self._parameters.get("weight")
+        if weight is None or weight.device.type == "meta" or "example_count" not in self._buffers:
+            self.__dict__["_sink"] = None
+            return
+        self._sink_parts = self.sink_layout()  # read once: the hook runs at every backward
+        sink = torch.zeros(sum(size for _, size in self._sink_parts), dtype=torch.float32, device=weight.device,
+                           requires_grad=True)
+        sink.register_post_accumulate_grad_hook(self._add_sink_grad)
+        self.__dict__["_sink"] = sink
+
+    def _add_sink_grad(self, sink):
+        """The hook: what the backward passes handed the sink, added to the buffers."""
+        grad, sink.grad = sink.grad, None
+        bufs, parts = [], []
+        for (name, _), part in zip(self._sink_parts, grad.split([size for _, size in self._sink_parts])):
+            buf = self._buffers.get(name)
+            if buf is not None:
+                bufs.append(buf)
+                parts.append(part.view(buf.shape))
+        with torch.no_grad():
+            torch._foreach_add_(bufs, parts)
+
+    def _measures(self):
+        """Whether a call now measures: grad is on, and a parameter of the layer's own trains."""
+        return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in self._parameters.values())
+
+    def _compiled_sink(self):
+        """The sink while compiling a call that measures; None in eager mode, where the backward adds
+        to the buffers itself."""
+        return self.__dict__.get("_sink") if torch.compiler.is_compiling() and self._measures() else None
+
+    def register_parameter(self, name, param):
+        super().register_parameter(name, param)
+        if name == "weight" and "example_count" in self._buffers:
+            self._new_sink()
+
+    def register_buffer(self, name, tensor, persistent=True):
+        super().register_buffer(name, tensor, persistent)
+        self._new_sink()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._new_sink()
 
     # The reference implementation's accessors and buffer names. Its layers keep a [sum, count]
     # pair per parameter and give the product; here the sum and the count are two buffers.

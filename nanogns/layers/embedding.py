@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers.buffers import MeasuredLayer, _examples, _warn_once, register_sqgradnorm_buffers, sum_of_squares
+from nanogns.layers.buffers import (MeasuredLayer, _examples, _sink_grad, _warn_once, register_sqgradnorm_buffers,
+                                    sum_of_squares)
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear
 
 
@@ -59,7 +60,9 @@ def _embedding_rows(ids, dx, num_embeddings, padding_idx):
 
 def _embedding_backward_norms(ctx, dy, dq, ds, fused):
     """Shared by both embedding Functions: per-example norms (and the weight gradient if
-    fused) from the saved ids and dy, with the tied head's contributions dq, ds if linked."""
+    fused) from the saved ids and dy, with the tied head's contributions dq, ds if linked.
+    Returns (the weight gradient or None, the sink's gradient or None): the sums go to the
+    buffers (eager) or, given a sink (compiled), out as its gradient, nothing written."""
     ids, = ctx.saved_tensors
     w_sq, count = ctx.bufs
     B = _examples(ids, 0)
@@ -72,25 +75,29 @@ def _embedding_backward_norms(ctx, dy, dq, ds, fused):
         sq = sq + 2 * (dx * dq.reshape(dx.shape)).sum()
     if ds is not None:
         sq = sq + ds
-    w_sq.add_(sq)
-    count.add_(B)
+    sink_grad = None
+    if ctx.sink:
+        sink_grad = _sink_grad(ids.device, sq, None, B)
+    else:
+        w_sq.add_(sq)
+        count.add_(B)
     if not fused:
-        return None
+        return None, sink_grad
     D = rows.shape[1]
     if ctx.num_embeddings <= ids2.shape[1]:
         dw = rows.view(B, ctx.num_embeddings, D).sum(0)
     else:
         dw = _rows_added(ctx.num_embeddings, row_ids, rows)
-    return dw.to(ctx.weight_dtype)
+    return dw.to(ctx.weight_dtype), sink_grad
 
 
 class _EmbeddingFn(torch.autograd.Function):
     """Embedding lookup whose backward builds the weight gradient from per-example rows."""
 
     @staticmethod
-    def forward(ctx, ids, weight, w_sq, count, padding_idx, linked):
+    def forward(ctx, ids, weight, w_sq, count, padding_idx, linked, sink=None):
         ctx.save_for_backward(ids)
-        ctx.bufs = (w_sq, count)
+        ctx.bufs, ctx.sink = (w_sq, count), sink is not None
         ctx.num_embeddings, ctx.embedding_dim = weight.shape
         ctx.padding_idx, ctx.weight_dtype = padding_idx, weight.dtype
         ctx.set_materialize_grads(False)
@@ -101,17 +108,17 @@ class _EmbeddingFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dq=None, ds=None):
-        dw = _embedding_backward_norms(ctx, dy, dq, ds, fused=True)
-        return None, dw, None, None, None, None
+        dw, sink_grad = _embedding_backward_norms(ctx, dy, dq, ds, fused=True)
+        return None, dw, None, None, None, None, sink_grad
 
 
 class _EmbeddingNormTap(torch.autograd.Function):
     """Identity on a torch embedding's output; its backward measures the per-example norms."""
 
     @staticmethod
-    def forward(ctx, y, ids, w_sq, count, num_embeddings, padding_idx, linked):
+    def forward(ctx, y, ids, w_sq, count, num_embeddings, padding_idx, linked, sink=None):
         ctx.save_for_backward(ids)
-        ctx.bufs = (w_sq, count)
+        ctx.bufs, ctx.sink = (w_sq, count), sink is not None
         ctx.num_embeddings, ctx.embedding_dim, ctx.padding_idx = num_embeddings, y.shape[-1], padding_idx
         ctx.set_materialize_grads(False)
         if not linked:
@@ -120,8 +127,8 @@ class _EmbeddingNormTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dq=None, ds=None):
-        _embedding_backward_norms(ctx, dy, dq, ds, fused=False)
-        return dy, None, None, None, None, None, None
+        _, sink_grad = _embedding_backward_norms(ctx, dy, dq, ds, fused=False)
+        return dy, None, None, None, None, None, None, sink_grad
 
 
 def _link_tensors(ids, like):
@@ -192,7 +199,7 @@ class PEGradNormEmbedding(_MeasuredEmbedding):
         if not measure:
             return F.embedding(ids, self.weight, self.padding_idx)
         out = _EmbeddingFn.apply(ids, self.weight, self.weight_sqgradnorm, self.example_count,
-                                 self.padding_idx, linked)
+                                 self.padding_idx, linked, self._compiled_sink())
         return self._hand_link(ids, out, linked)
 
 
@@ -206,7 +213,7 @@ class PEGradNormShimEmbedding(_MeasuredEmbedding):
         if not measure:
             return y
         out = _EmbeddingNormTap.apply(y, ids, self.weight_sqgradnorm, self.example_count,
-                                      self.num_embeddings, self.padding_idx, linked)
+                                      self.num_embeddings, self.padding_idx, linked, self._compiled_sink())
         return self._hand_link(ids, out, linked)
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers.buffers import (MeasuredLayer, _autocast_dtype, _cast, _chunk, _examples,
+from nanogns.layers.buffers import (MeasuredLayer, _autocast_dtype, _cast, _chunk, _examples, _sink_grad,
                                     register_sqgradnorm_buffers, sum_of_squares)
 
 
@@ -320,9 +320,10 @@ class _LinearFn(torch.autograd.Function):
     """y = x W^T + b whose backward computes dx, dW, db and the per-example norms together."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel):
+    def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel,
+                sink=None):
         ctx.save_for_backward(x, weight, ids)
-        ctx.bufs = (w_sq, b_sq, count)
+        ctx.bufs, ctx.sink = (w_sq, b_sq, count), sink is not None
         ctx.has_bias, ctx.linked = bias is not None, link_q is not None
         ctx.ghost, ctx.chooser, ctx.max_chunk_numel = ghost, chooser, max_chunk_numel
         return F.linear(x, weight, bias)
@@ -334,7 +335,7 @@ class _LinearFn(torch.autograd.Function):
         K, L = x.shape[-1], dy.shape[-1]
         B = _examples(x, 1)
         x3, dy3 = x.reshape(B, -1, K), dy.reshape(B, -1, L)
-        dx = dw = db = q = h_sq = None
+        dx = dw = db = q = h_sq = w_sum = b_sum = None
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(weight)
         if ctx.needs_input_grad[1] and (w_sq is not None or ctx.linked):
@@ -343,17 +344,30 @@ class _LinearFn(torch.autograd.Function):
             if ctx.linked:  # tied head: the norm and the cross-term factor go to the embedding
                 h_sq = sq
             else:
-                w_sq.add_(sq)
+                w_sum = sq
         elif ctx.needs_input_grad[1]:
             dw = dy.reshape(-1, L).mT.mm(x.reshape(-1, K))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             per_example = dy3.sum(1, dtype=torch.float32)  # [B, L]
             db = _cast(per_example.sum(0), dy.dtype)
             if b_sq is not None:
-                b_sq.add_(sum_of_squares(per_example))
-        if count is not None:
-            count.add_(B)
-        return dx, dw, db, None, None, None, None, q, h_sq, None, None, None
+                b_sum = sum_of_squares(per_example)
+        sink_grad = _hand_out(ctx, x.device, w_sum, b_sum, B)
+        return dx, dw, db, None, None, None, None, q, h_sq, None, None, None, sink_grad
+
+
+def _hand_out(ctx, device, w_sum, b_sum, B):
+    """A Linear backward's sums: added to its buffers (eager), or returned as its sink's gradient
+    (compiled: nothing written inside the backward)."""
+    if ctx.sink:
+        return _sink_grad(device, w_sum, b_sum, B)
+    w_sq, b_sq, count = ctx.bufs
+    for buf, value in ((w_sq, w_sum), (b_sq, b_sum)):
+        if value is not None:
+            buf.add_(value)
+    if count is not None:
+        count.add_(B)
+    return None
 
 
 def _norm_ways(x3, dy3, ids, max_chunk_numel, grad_dtype=None):
@@ -388,9 +402,10 @@ class _LinearNormTap(torch.autograd.Function):
     from dy and the saved input x and hands dy on untouched."""
 
     @staticmethod
-    def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel):
+    def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel,
+                sink=None):
         ctx.save_for_backward(x, ids)
-        ctx.bufs = (w_sq, b_sq, count)
+        ctx.bufs, ctx.sink = (w_sq, b_sq, count), sink is not None
         ctx.has_bias, ctx.linked = has_bias, link_q is not None
         ctx.ghost, ctx.chooser, ctx.max_chunk_numel = ghost, chooser, max_chunk_numel
         return y.view_as(y)
@@ -402,18 +417,18 @@ class _LinearNormTap(torch.autograd.Function):
         K, L = x.shape[-1], dy.shape[-1]
         B = _examples(x, 1)
         x3, dy3 = x.reshape(B, -1, K), dy.reshape(B, -1, L)
-        q = h_sq = None
+        q = h_sq = w_sum = b_sum = None
         if w_sq is not None or ctx.linked:
             ids2 = ids.reshape(B, -1) if ctx.linked else None
             sq, _, q = _weight_norm(ctx, x.device, _norm_ways(x3, dy3, ids2, ctx.max_chunk_numel))
             if ctx.linked:
                 h_sq = sq
             else:
-                w_sq.add_(sq)
+                w_sum = sq
         if b_sq is not None:
-            b_sq.add_(sum_of_squares(dy3.sum(1, dtype=torch.float32)))
-        count.add_(B)
-        return dy, None, None, None, None, None, None, q, h_sq, None, None, None
+            b_sum = sum_of_squares(dy3.sum(1, dtype=torch.float32))
+        sink_grad = _hand_out(ctx, x.device, w_sum, b_sum, B)
+        return dy, None, None, None, None, None, None, q, h_sq, None, None, None, sink_grad
 
 
 class _MeasuredLinear(MeasuredLayer, nn.Linear):
@@ -519,7 +534,7 @@ class PEGradNormLinear(_MeasuredLinear):
     def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost, chooser):
         x, weight, bias = self._autocast(x)
         return _LinearFn.apply(x, weight, bias, w_sq, b_sq, self.example_count, ids, link_q, link_s,
-                               ghost, chooser, self.max_chunk_numel)
+                               ghost, chooser, self.max_chunk_numel, self._compiled_sink())
 
 
 class PEGradNormShimLinear(_MeasuredLinear):
@@ -537,7 +552,7 @@ class PEGradNormShimLinear(_MeasuredLinear):
             x = x.to(dtype)  # the very tensor F.linear saves, so saved only once
         y = self._linear(x, self.weight, self._parameters.get("bias"))
         return _LinearNormTap.apply(y, x.detach(), self.bias is not None, w_sq, b_sq, self.example_count,
-                                    ids, link_q, link_s, ghost, chooser, self.max_chunk_numel)
+                                    ids, link_q, link_s, ghost, chooser, self.max_chunk_numel, self._compiled_sink())
 
 
 def measured_linears(model):

@@ -4,9 +4,8 @@ and gradients, the affine part's per-example norms measured beside them) and fus
 the normgnorm kernel computes y, dx, dgamma, dbeta and the norms in one forward and one backward),
 and LayerNorm, the unmeasured nn.LayerNorm that also takes nanoGPT's LayerNorm(ndim, bias).
 
-torch.compile: the other measured layers hand their buffers to their autograd Functions and add to
-them in backward; the normalisations instead hand their sums out of the compiled backward as the
-gradient of a sink, added to the buffers after it (_MeasuredNorm).
+torch.compile: like every measured layer, the normalisations hand their sums out of the compiled
+backward as the gradient of a sink, added to the buffers after it (nanogns.layers.buffers.MeasuredLayer).
 """
 
 import torch
@@ -19,83 +18,16 @@ from nanogns.normgnorm.torch_path import rms_norm_eps
 from nanogns.refusals import refuse_attributes
 
 
-# ---------------------------------------------------------------------------------------------
-# The normalisations under torch.compile: their per-example sums leave the backward as values
-
 class _MeasuredNorm(MeasuredLayer):
     """
-    What the measured normalisations share. Under torch.compile their backward writes nothing: it
-    returns the per-example sums as the gradient of the layer's sink, a float32 leaf vector laid
-    out as sink_layout() (normgnorm.torch_path.SINK_SLOTS, then any per-coordinate buffers), and
-    autograd accumulates that gradient like any other. A hook run as it lands adds it to the
-    buffers and clears it, so the buffers stay what the estimators read, over any number of
-    micro-steps. (A buffer written inside a compiled backward costs copies, rules out CUDA graphs
-    and has open correctness bugs in torch.) In eager mode the backward adds to the buffers
-    itself, and the sink is not used.
-    The sink is neither a parameter nor a buffer (nothing optimises, saves, broadcasts or
-    all-reduces it). It lives where the weight does, made anew wherever the weight is moved or
-    assigned (measure() builds its layers on the meta device and then hands them their Parameters),
-    a buffer is registered, or the layer is copied or unpickled.
+    What the measured normalisations share: their sink (MeasuredLayer's) also carries the
+    per-coordinate sums of any `{name}_sqgrad_coords` buffers, after the scalar ones.
     """
 
     def sink_layout(self):
-        """(buffer name, size) of each part of the sink, in order; a part whose buffer the layer has not
-        (the bias's, without a bias) holds 0 and goes nowhere."""
         coords = [(f"{name}_sqgrad_coords", self._buffers[f"{name}_sqgrad_coords"].numel())
                   for name in ("weight", "bias") if self._buffers.get(f"{name}_sqgrad_coords") is not None]
-        return [(name, 1) for name in normgnorm.torch_path.SINK_SLOTS] + coords
-
-    def _new_sink(self):
-        """A fresh sink, with its hook, where the weight is; None while there is no weight, or no
-        buffers yet, or the weight is on the meta device."""
-        weight = self._parameters.get("weight")
-        if weight is None or weight.device.type == "meta" or "example_count" not in self._buffers:
-            self._sink = None
-            return
-        self._sink_parts = self.sink_layout()  # read once: the hook runs at every backward
-        sink = torch.zeros(sum(size for _, size in self._sink_parts), dtype=torch.float32, device=weight.device,
-                           requires_grad=True)
-        sink.register_post_accumulate_grad_hook(self._add_sink_grad)
-        self._sink = sink
-
-    def _add_sink_grad(self, sink):
-        """The hook: what the backward passes handed the sink, added to the buffers."""
-        grad, sink.grad = sink.grad, None
-        bufs, parts = [], []
-        for (name, _), part in zip(self._sink_parts, grad.split([size for _, size in self._sink_parts])):
-            buf = self._buffers.get(name)
-            if buf is not None:
-                bufs.append(buf)
-                parts.append(part.view(buf.shape))
-        with torch.no_grad():
-            torch._foreach_add_(bufs, parts)
-
-    def _measures(self):
-        """Whether a call now measures: grad is on, and a parameter of the layer's own trains."""
-        return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in self._parameters.values())
-
-    def _compiled_sink(self):
-        """The sink while compiling a call that measures; None in eager mode, where the backward adds
-        to the buffers itself."""
-        return self.__dict__.get("_sink") if torch.compiler.is_compiling() and self._measures() else None
-
-    def register_parameter(self, name, param):
-        super().register_parameter(name, param)
-        if name == "weight" and "example_count" in self._buffers:
-            self._new_sink()
-
-    def register_buffer(self, name, tensor, persistent=True):
-        super().register_buffer(name, tensor, persistent)
-        self._new_sink()
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self._new_sink()
-        return self
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self._new_sink()
+        return super().sink_layout() + coords
 
 
 # ---------------------------------------------------------------------------------------------
