@@ -527,9 +527,10 @@ def _auto_method(layer, tokens, dtype, device):
     """An "auto" layer's method: its capability's table's where that measured the layer's shape in dtype
     at `tokens` per example, else the shapes rule's. A function of the shape and the table alone, so
     every rank of a run (one kind of card) comes to the same."""
-    method = table_method(tokens, layer.in_features, layer.out_features, dtype, device)
+    K, L = layer.in_features, layer.out_features
+    method = table_method(tokens, K, L, dtype, device)
     if method is None:
-        method = "ghost" if _use_ghost(tokens, layer.in_features, layer.out_features, layer.fused, "shapes") else "materialise"
+        method = "ghost" if _use_ghost(tokens, K, L, layer.fused, "shapes") else "materialise"
     return method
 
 
