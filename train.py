@@ -70,7 +70,7 @@ device_name = 'A100'  # peak-FLOPs entry for MFU (see model.PEAK_FLOPS)
 linearclass = 'nn'  # nn, gns or shim: the Linears' class
 embeddingclass = 'nn'  # nn, gns or shim: the token/position Embeddings' class
 lnclass = 'nn'  # nn, shim or fused: the LayerNorms'/RMSNorms' class
-per_example_mode = 'auto'  # Linears' weight norms: auto (timed at the first step), shapes (bit-reproducible), ghost, materialise
+per_example_mode = 'auto'  # Linears' weight norms: auto (routes table, else shapes; chosen once), shapes (per call), ghost, materialise
 # earlier estimators, logged beside the exact one for comparison: hooks on nn.Linear layers
 # (nanogns/estimators/hooks.py), the micro-batch estimator (nanogns/estimators/microbatch.py)
 gns_hooks = 'none'  # none, sogns or exact
@@ -207,7 +207,7 @@ if ddp and not fsdp:
 estimators = gnstracking.estimators_for(raw_model, ddp_model=model if ddp and not fsdp else None, world_size=ddp_world_size,
                                         hooks=gns_hooks, microbatch=microbatch_gns, checkpoint=checkpoint, fsdp=fsdp,
                                         adam_optimizer=optimizer if gns_adam else None)
-if compile:  # the compiled graph times nothing: the "auto" Linears not restored above choose now, at training's shapes
+if compile:  # the compiled graph reads no routes table: the "auto" Linears not restored above choose now, at training's shapes
     choose_linear_norm_methods(raw_model, batch_size, block_size, device, ptdtype)
 
 try:  # what sizes each step when it is not fixed: the editable schedule file, or the controller on the GNS

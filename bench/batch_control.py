@@ -23,8 +23,7 @@ was about 2 during the runs).
 
 The runs repeat bit for bit on the same machine: each gets --threads torch threads (default 1,
 set through OMP_NUM_THREADS whatever the environment says), and the Linears' norm methods by shape
-(per_example_mode='shapes') rather than timed at the first step, a choice the machine's load can
-change. Another thread count changes the logs in their last bits only (in a 40,000-token check, a
+at every call (per_example_mode='shapes'), whatever routes table the machine has. Another thread count changes the logs in their last bits only (in a 40,000-token check, a
 loss by at most 5e-7 after 157 steps; the table the same). One thread, because two threads a run
 on two busy cores took 3 to 13 times as long.
 
@@ -54,8 +53,8 @@ TRAIN_FLAGS = dict(
     n_layer=4, n_head=4, n_embd=128, block_size=BLOCK, batch_size=BATCH, dropout=0.0, bias=False,
     learning_rate=1e-3, min_lr=1e-4, beta2=0.99, warmup_tokens=20_000, eval_iters=20, log_interval=100,
     always_save_checkpoint=False, bs_min_accum=FLOOR, bs_warmup_steps=50,
-    # the Linears' norm method by the shape rule, not timed at the first step ('auto'): a timing
-    # picks by the machine's load, and ghost and materialise differ in the last bits
+    # the Linears' norm method by the shape rule at every call, not a routes table's ('auto'): ghost
+    # and materialise differ in the last bits
     per_example_mode='shapes',
 )
 MEASURE_ALL = dict(linearclass='gns', embeddingclass='gns', lnclass='shim')

@@ -28,8 +28,9 @@ Steps (in this order), and the file each writes into:
                                the cuBLAS routes, nanogns/layers/linear_kernel.py's Triton kernel at several
                                tilings, the ghost norm) at GPT-2 small's five weight shapes and a
                                Llama-style model's, each against torch's weight GEMM and float64
-                               (--time_linear); its rows into linear-routes-<card family>.csv, the
-                               table that, committed under nanogns/layers/routes/, chooses the routes
+                               (--time_linear); its rows into linear-routes-sm<major><minor>.csv (the
+                               card's compute capability), the table that, committed under
+                               nanogns/layers/routes/, chooses the routes
     eager      throughput.txt  bench/throughput.py, eager: nn, nn-null, ln-fused, ln-shim, every
                                layer, llama-nn, llama-rms-fused and the Llama-style model's every
                                layer (llama-all-gns), taking turns round by round for
@@ -130,9 +131,10 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=LINEAR_SHAPES, tiling
     GEMM dy^T x: the median milliseconds (`reps` runs after 3 warm-ups, CUDA events: host time counts
     where the host is the slower), the time over the GEMM's, and the sum of the norms' and the weight
     gradient's relative errors against float64. A table on stdout; the rows (buffered.ROUTE_COLUMNS) in
-    out/linear-routes-<card family>.csv, rewritten after each shape: the file that, committed under
-    nanogns/layers/routes/, chooses the routes on that family's cards. device 'cpu' (under TRITON_INTERPRET=1,
-    with tiny shapes) is for the tests.
+    out/linear-routes-sm<major><minor>.csv (buffered.route_table_path: by the card's compute capability),
+    rewritten after each shape: the file that, committed under nanogns/layers/routes/, chooses the
+    routes on every card of that capability. device 'cpu' (under TRITON_INTERPRET=1, with tiny shapes,
+    into linear-routes-cpu.csv) is for the tests.
     """
     import torch
     if device == 'cuda' and not torch.cuda.is_available():
@@ -143,7 +145,7 @@ def time_linear(out, batch=8, tokens=1024, reps=20, shapes=LINEAR_SHAPES, tiling
     from nanogns.runlog import atomic_write
     chunk = buffered.PEGradNormLinear.max_chunk_numel
     card = torch.cuda.get_device_name() if device == 'cuda' else device
-    path = os.path.join(out, os.path.basename(buffered.route_table_path(card)))
+    path = os.path.join(out, os.path.basename(buffered.route_table_path(device)))
 
     def median_ms(fn):
         for _ in range(3):

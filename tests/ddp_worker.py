@@ -188,7 +188,7 @@ def every_estimator(rank, world):
 
 
 def rank_zero_methods_win(rank, world):
-    """Each rank's Linears start from methods of their own (as if each had timed them differently):
+    """Each rank's Linears start from methods of their own (as if each had restored others):
     after the exact estimator's first measure() every rank holds rank 0's, from one broadcast; the
     second step broadcasts nothing."""
     raw = tiny_gpt(0, **MEASURED)

@@ -81,7 +81,8 @@ def test_the_linear_sweep_writes_the_routes_table_that_chooses_them(tmp_path):
     """The linear step's sweep, run here on the CPU under the Triton interpreter at tiny shapes: every
     route (the GEMM, the cuBLAS routes, the kernel at each tiling, the ghost norm where its Gram
     matrices are the smaller) at every shape, each against float64, into the file nanogns/layers reads
-    (named by the card's family), which ranks the exact routes of each shape fastest first."""
+    (named by the device: linear-routes-cpu.csv here, by compute capability on a GPU), which ranks the
+    exact routes of each shape fastest first."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
     import nanogns.layers as buffered
     code = ("import sys; sys.path.insert(0, 'bench'); import gpu_check; "

@@ -778,8 +778,8 @@ def test_checkpoint_states_round_trip_and_older_checkpoints_load(tmp_path):
 
 
 def test_the_linears_methods_go_into_the_checkpoint_and_a_resumed_model_keeps_them():
-    """A resumed run measures as the run it continues: each measured Linear's method ('auto': timed
-    at its first backward) is saved with the estimators' states and restored before any step."""
+    """A resumed run measures as the run it continues: each measured Linear's method ('auto': chosen
+    at its first call) is saved with the estimators' states and restored before any step."""
     model = tiny_gpt(0, **MEASURED)
     exact, = gnstracking.estimators_for(model)
     for step, (x, y) in enumerate(gpt_batches(2, 3)):
@@ -801,7 +801,7 @@ def test_the_linears_methods_go_into_the_checkpoint_and_a_resumed_model_keeps_th
     assert buffered.linear_norm_methods(fresh) == flipped
     x, y = gpt_batches(1, 3, seed=9)[0]
     fresh(x, y)[1].backward()
-    assert buffered.linear_norm_methods(fresh) == flipped  # kept, not timed again
+    assert buffered.linear_norm_methods(fresh) == flipped  # kept, not chosen again
 
 
 def test_the_layernorm_group_has_a_live_gns_of_its_own():

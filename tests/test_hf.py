@@ -177,22 +177,21 @@ def test_a_trainer_resumed_from_its_checkpoint_continues_the_gns(tmp_path):
     assert again["gns/total"] == pytest.approx(last["gns/total"], rel=1e-5)  # the EMA went on, not restarted
 
 
-def test_a_resumed_trainer_measures_with_the_restored_methods_without_timing_them(tmp_path, monkeypatch):
+def test_a_resumed_trainer_measures_with_the_restored_methods_without_choosing_again(tmp_path, monkeypatch):
     import nanogns.layers.linear as linear
-    monkeypatch.setattr(linear._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
+    monkeypatch.setattr(linear._MeasuredLinear, "per_example_mode", "auto")  # each Linear chooses once
     rows = token_rows(BATCH * ACCUMULATION * 2)
     trainer(tmp_path / "cut", rows, GNSCallback(), steps=1, save_strategy="steps", save_steps=1).train()
     with open(tmp_path / "cut" / "checkpoint-1" / "trainer_state.json") as f:
         saved = json.load(f)["stateful_callbacks"]["GNSCallback"]
     saved = (saved[0] if isinstance(saved, list) else saved)["attributes"]["meter_state"]["linear_norm_methods"]
     assert len(saved) == 9
-    timed = []
-    original = linear._timed_choice
-    monkeypatch.setattr(linear, "_timed_choice", lambda layer, ways, device: timed.append(layer) or
-                        original(layer, ways, device))
+    fresh = []
+    original = linear._auto_method
+    monkeypatch.setattr(linear, "_auto_method", lambda *a: fresh.append(a) or original(*a))
     resumed = trainer(tmp_path / "cut", rows, GNSCallback(), steps=2)
     resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-1"))
-    assert timed == [] and buffered.linear_norm_methods(resumed.model) == saved
+    assert fresh == [] and buffered.linear_norm_methods(resumed.model) == saved
     assert sorted(gns_columns(str(tmp_path / "cut"))) == [0, 1]
 
 

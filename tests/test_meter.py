@@ -548,27 +548,26 @@ def test_the_state_of_another_model_is_refused_in_one_line_and_an_older_state_st
     assert resumed.step()["train/gns/transformer.wte.weight/batch_size"] == 4 and resumed.step_count == 2
 
 
-def test_a_resumed_meter_measures_its_first_backward_with_the_restored_methods_untimed(monkeypatch):
+def test_a_resumed_meter_measures_its_first_backward_with_the_restored_methods_unchosen(monkeypatch):
     import nanogns.layers as buffered
     import nanogns.layers.linear as linear
-    monkeypatch.setattr(linear._MeasuredLinear, "per_example_mode", "auto")  # each Linear times its methods
+    monkeypatch.setattr(linear._MeasuredLinear, "per_example_mode", "auto")  # each Linear chooses once
     state = stepped_state(gpt2())
     chosen = state["linear_norm_methods"]
-    assert len(chosen) == 9  # every measured Linear of the tiny GPT-2 timed and chose
-    # the other method everywhere: what a resume then measures with cannot be a fresh timing's choice
+    assert len(chosen) == 9  # every measured Linear of the tiny GPT-2 chose
+    # the other method everywhere: what a resume then measures with cannot be a fresh choice
     state["linear_norm_methods"] = {name: "ghost" if method == "materialise" else "materialise"
                                     for name, method in chosen.items()}
-    timed = []
-    original = linear._timed_choice
-    monkeypatch.setattr(linear, "_timed_choice", lambda layer, ways, device: timed.append(layer) or
-                        original(layer, ways, device))
+    fresh = []
+    original = linear._auto_method
+    monkeypatch.setattr(linear, "_auto_method", lambda *a: fresh.append(a) or original(*a))
     model = gpt2()
     meter = GNSMeter(model)
     meter.load_state_dict(state)
     assert buffered.linear_norm_methods(model) == state["linear_norm_methods"]  # before any backward
     x = token_rows(4, seed=3)
     model(input_ids=x, labels=x).loss.backward()
-    assert timed == []  # the first resumed backward timed nothing
+    assert fresh == []  # the first resumed step chose nothing afresh
     meter.step()
     assert buffered.linear_norm_methods(model) == state["linear_norm_methods"]
 

@@ -181,9 +181,9 @@ def test_a_resumed_run_measures_each_linear_with_its_checkpoints_method(tiny_dat
 
 @pytest.mark.slow
 def test_a_compiled_run_chooses_each_linears_method_before_compiling_and_keeps_it(tiny_dataset, tmp_path):
-    """torch.compile times nothing: under --compile=True each "auto" Linear times both methods before
-    the first step (buffered.choose_linear_norm_methods), and the choice is recorded and checkpointed
-    as in eager mode, rather than left to the shape rule."""
+    """torch.compile reads no routes table: under --compile=True each "auto" Linear takes its method
+    before the first step (buffered.choose_linear_norm_methods: the table's, else the shapes rule), and
+    the choice is recorded and checkpointed as in eager mode."""
     flags = [*TINY, f"--dataset={tiny_dataset}", f"--out_dir={tmp_path}", "--eval_interval=2", "--linearclass=gns",
              "--compile=True"]
     run_train(*flags, "--max_iters=2")

@@ -319,10 +319,11 @@ class ExactGNS(Estimator):
     estimates from the totals over all measured parameters, carried across a resume; and one of
     the normalisation group's alone when it has measured LayerNorms or RMSNorms (live_gns() reads
     either; the group is called 'LayerNorm' there, --bs_gns_group's value, whichever they are).
-    Under DDP each rank's measured Linears time their own ghost/materialise choice (nanogns/layers'
-    per_example_mode "auto"); measure() then gives every rank rank 0's, in one broadcast of them
-    all, on the step in which a layer first chose (the same step on every rank, which run the same
-    layers on the same shapes).
+    Under DDP each rank's measured Linears choose their ghost/materialise method alike (nanogns/layers'
+    per_example_mode "auto": the routes table or the shapes, nothing timed); measure() still gives
+    every rank rank 0's, in one broadcast of them all, on the step in which a layer first chose (the
+    same step on every rank, which run the same layers on the same shapes), so that methods restored
+    differently cannot part the ranks.
     """
     name = PREFIXES["exact"]
     label = "gns"

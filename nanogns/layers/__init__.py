@@ -31,7 +31,7 @@ from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, all_sqgradnorm
                                     zero_sqgradnorm_buffers)
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, link_tied, tie_weights  # noqa: F401
 from nanogns.layers.linear import (CUBLAS_ROUTE, DTYPE_NAMES, FUSED_GHOST_RATIO, HAS_TRITON, NORM_METHODS,  # noqa: F401
-                                   PER_EXAMPLE_MODES, ROUTE_COLUMNS, ROUTE_TOLERANCE, ROUTES_DIR, TIMING_REPEATS,
+                                   PER_EXAMPLE_MODES, ROUTE_COLUMNS, ROUTE_TOLERANCE, ROUTES_DIR,
                                    LinearRouteTableError, PEGradNormLinear, PEGradNormShimLinear,
                                    agree_linear_norm_methods, card_family,
                                    choose_linear_norm_methods, linear_norm_methods, linear_sqnorms,

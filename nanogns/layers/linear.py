@@ -3,7 +3,7 @@ The measured Linear layers: PEGradNormLinear (one backward computes dx, dW, db a
 norms) and PEGradNormShimLinear (torch's own backward, bit-identical .grad, the norms beside it),
 their autograd Functions, linear_sqnorms for code that sees x and dy beside torch's backward, and
 how a layer measures its weight: the ghost norm or materialised per-example weight gradients
-(per_example_mode, timed or read from its card's routes table).
+(per_example_mode: read from the routes table of its card's compute capability, else the shapes).
 
 The ghost norm is Goodfellow 2015 ("Efficient Per-Example Gradient Computations") extended to
 sequences as in Li et al. 2022 ("Large Language Models Can Be Strong Differentially Private
@@ -12,7 +12,6 @@ Learners").
 import importlib.util
 import math
 import os
-import time
 
 import torch
 import torch.nn as nn
@@ -29,14 +28,14 @@ from nanogns.layers.buffers import (MeasuredLayer, _autocast_dtype, _cast, _chun
 FUSED_GHOST_RATIO = 48
 
 # How a measured Linear chooses between the ghost norm and materialised per-example weight
-# gradients (its per_example_mode): "auto" times both on its own tensors at its first measured
-# backward and keeps the faster (linear_norm_methods reads the choices; under torch.compile, which
-# times nothing, choose_linear_norm_methods times them beforehand, else the shapes decide); "shapes" the flop rule
-# of _use_ghost at every call (what two runs agree on bit for bit; None, its earlier name, is the
-# same); or one of the two, forced.
+# gradients (its per_example_mode): "auto" at its first measured call takes the faster as the routes
+# table of its card's compute capability measured it for that shape at those tokens per example, else
+# the flop rule of _use_ghost, and keeps it (linear_norm_methods reads the choices; nothing is timed
+# in training, so every rank of a run chooses alike; under torch.compile, which reads no file,
+# choose_linear_norm_methods reads the table beforehand); "shapes" the flop rule at every call (what
+# two runs agree on bit for bit; None, its earlier name, is the same); or one of the two, forced.
 PER_EXAMPLE_MODES = ("auto", "shapes", "ghost", "materialise")
 NORM_METHODS = ("ghost", "materialise")
-TIMING_REPEATS = 3  # runs of each method when choosing; the fastest run of each is compared
 
 
 def _use_ghost(T, K, L, fused, mode):
@@ -52,28 +51,6 @@ def _use_ghost(T, K, L, fused, mode):
     if fused:
         return T * T * (K + L) < FUSED_GHOST_RATIO * K * L
     return T * (K + L) < K * L
-
-
-def _timed_choice(layer, ways, device):
-    """
-    Run each of `ways` ({method: function computing the weight's norm and whatever goes with it})
-    TIMING_REPEATS times on the layer's own tensors, keep the method of the fastest single run on
-    `layer` (its norm_method) and return that method's result: its norm is then added once, like
-    any other call's. The functions must not write to the buffers.
-    """
-    fastest, results = {}, {}
-    for method, way in ways.items():
-        fastest[method] = math.inf
-        for _ in range(TIMING_REPEATS):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            results[method] = way()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            fastest[method] = min(fastest[method], time.perf_counter() - start)
-    layer.norm_method = min(fastest, key=fastest.get)
-    return results[layer.norm_method]
 
 
 def _weight_sqnorm_ghost(x, dy, max_chunk_numel):
@@ -101,16 +78,18 @@ def _gram_dot(x, dy):
 # How materialised norms are computed: by one of several exact routes, whose speed depends on the card
 # and the shape. bench/gpu_check.py's linear step times them all (and the ghost norm) at GPT-2 small's
 # and a Llama-style model's weight shapes against torch's weight GEMM and float64, and writes a table
-# (ROUTE_COLUMNS) that is committed as nanogns/layers/routes/linear-routes-<card family>.csv. The routes:
+# (ROUTE_COLUMNS) that is committed as nanogns/layers/routes/linear-routes-sm<major><minor>.csv, named by
+# the card's compute capability (what decides the speed: an H100 and an H200 share sm90). The routes:
 #   "bmm"              torch.bmm (cuBLAS) of each example's dy_b^T x_b, W_b in the compute dtype, then
 #                      one pass over W_b for its squares and its sum over examples (the weight gradient)
 #   "bmm-f32"          the same with W_b in float32 (torch.bmm's out_dtype on CUDA; elsewhere from
 #                      float32 copies of the inputs)
 #   "kernel <tiling>"  linear_kernel's Triton GEMM with that tiling, which never writes W_b (a GPU
 #                      with Triton)
-# A layer on a GPU takes its card's fastest route whose norms and gradient were within ROUTE_TOLERANCE
-# of float64 in the sweep, measured at the nearest number of tokens per example; a card without a
-# table, a shape or dtype its table lacks, and the CPU take the cuBLAS route.
+# A layer on a GPU takes its capability's fastest route whose norms and gradient were within
+# ROUTE_TOLERANCE of float64 in the sweep, measured at the nearest number of tokens per example; a
+# capability without a table (no other capability's table is borrowed), a shape or dtype its table
+# lacks, and the CPU take the cuBLAS route.
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 CUBLAS_ROUTE = "bmm"
 ROUTE_COLUMNS = ("card", "model", "layer", "B", "T", "K", "L", "dtype", "route", "ms", "vs_gemm", "norm_err",
@@ -127,8 +106,9 @@ class LinearRouteTableError(ValueError):
 
 
 def card_family(name):
-    """The family of a GPU, as its routes table is named: "NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe"
-    -> "h100", "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA GeForce RTX 4090" -> "rtx-4090"."""
+    """The family of a GPU by its name: "NVIDIA H100 80GB HBM3" and "NVIDIA H100 PCIe" -> "h100",
+    "NVIDIA A100-SXM4-80GB" -> "a100", "NVIDIA GeForce RTX 4090" -> "rtx-4090". Routes tables go by
+    compute capability instead (route_table_path)."""
     kept = []
     for word in name.lower().split():
         if word in ("nvidia", "geforce", "tesla", "amd", "radeon"):
@@ -139,9 +119,15 @@ def card_family(name):
     return "-".join(kept)
 
 
-def route_table_path(card_name):
-    """Where the routes table of the card called card_name (torch.cuda.get_device_name) is committed."""
-    return os.path.join(ROUTES_DIR, f"linear-routes-{card_family(card_name)}.csv")
+def route_table_path(device):
+    """Where the routes table for `device` is committed: on a GPU by its compute capability
+    (torch.cuda.get_device_capability), (9, 0) -> ROUTES_DIR/linear-routes-sm90.csv for an H100 and an
+    H200 alike; elsewhere by the device type (linear-routes-cpu.csv, which only tests write)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return os.path.join(ROUTES_DIR, f"linear-routes-sm{major}{minor}.csv")
+    return os.path.join(ROUTES_DIR, f"linear-routes-{device.type}.csv")
 
 
 def read_route_table(path):
@@ -177,19 +163,21 @@ def read_route_table(path):
             for shape, by_tokens in timed.items()}
 
 
-_route_tables = {}  # str(device) -> read_route_table() of its card
+_route_tables = {}  # str(device) -> read_route_table() of its compute capability's table
 
 
 def _route_table(device):
-    """The routes table of device's card, read at its first eager use; {} off GPU. torch.compile traces
-    no file read: a table not read before compiling counts as none (choose_linear_norm_methods reads it)."""
+    """The routes table of device's compute capability (route_table_path), read at its first eager use;
+    {} off GPU and where that capability has no table: the layers then go by the shapes. torch.compile
+    traces no file read: a table not read before compiling counts as none (choose_linear_norm_methods
+    reads it)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     table = _route_tables.get(str(device))
     if table is None:
         if torch.compiler.is_compiling():
             return {}
-        table = read_route_table(route_table_path(torch.cuda.get_device_name(device))) if device.type == "cuda" else {}
+        table = read_route_table(route_table_path(device)) if device.type == "cuda" else {}
         _route_tables[str(device)] = table
     return table
 
@@ -217,7 +205,7 @@ def materialised_route(T, K, L, dtype, device):
 
 def table_method(T, K, L, dtype, device):
     """"ghost" or "materialise", as its card's table found the faster for this shape and dtype at T
-    tokens per example itself; None where it did not measure that (the layer then times them)."""
+    tokens per example itself; None where it did not measure that (the layer then goes by _use_ghost)."""
     routes, exact = _swept_routes(T, K, L, dtype, device)
     if not exact or not routes:
         return None
@@ -322,10 +310,11 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel,
                 sink=None):
+        # chooser: unused (None), kept so that the arguments after it keep their places
         ctx.save_for_backward(x, weight, ids)
         ctx.bufs, ctx.sink = (w_sq, b_sq, count), sink is not None
         ctx.has_bias, ctx.linked = bias is not None, link_q is not None
-        ctx.ghost, ctx.chooser, ctx.max_chunk_numel = ghost, chooser, max_chunk_numel
+        ctx.ghost, ctx.max_chunk_numel = ghost, max_chunk_numel
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -340,7 +329,7 @@ class _LinearFn(torch.autograd.Function):
             dx = dy.matmul(weight)
         if ctx.needs_input_grad[1] and (w_sq is not None or ctx.linked):
             ids2 = ids.reshape(B, -1) if ctx.linked else None
-            sq, dw, q = _weight_norm(ctx, x.device, _norm_ways(x3, dy3, ids2, ctx.max_chunk_numel, weight.dtype))
+            sq, dw, q = _weight_norm(ctx, _norm_ways(x3, dy3, ids2, ctx.max_chunk_numel, weight.dtype))
             if ctx.linked:  # tied head: the norm and the cross-term factor go to the embedding
                 h_sq = sq
             else:
@@ -386,15 +375,10 @@ def _norm_ways(x3, dy3, ids, max_chunk_numel, grad_dtype=None):
     return {"ghost": ghost, "materialise": materialised}
 
 
-def _weight_norm(ctx, device, ways):
-    """The result of one of `ways` (_norm_ways): the one the layer's call chose (ctx.ghost), the one its
-    layer has chosen since, or, while its layer (ctx.chooser) has none, the faster, timed here."""
-    chooser = ctx.chooser
-    if chooser is None:
-        return ways["ghost" if ctx.ghost else "materialise"]()
-    if chooser.norm_method is None:
-        return _timed_choice(chooser, ways, device)
-    return ways[chooser.norm_method]()
+def _weight_norm(ctx, ways):
+    """The result of the one of `ways` (_norm_ways) that the layer's call chose (ctx.ghost): nothing is
+    timed in the backward."""
+    return ways["ghost" if ctx.ghost else "materialise"]()
 
 
 class _LinearNormTap(torch.autograd.Function):
@@ -404,10 +388,11 @@ class _LinearNormTap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel,
                 sink=None):
+        # chooser: unused (None), kept so that the arguments after it keep their places
         ctx.save_for_backward(x, ids)
         ctx.bufs, ctx.sink = (w_sq, b_sq, count), sink is not None
         ctx.has_bias, ctx.linked = has_bias, link_q is not None
-        ctx.ghost, ctx.chooser, ctx.max_chunk_numel = ghost, chooser, max_chunk_numel
+        ctx.ghost, ctx.max_chunk_numel = ghost, max_chunk_numel
         return y.view_as(y)
 
     @staticmethod
@@ -420,7 +405,7 @@ class _LinearNormTap(torch.autograd.Function):
         q = h_sq = w_sum = b_sum = None
         if w_sq is not None or ctx.linked:
             ids2 = ids.reshape(B, -1) if ctx.linked else None
-            sq, _, q = _weight_norm(ctx, x.device, _norm_ways(x3, dy3, ids2, ctx.max_chunk_numel))
+            sq, _, q = _weight_norm(ctx, _norm_ways(x3, dy3, ids2, ctx.max_chunk_numel))
             if ctx.linked:
                 h_sq = sq
             else:
@@ -444,7 +429,7 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         register_sqgradnorm_buffers(self)
         self._tie = None  # set by tie_weights when this is a tied output head
         # "ghost" or "materialise": the method of this layer's last measured call; under "auto" the
-        # one it keeps (timed at its first measured backward, or restored: set_linear_norm_methods)
+        # one it keeps (chosen at its first measured call, or restored: set_linear_norm_methods)
         self.norm_method = None
 
     def forward(self, x):
@@ -464,8 +449,7 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         return y.view(*x.shape[:-1], weight.shape[-1])
 
     def _measurement_args(self, x):
-        """(ids, link_q, link_s, w_sq, b_sq, ghost, chooser) for this call, or None if nothing is
-        measured; chooser is this layer where its backward is to time both methods and choose.
+        """(ids, link_q, link_s, w_sq, b_sq, ghost) for this call, or None if nothing is measured.
         Runs on every forward: parameters and buffers are read from their dicts (a module
         attribute lookup goes through two __getattr__)."""
         link = self._tie.pop("link", None) if self._tie is not None else None
@@ -488,21 +472,18 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
             return None
         mode, method = self.per_example_mode, self.norm_method
         compiling = torch.compiler.is_compiling()
-        if mode == "auto" and method is None:  # the card's table, where it measured this shape at these tokens
+        tokens = math.prod(x.shape[1:-1])
+        if mode == "auto" and method is None:  # chosen once, the same on every rank: nothing is timed
             dtype = (_autocast_dtype(x) if x.is_floating_point() else None) or x.dtype
-            method = table_method(math.prod(x.shape[1:-1]), self.in_features, self.out_features, dtype, x.device)
+            method = _auto_method(self, tokens, dtype, x.device)
             if not compiling:
                 self.norm_method = method
-        if mode == "auto" and method is not None:
-            return ids, link_q, link_s, w_sq, b_sq, method == "ghost", None
-        if mode == "auto" and not compiling:
-            return ids, link_q, link_s, w_sq, b_sq, None, self  # timed in backward
-        # the shapes decide (under torch.compile "auto" too: nothing is timed while tracing)
-        ghost = _use_ghost(math.prod(x.shape[1:-1]), self.in_features, self.out_features, self.fused,
-                           "shapes" if mode == "auto" else mode)
+        if mode == "auto":
+            return ids, link_q, link_s, w_sq, b_sq, method == "ghost"
+        ghost = _use_ghost(tokens, self.in_features, self.out_features, self.fused, mode)
         if not compiling:
             self.norm_method = "ghost" if ghost else "materialise"
-        return ids, link_q, link_s, w_sq, b_sq, ghost, None
+        return ids, link_q, link_s, w_sq, b_sq, ghost
 
     def _autocast(self, x):
         """Cast like autocast would, outside the Function, so .grad flows back through the casts."""
@@ -520,9 +501,11 @@ class PEGradNormLinear(_MeasuredLinear):
     nn.Linear whose single backward computes dx, dW, db and the per-example squared norms.
     The weight's norm is either materialised (W_b = dy_b^T x_b, the weight GEMM split by example:
     a batched GEMM, summed for the weight gradient) or a ghost norm (sum((x_b x_b^T) * (dy_b dy_b^T)),
-    one more GEMM-sized pass), as `per_example_mode` (class or layer) says: "auto" (the default)
-    times both at the layer's first measured backward and keeps the faster, "shapes" picks per call
-    from the shapes alone (T = tokens per example), "ghost" / "materialise" force one. Examples are
+    one more GEMM-sized pass), as `per_example_mode` (class or layer) says: "auto" (the default) takes
+    at the layer's first measured call the faster as its card's compute capability's routes table
+    measured it at that shape and T (tokens per example), else the shapes rule, and keeps it (nothing
+    is timed in training); "shapes" picks per call from the shapes alone; "ghost" / "materialise"
+    force one. Examples are
     processed in chunks of at most max_chunk_numel float32 elements' worth of temporaries (or one
     example, if one needs more: its K*L W_b materialised, in the route's dtype, 3*T^2 + T*(K+L)
     ghost); beyond that only [B, L] bias sums and, when materialising, two [L, K] float32
@@ -531,10 +514,10 @@ class PEGradNormLinear(_MeasuredLinear):
     """
     fused = True
 
-    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost, chooser):
+    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
         x, weight, bias = self._autocast(x)
         return _LinearFn.apply(x, weight, bias, w_sq, b_sq, self.example_count, ids, link_q, link_s,
-                               ghost, chooser, self.max_chunk_numel, self._compiled_sink())
+                               ghost, None, self.max_chunk_numel, self._compiled_sink())
 
 
 class PEGradNormShimLinear(_MeasuredLinear):
@@ -546,13 +529,24 @@ class PEGradNormShimLinear(_MeasuredLinear):
     """
     fused = False
 
-    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost, chooser):
+    def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
         dtype = _autocast_dtype(x)
         if dtype is not None and x.is_floating_point():
             x = x.to(dtype)  # the very tensor F.linear saves, so saved only once
         y = self._linear(x, self.weight, self._parameters.get("bias"))
         return _LinearNormTap.apply(y, x.detach(), self.bias is not None, w_sq, b_sq, self.example_count,
-                                    ids, link_q, link_s, ghost, chooser, self.max_chunk_numel, self._compiled_sink())
+                                    ids, link_q, link_s, ghost, None, self.max_chunk_numel, self._compiled_sink())
+
+
+def _auto_method(layer, tokens, dtype, device):
+    """An "auto" layer's method: its capability's table's where that measured the layer's shape in dtype
+    at `tokens` per example, else the shapes rule's. A function of the shape and the table alone, so
+    every rank of a run (one kind of card) comes to the same."""
+    K, L = layer.in_features, layer.out_features
+    method = table_method(tokens, K, L, dtype, device)
+    if method is None:
+        method = "ghost" if _use_ghost(tokens, K, L, layer.fused, "shapes") else "materialise"
+    return method
 
 
 def measured_linears(model):
@@ -576,7 +570,7 @@ def linear_norm_methods(model):
 
 def set_linear_norm_methods(model, methods):
     """Give the measured Linears of `model` named in `methods` (linear_norm_methods' dict) their
-    methods: "auto" layers keep them instead of timing; other modes go on deciding per call."""
+    methods: "auto" layers keep them instead of choosing; other modes go on deciding per call."""
     for name, layer in measured_linears(model):
         if name in methods:
             if methods[name] not in NORM_METHODS:
@@ -587,17 +581,14 @@ def set_linear_norm_methods(model, methods):
 @torch.no_grad()
 def choose_linear_norm_methods(model, examples, tokens, device, dtype=torch.float32, seed=0):
     """
-    Before torch.compile, which times nothing and reads no file: read the routes table of device's
-    card, and give each measured Linear of `model` in "auto" mode that has no method yet (none
-    restored) the faster of the two: the table's, where it measured the layer's shape at `tokens`
-    per example in `dtype`, else timed as its first backward would time them, on random inputs
-    [examples, tokens, in] and output gradients [examples, tokens, out] of `dtype` (the shapes a
-    GPT's Linears see in training). A tied output head that the table does not cover, whose timing
-    needs the embedding's ids, keeps the shape rule; a weight not measured (frozen, or shared with an
-    unmeasured layer) is skipped. Touches nothing but norm_method: not the model's
-    parameters, gradients or buffers, nor the global random state. Returns linear_norm_methods(model).
+    Before torch.compile, which reads no file: read the routes table of device's compute capability,
+    and give each measured Linear of `model` in "auto" mode that has no method yet (none restored) the
+    one its first call would take (_auto_method): the table's, where it measured the layer's shape at
+    `tokens` per example in `dtype`, else the shapes rule's. Nothing is timed, so every rank comes to
+    the same; `examples` and `seed` are not used (kept for callers). A weight not measured (frozen, or
+    shared with an unmeasured layer) is skipped. Touches nothing but norm_method. Returns
+    linear_norm_methods(model).
     """
-    generator = torch.Generator(device=device).manual_seed(seed)
     device = torch.device(device)
     _route_table(device)  # read now: the compiled graph reads no file
     for _, layer in measured_linears(model):
@@ -605,12 +596,7 @@ def choose_linear_norm_methods(model, examples, tokens, device, dtype=torch.floa
         measured = weight is not None and weight.requires_grad and layer._buffers.get("weight_sqgradnorm") is not None
         if layer.per_example_mode != "auto" or layer.norm_method is not None or not measured:
             continue
-        layer.norm_method = table_method(tokens, layer.in_features, layer.out_features, dtype, device)
-        if layer.norm_method is not None or layer._tie is not None:
-            continue
-        x3, dy3 = (torch.randn(examples, tokens, width, generator=generator, device=device, dtype=dtype)
-                   for width in (layer.in_features, layer.out_features))
-        _timed_choice(layer, _norm_ways(x3, dy3, None, layer.max_chunk_numel, dtype if layer.fused else None), device)
+        layer.norm_method = _auto_method(layer, tokens, dtype, device)
     return linear_norm_methods(model)
 
 
@@ -618,8 +604,8 @@ def choose_linear_norm_methods(model, examples, tokens, device, dtype=torch.floa
 def agree_linear_norm_methods(model, group=None):
     """
     Give every rank of `group` its first rank's method for each measured Linear (None where that
-    rank has none yet), all layers in one broadcast: each rank times its own layers, and the
-    ranks must then measure alike. Call it on every rank at the same point, as the buffers'
+    rank has none yet), all layers in one broadcast: the ranks then measure alike even where one
+    restored other methods than another. Call it on every rank at the same point, as the buffers'
     all-reduce. Returns linear_norm_methods(model).
     """
     layers = [layer for _, layer in measured_linears(model)]
@@ -640,7 +626,7 @@ def linear_sqnorms(x, dy, weight=True, bias=True):
     (sum_b ||dW_b||^2, sum_b ||db_b||^2) of a Linear y = x W^T + b from its input x [B, ..., K] and
     output gradient dy [B, ..., L], float32 0-dim (None where not asked): PEGradNormShimLinear's
     maths and chunking, for code that sees x and dy beside torch's own backward (nanogns/estimators/hooks.py). It
-    keeps no layer to time on: ghost or materialise as PEGradNormShimLinear.per_example_mode
+    keeps no layer and reads no table: ghost or materialise as PEGradNormShimLinear.per_example_mode
     forces, else ("auto", "shapes") from the shapes. x is taken in dy's dtype, the one the layer
     computed in under autocast.
     """
