@@ -115,8 +115,8 @@ CASES = {  # shape, bias, rms: whole examples a program, split examples, wide ro
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_one_call_launches_at_most_twice_through_the_compiled_kernel_and_makes_only_its_outputs(launches, case,
-                                                                                               monkeypatch):
+def test_one_call_launches_at_most_twice_through_the_compiled_kernel_and_makes_only_its_outputs_and_scratch(
+        launches, case, monkeypatch):
     shape, bias, rms = CASES[case]
     # as on a GPU: many programs (an H100's 132 multiprocessors), so that split mode splits
     monkeypatch.setattr(triton_kernels, "_target_programs", lambda device: 4 * 132)
