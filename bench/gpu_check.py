@@ -59,7 +59,8 @@ GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n
 # the tests that run on a GPU (of test_layers.py, the separated LayerNorm under CUDA autocast), and those
 # whose C++ build runs in a step of its own
 TESTS = ['tests/test_normgnorm.py', 'tests/test_fused_gns.py', 'tests/test_bench_layernorm.py',
-         'tests/test_linear_kernel.py', 'tests/test_layers.py::test_layernorm_under_cuda_autocast_like_torch']
+         'tests/test_linear_kernel.py', 'tests/test_layers.py::test_layernorm_under_cuda_autocast_like_torch',
+         'tests/test_gpu_launches.py']
 BINDING_TESTS = 'cuda_binding or cuda_kernels_compile'
 PYTEST = ['-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider']
 SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused,llama-all-gns'  # and nn-null, which throughput.py adds

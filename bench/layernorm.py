@@ -345,7 +345,7 @@ def launches_recorded():
 
     kernels = {name: value for name, value in vars(triton_kernels).items()
                if isinstance(value, triton.runtime.JITFunction) and "_kernel" in name}
-    caches = ("_forward_plans", "_backward_plans", "_workspaces")
+    caches = ("_forward_plans", "_backward_plans")
     kept = {name: getattr(triton_kernels, name) for name in caches}
     interpret = os.environ.get("TRITON_INTERPRET")
     try:

@@ -176,15 +176,46 @@ def test_triton_finishing_sums_over_many_groups_and_tiles(monkeypatch, case):
     assert plan["launch"].meta["TILE"] == 1 and plan["launch"].meta["BLOCK_C"] == 32
 
 
-def test_triton_backward_twice_reuses_its_workspace_and_counters():
-    """The counters each launch counts with are zero again when it ends: a second launch on the
-    kept workspace (and a third of another plan, then the first again) is exact too."""
-    for case in ["split into chunks", "whole, three examples a program", "split into chunks"]:
+@pytest.fixture
+def scratch(monkeypatch):
+    """Each backward launch's (scratch, counters), as _scratch made them."""
+    made = []
+
+    def recorded(device, floats, counters):
+        made.append(real(device, floats, counters))
+        return made[-1]
+    real = triton_kernels._scratch
+    monkeypatch.setattr(triton_kernels, "_scratch", recorded)
+    return made
+
+
+def test_triton_backward_puts_its_counters_back_to_zero(scratch):
+    """The counters a launch counts with are zero again when it ends, in every mode."""
+    for case in ["split into chunks", "whole, three examples a program", "looped, split"]:
         shape, plan_args, _ = KERNEL_CASES[case]
         run_kernels(shape, torch.float32, bias=True, **plan_args)
-        run_kernels(shape, torch.bfloat16, bias=True, **plan_args)
-    work, counters = triton_kernels._workspaces[torch.device("cpu")]
-    assert counters.count_nonzero() == 0
+    assert len(scratch) == 3 and all(counters.count_nonzero() == 0 for _, counters in scratch)
+
+
+@pytest.mark.parametrize("case", ["split into chunks", "whole, three examples a program", "looped, split"])
+def test_triton_backward_leaves_nan_where_no_program_is_counted_last(monkeypatch, case):
+    """Program 0 fills dγ, dβ with NaN and the last program writes them: with counters that never
+    reach the count (no program is last), the gradients are NaN, whatever memory they were given."""
+    real = triton_kernels._scratch
+    monkeypatch.setattr(triton_kernels, "_scratch",
+                        lambda device, floats, counters: (real(device, floats, counters)[0],
+                                                          torch.full((counters,), 1000, dtype=torch.int32)))
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: torch.zeros_like(t, **kw))  # not NaN by chance
+    shape, plan_args, _ = KERNEL_CASES[case]
+    x, dy, weight, b = make_inputs(shape, torch.float32, True, seed=3)
+    D = shape[-1]
+    y, mean, rstd = triton_kernels.forward(x.reshape(-1, D), weight, b, EPS,
+                                           **{k: v for k, v in plan_args.items() if k == "max_block_d"})
+    bufs = [torch.zeros(()) for _ in range(3)]
+    dx, dw, db = triton_kernels.backward(dy.reshape(-1, D), x.reshape(-1, D), weight, mean, rstd, shape[0], True, True,
+                                         *bufs, **plan_args)
+    assert dw.isnan().all() and db.isnan().all()
+    assert bufs[0].item() == 0 and bufs[1].item() == 0  # the last program's sums never ran
 
 
 def test_triton_kernels_no_bias_non_power_of_two():

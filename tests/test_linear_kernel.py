@@ -415,6 +415,30 @@ def test_kernel_compiles_for_gpus_without_spilling(arch):
 
 
 @this_process
+def test_kernel_offsets_are_64_bit():
+    """Every offset the kernel multiplies out is int64 in its compiled code (Triton's IR: no 32-bit
+    tensor multiply is left): a transposed input's token or feature stride times its index can
+    pass 2^31, which 32 bits would wrap. Compiled for sm_90, with dy a transposed view (no stride 1)."""
+    from nanogns.normgnorm.triton_aot import Launch, compile_launch
+
+    class Recorder:
+        def __init__(self):
+            self.launches = []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self.launches.append(
+                Launch(linear_gns_kernel._weight_grad_kernel, tuple(grid), args, dict(kwargs, enable_fp_fusion=True)))
+
+    recorder = Recorder()
+    x = torch.empty(8, 1024, 768, dtype=torch.bfloat16, device="meta")
+    dy = torch.empty(3072, 8, 1024, dtype=torch.bfloat16, device="meta").permute(1, 2, 0)
+    linear_gns_kernel._launch(x, dy, True, kernel=recorder)
+    ttir = compile_launch(recorder.launches[0], 90).asm["ttir"]
+    multiplies = [line.strip() for line in ttir.splitlines() if "arith.muli" in line and "tensor<" in line]
+    assert multiplies and not [m for m in multiplies if "xi32>" in m], "\n".join(multiplies)
+
+
+@this_process
 def test_tiling_labels_name_plans_configurations():
     """The sweep's table names a kernel route by its tiling: config_of reads it, label_of writes it back,
     and anything else is one line that says how to write one."""

@@ -115,8 +115,8 @@ CASES = {  # shape, bias, rms: whole examples a program, split examples, wide ro
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_one_call_launches_at_most_twice_through_the_compiled_kernel_and_makes_only_its_outputs(launches, case,
-                                                                                               monkeypatch):
+def test_one_call_launches_at_most_twice_through_the_compiled_kernel_and_makes_only_its_outputs_and_scratch(
+        launches, case, monkeypatch):
     shape, bias, rms = CASES[case]
     # as on a GPU: many programs (an H100's 132 multiprocessors), so that split mode splits
     monkeypatch.setattr(triton_kernels, "_target_programs", lambda device: 4 * 132)
@@ -133,8 +133,9 @@ def test_one_call_launches_at_most_twice_through_the_compiled_kernel_and_makes_o
     sizes = lambda made: sorted(torch.Size(shape).numel() for _, shape in made)  # noqa: E731
     # the forward's outputs: y and the saved statistics torch saves (mean and rstd; RMSNorm: rstd)
     assert sizes(fwd_made) == sorted([x.numel()] + [N] * (1 if rms else 2)), fwd_made
-    # the backward's: dx and the parameters' gradients
-    assert sizes(bwd_made) == sorted([x.numel()] + [D] * len(params)), bwd_made
+    # the backward's: dx, the parameters' gradients, and the launch's own scratch and counters
+    (plan,) = triton_kernels._backward_plans.values()
+    assert sizes(bwd_made) == sorted([x.numel()] + [D] * len(params) + [plan["workspace"], plan["counters"]]), bwd_made
 
 
 def test_the_direct_launch_hands_the_compiled_kernel_what_triton_would(launches):
@@ -159,19 +160,69 @@ def test_the_direct_launch_hands_the_compiled_kernel_what_triton_would(launches)
     del y
 
 
-def test_the_backward_workspace_is_kept_per_device_and_grown_not_remade(launches, monkeypatch):
-    """The backward's float32 scratch and its counters are made once and reused by every later
-    call that fits, whatever its shape; a larger call replaces them once."""
+def test_each_backward_launch_gets_scratch_and_zero_counters_of_its_own(launches, monkeypatch):
+    """No workspace is kept between launches (two streams or two CUDA graphs would share it): each
+    launch is handed new float32 scratch and new zero int32 counters, sized by its plan, that
+    nothing else holds."""
     monkeypatch.setattr(triton_kernels, "_target_programs", lambda device: 4 * 132)
     call, params = _layer_call(48, True, False, torch.float32)
     names = triton_kernels._backward_kernel.arg_names
-    scratch = []
-    for shape in [(8, 64, 48), (8, 64, 48), (4, 32, 48), (32, 64, 48), (8, 64, 48)]:
+    held = []
+    for shape in [(8, 64, 48), (8, 64, 48), (4, 32, 48)]:
         x = torch.randn(shape, requires_grad=True)
+        triton_kernels._backward_plans.clear()
         torch.autograd.grad(call(x), [x] + params, torch.randn(shape))
+        (plan,) = triton_kernels._backward_plans.values()
         args = [entry for entry in launches if entry[1] == "_backward_kernel"][-1][3]
-        scratch.append((args[names.index("Work")].data_ptr(), args[names.index("Counters")].data_ptr()))
-    assert scratch[0] == scratch[1] == scratch[2] and scratch[3] == scratch[4] and scratch[3] != scratch[0]
+        work, counters = args[names.index("Work")], args[names.index("Counters")]
+        assert work.dtype == torch.float32 and work.numel() == plan["workspace"]
+        assert counters.dtype == torch.int32 and counters.numel() == plan["counters"]
+        assert counters.count_nonzero() == 0
+        held.append((work, counters))
+    # while held, no two launches' scratch or counters are one memory
+    pointers = [t.data_ptr() for pair in held for t in pair if t.numel()]
+    assert len(set(pointers)) == len(pointers)
+
+
+def test_a_launch_runs_on_its_tensors_device_whichever_is_current(monkeypatch):
+    """Triton launches on the current CUDA device: a tensor on another needs the device switched
+    for its launch, and only then (off GPU, and on the current device, nothing is made)."""
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    switched = []
+    monkeypatch.setattr(torch.cuda, "device", lambda index: switched.append(index) or "guard")
+    assert triton_kernels._on_device(-1) is triton_kernels._NO_GUARD
+    assert triton_kernels._on_device(0) is triton_kernels._NO_GUARD and switched == []
+    assert triton_kernels._on_device(1) == "guard" and switched == [1]
+    current[0] = 1
+    assert triton_kernels._on_device(1) is triton_kernels._NO_GUARD and switched == [1]
+
+
+def test_forward_and_backward_launch_inside_their_tensors_device_guard(launches, monkeypatch):
+    """Each launch, the forward's and the backward's, happens inside _on_device of its tensors'
+    device (here CPU tensors said to be on device 1)."""
+    entered = []
+
+    class Guard:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(("enter", self.index, len(launches)))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.index, len(launches)))
+
+    monkeypatch.setattr(triton_kernels, "_on_device", Guard)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 1)
+    monkeypatch.setattr(triton_kernels, "_current_stream", lambda index: 0)
+    monkeypatch.setattr(triton_kernels, "_target_programs", lambda index: 8)
+    x = torch.randn(2, 8, 48, requires_grad=True)
+    call, params = _layer_call(48, True, False, torch.float32)
+    torch.autograd.grad(call(x), [x] + params, torch.randn_like(x))
+    assert [entry[1] for entry in launches] == ["_forward_kernel", "_backward_kernel"]
+    # each launch between an enter and an exit of device 1's guard
+    assert entered == [("enter", 1, 0), ("exit", 1, 1), ("enter", 1, 1), ("exit", 1, 2)]
 
 
 def test_NORMGNORM_TRITON_LAUNCH_decides_nothing(launches, monkeypatch):

@@ -40,6 +40,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
+from ..normgnorm.triton_kernels import _on_device
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # The GPU's defaults, for half-precision and for float32 inputs, where no tiling is given (a measured
@@ -74,9 +76,14 @@ def _weight_grad_kernel(X, DY, DW, SQ, B, T, K, L,
     ts = tl.arange(0, BLOCK_T)
     first = split * examples_per_split
     end = tl.minimum(first + examples_per_split, B)
-    # examples' offsets in int64: B*T*K may pass 2^31 (a token's or feature's stay below it)
+    # offsets in int64: B*T*K may pass 2^31, and so may one token's or feature's (a transposed
+    # view's stride is B*T); 32-bit products would wrap (tl.cast: a stride of 1 comes as a constant)
     stride_xb = tl.cast(stride_xb, tl.int64)
+    stride_xt = tl.cast(stride_xt, tl.int64)
+    stride_xk = tl.cast(stride_xk, tl.int64)
     stride_db = tl.cast(stride_db, tl.int64)
+    stride_dt = tl.cast(stride_dt, tl.int64)
+    stride_dl = tl.cast(stride_dl, tl.int64)
     total = tl.zeros([BLOCK_L, BLOCK_K], dtype=tl.float32)
     for b in range(first, end):
         x_b = X + b * stride_xb
@@ -101,7 +108,7 @@ def _weight_grad_kernel(X, DY, DW, SQ, B, T, K, L,
         if NEED_DW:
             total += w_b
     if NEED_DW:
-        out = DW + split.to(tl.int64) * L * K + ls[:, None] * K + ks[None, :]
+        out = DW + split.to(tl.int64) * L * K + ls.to(tl.int64)[:, None] * K + ks[None, :]
         tl.store(out, total, mask=l_ok[:, None] & k_ok[None, :])
 
 
@@ -185,9 +192,12 @@ def _launch(x, dy, need_dw, kernel=None, **config):
     # torch.compile the kernel's written arguments are told apart by the tensors they are
     dw_shape = ((L, K) if n_splits == 1 else (n_splits, L, K)) if need_dw else (1,)
     partial_dw = torch.empty(dw_shape, dtype=torch.float32, device=x.device)
-    kernel[grid](x, dy, partial_dw, partial_sq, B, T, K, L,
-                 x.stride(0), x.stride(1), x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2), per_split,
-                 NEED_DW=need_dw, TF32=_tf32(x.dtype), DOT_F32=_interpreted_bfloat16(x), **meta)
+    # eagerly, on x's device whichever is current (Triton launches on the current one); traced, the
+    # compiler's launch guards its own device
+    with _on_device(x.get_device() if kernel is _weight_grad_kernel else -1):
+        kernel[grid](x, dy, partial_dw, partial_sq, B, T, K, L,
+                     x.stride(0), x.stride(1), x.stride(2), dy.stride(0), dy.stride(1), dy.stride(2), per_split,
+                     NEED_DW=need_dw, TF32=_tf32(x.dtype), DOT_F32=_interpreted_bfloat16(x), **meta)
     sq = partial_sq.sum(0)
     if not need_dw:
         return partial_dw, sq

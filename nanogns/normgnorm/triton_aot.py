@@ -17,7 +17,7 @@ import os
 import subprocess
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -127,6 +127,7 @@ class Compiled:
     stack_bytes: int   # per thread: these kernels have no local arrays, so this is ptxas's register spills
     shared_bytes: int  # per program (static, as Triton reports it)
     arch: int
+    asm: dict = field(default=None, repr=False)  # the compiler's stages' text by name ("ttir", "ptx", ...)
 
     @property
     def programs_per_sm(self):
@@ -161,4 +162,4 @@ def compile_launch(launch, arch=90):
                               options=options.__dict__)
     registers, stack_bytes = _resource_usage(compiled.asm["cubin"])
     return Compiled(launch.name, launch.grid, compiled.metadata.num_warps, registers, stack_bytes,
-                    compiled.metadata.shared, arch)
+                    compiled.metadata.shared, arch, compiled.asm)

@@ -18,9 +18,17 @@ shared out as normgnorm/plan.py says:
    example, squaring each complete dγ_b, dβ_b); the last group to be done sums the groups' rows
    into dγ, dβ and adds the squared norms to the float32 buffers. Program 0 adds B to the count.
 "Last" is counted with one atomic counter per group and one for the groups; the counters go back
-to zero as they are used, ready for the next launch. The atomics only count: every sum has a
-fixed order, so results are deterministic.
+to zero as they are used. The atomics only count: every sum has a fixed order, so results are
+deterministic. Program 0 first fills dγ, dβ with NaN: were the counting ever to miss its last
+program, the gradients would come back NaN, never as whatever memory held.
+
+The scratch and the counters are allocated for each launch (torch's caching allocator makes that
+cheap), so no two launches share them: launches on two streams, or two CUDA graphs (a graph's
+allocations come from its own pool and live as long as it does) never count on one counter.
+Every launch runs on its tensors' device, whichever device is current.
 """
+from contextlib import nullcontext
+
 import torch
 import triton
 import triton.language as tl
@@ -153,6 +161,17 @@ def _finish(Work, Counters, pid, num_examples, n_programs, n_chunks, D, DW, DB, 
     group = pid // (units_per_group * rows_per_unit)
     first_unit = group * units_per_group
     end_unit = tl.minimum(first_unit + units_per_group, n_units)
+    if pid == 0:
+        # NaN until the last program's sums land: they come after this store (this program's
+        # release below, and the group's, precede their acquiring), so they win; a count that
+        # misses the last program leaves NaN, not stale memory
+        for start in range(0, D, BLOCK_C):
+            cols = start + tl.arange(0, BLOCK_C)
+            nan = tl.full([BLOCK_C], float("nan"), dtype=tl.float32)
+            if NEED_DW:
+                tl.store(DW + cols, nan.to(DW.dtype.element_ty), mask=cols < D)
+            if NEED_DB:
+                tl.store(DB + cols, nan.to(DB.dtype.element_ty), mask=cols < D)
     # every thread's stores before the count, whose release makes them visible to the program that reads them
     tl.debug_barrier()
     arrived = tl.atomic_add(Counters + group, 1, sem="acq_rel", scope="gpu")
@@ -410,6 +429,17 @@ def _current_stream(index):
     return torch._C._cuda_getCurrentRawStream(index) if index >= 0 else 0
 
 
+_NO_GUARD = nullcontext()
+
+
+def _on_device(index):
+    """A context that makes CUDA device `index` current for a launch (Triton launches on the
+    current device) where another is; nothing to switch off GPU (index < 0) or on it already."""
+    if index < 0 or index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(index)
+
+
 class _Launch:
     """One kernel's launch as a plan fixes it: grid and meta-parameters, and once a launch
     through Triton has returned its compiled kernel, that kernel's launcher."""
@@ -464,8 +494,9 @@ def forward(x2d, weight, bias, eps, rms=False, max_block_d=MAX_BLOCK_D):
     looped, launch = _forward_plans.get(key) or _forward_plan(key, N, D, rms, bias is not None, max_block_d)
     # (the bias is never read without HAS_BIAS, the mean never written with RMS)
     args = (x2d, y, weight, weight if bias is None else bias, rstd if rms else mean, rstd, N, D, eps)
-    launch(_forward_kernel_looped if looped else _forward_kernel, args, _current_stream(index),
-           _aligned(x2d, weight, bias))
+    with _on_device(index):
+        launch(_forward_kernel_looped if looped else _forward_kernel, args, _current_stream(index),
+               _aligned(x2d, weight, bias))
     return y, mean, rstd
 
 
@@ -512,24 +543,12 @@ def _backward_plan(key, B, T, D, need_dw, need_db, rms, target_programs, max_blo
                                                 launch=_Launch((n_programs,), meta), **finish))
 
 
-_workspaces = {}  # (device index, stream) or an off-GPU device -> (float32 scratch, int32 counters)
-
-
-def _workspace(x2d, index, stream, floats, counters):
-    """
-    The backward's float32 scratch of at least `floats` elements and its int32 counters (zero
-    between launches: each launch puts back those it counts with), one pair per device and
-    stream, kept and grown as needed: launches on one stream run one after another, so they can
-    share it.
-    """
-    where = (index, stream) if index >= 0 else x2d.device
-    kept = _workspaces.get(where)
-    if kept is None or kept[0].numel() < floats or kept[1].numel() < counters:
-        floats, counters = (floats, counters) if kept is None else (max(floats, kept[0].numel()),
-                                                                     max(counters, kept[1].numel()))
-        kept = _workspaces[where] = (torch.empty(floats, dtype=torch.float32, device=x2d.device),
-                                     torch.zeros(counters, dtype=torch.int32, device=x2d.device))
-    return kept
+def _scratch(device, floats, counters):
+    """The backward's float32 scratch and its int32 counters, zero (each launch puts back those it
+    counts with), new for each launch: from the caching allocator, or under CUDA graph capture
+    from the graph's own pool, so that no other launch or graph shares them."""
+    return (torch.empty(floats, dtype=torch.float32, device=device),
+            torch.zeros(counters, dtype=torch.int32, device=device))
 
 
 def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weight_sq, bias_sq, count,
@@ -556,11 +575,11 @@ def backward(dy2d, x2d, weight, mean, rstd, num_examples, need_dw, need_db, weig
     dx = torch.empty_like(x2d)
     dw = torch.empty_like(weight) if need_dw else None
     db = torch.empty_like(weight) if need_db else None
-    stream = _current_stream(index)
-    work, counters = _workspace(x2d, index, stream, plan["workspace"], plan["counters"])
+    work, counters = _scratch(x2d.device, plan["workspace"], plan["counters"])
     # work stands in for what is not needed, never read nor written
     args = (x2d, dy2d, dx, weight, rstd if rms else mean, rstd, work if dw is None else dw, work if db is None else db,
             weight_sq, work if bias_sq is None else bias_sq, count, work, counters, *plan["ints"])
-    plan["launch"](_backward_kernel_looped if plan["looped"] else _backward_kernel, args, stream,
-                   _aligned(dy2d, x2d, weight, mean, rstd, weight_sq, bias_sq, count))
+    with _on_device(index):
+        plan["launch"](_backward_kernel_looped if plan["looped"] else _backward_kernel, args, _current_stream(index),
+                       _aligned(dy2d, x2d, weight, mean, rstd, weight_sq, bias_sq, count))
     return dx, dw, db
