@@ -56,11 +56,13 @@ from nanogns.logread import ToolParser  # noqa: E402
 
 GPT2_SMALL = ['--device', 'cuda', '--dtype', 'bfloat16', '--n_layer', '12', '--n_embd', '768', '--n_head', '12',
               '--block_size', '1024', '--batch_size', '8', '--vocab_size', '50304']
-# the tests that run on a GPU (of test_layers.py, the separated LayerNorm under CUDA autocast), and those
+# the tests that run on a GPU (of test_layers.py, the separated LayerNorm under CUDA autocast and the Embedding
+# repeated; of test_compiled_norms.py, a measured GPT step in CUDA graphs), and those
 # whose C++ build runs in a step of its own
 TESTS = ['tests/test_normgnorm.py', 'tests/test_fused_gns.py', 'tests/test_bench_layernorm.py',
          'tests/test_linear_kernel.py', 'tests/test_layers.py::test_layernorm_under_cuda_autocast_like_torch',
-         'tests/test_gpu_launches.py']
+         'tests/test_gpu_launches.py', 'tests/test_layers.py::test_cuda_embedding_backward_repeats_bit_for_bit',
+         'tests/test_compiled_norms.py::test_cuda_graphs_of_a_measured_gpt_step_measure_as_eager']
 BINDING_TESTS = 'cuda_binding or cuda_kernels_compile'
 PYTEST = ['-m', 'pytest', '-q', '-rA', '-p', 'no:cacheprovider']
 SETTINGS = 'nn,ln-fused,ln-shim,all-gns,llama-nn,llama-rms-fused,llama-all-gns'  # and nn-null, which throughput.py adds

@@ -21,9 +21,10 @@ import nanogns.normgnorm as normgnorm  # noqa: E402
 from nanogns.layers import (PEGradNormEmbedding, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm,  # noqa: E402
                             PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
                             PEGradNormShimEmbedding, PEGradNormShimLinear, find_sqgradnorm_buffers, measure,
-                            register_coordinate_buffers)
+                            register_coordinate_buffers, zero_sqgradnorm_buffers)
 from gns_fixtures import gpt_loss, one_thread, sqgradnorm_sums  # noqa: E402,F401  (one_thread: autouse)
 from nanogns.layers.config import classes_for_flags, set_contextual_config  # noqa: E402
+from nanogns.layers.linear import measured_linears as buffered_linears  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 LAYERS = {
@@ -315,3 +316,38 @@ def test_a_frozen_layer_compiled_measures_nothing_and_writes_nothing(layer):
     assert_plain_aten(graphs)
     assert x.grad is not None and all(buf.item() == 0 for name, buf in frozen.named_buffers()
                                       if name.endswith("_sqgradnorm"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_of_a_measured_gpt_step_measure_as_eager():
+    """Every measured layer class in one GPT (fused Linears and Embeddings, fused normalisations),
+    compiled with mode="reduce-overhead" (its forward and backward replayed as CUDA graphs, which a
+    buffer written inside the backward would rule out): over three steps of two micro-steps each its
+    buffers and gradients are eager's."""
+    def measured_gpt():
+        torch.manual_seed(0)
+        with set_contextual_config(**classes_for_flags(linearclass="gns", embeddingclass="gns", lnclass="fused")):
+            model = GPT(GPTConfig(**CPU_GPT)).cuda()
+        for _, layer in buffered_linears(model):
+            layer.per_example_mode = "shapes"  # the same method eager and compiled
+        return model
+
+    g = torch.Generator().manual_seed(5)
+    steps = [[tuple(torch.randint(0, 65, (4, 32), generator=g).cuda() for _ in range(2)) for _ in range(2)]
+             for _ in range(3)]
+    eager, graphed = measured_gpt(), measured_gpt()
+    compiled = torch.compile(graphed, mode="reduce-overhead")
+    for batches in steps:
+        for model, forward in ((eager, eager), (graphed, compiled)):
+            model.zero_grad(set_to_none=True)
+            zero_sqgradnorm_buffers(model)
+            for ids, targets in batches:
+                (forward(ids, targets)[1] / len(batches)).backward()
+        want = {n: b.clone() for n, b in eager.named_buffers()}
+        got = {n: b.clone() for n, b in graphed.named_buffers()}
+        assert list(got) == list(want) and any("sqgradnorm" in n for n in got)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+        for (name, p), (_, q) in zip(eager.named_parameters(), graphed.named_parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    torch._dynamo.reset()
