@@ -75,6 +75,15 @@ def run_twice(layer, step):
             {name: p.grad.clone() for name, p in layer.named_parameters()})
 
 
+def assert_like_eager(got, eager):
+    """run_twice's buffers and gradients, compiled (got) as eager, and something measured."""
+    for eager_values, got_values in zip(eager, got):
+        assert list(got_values) == list(eager_values)
+        for name in eager_values:
+            torch.testing.assert_close(got_values[name], eager_values[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert got[0]["example_count"].item() == 6 and got[0]["weight_sqgradnorm"].item() > 0
+
+
 def loss_of(layer, x):
     return layer(x).sin().sum()
 
@@ -94,11 +103,7 @@ def test_compiled_graphs_hold_no_opaque_op_and_write_no_buffer(layer, backend):
     got = run_twice(randomised(LAYERS[layer](**kwargs)), compiled)
     torch._dynamo.reset()
     assert_plain_aten(graphs)
-    for eager_values, got_values in zip(eager, got):
-        assert list(got_values) == list(eager_values)
-        for name in eager_values:
-            torch.testing.assert_close(got_values[name], eager_values[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert got[0]["example_count"].item() == 6 and got[0]["weight_sqgradnorm"].item() > 0
+    assert_like_eager(got, eager)
 
 
 def shapes_rule(linear):
@@ -136,11 +141,7 @@ def test_every_measured_layer_compiled_writes_no_buffer(layer):
     got = run_twice(OTHER_LAYERS[layer](), compiled)
     torch._dynamo.reset()
     assert_plain_aten(graphs)
-    for eager_values, got_values in zip(eager, got):
-        assert list(got_values) == list(eager_values)
-        for name in eager_values:
-            torch.testing.assert_close(got_values[name], eager_values[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert got[0]["example_count"].item() == 6 and got[0]["weight_sqgradnorm"].item() > 0
+    assert_like_eager(got, eager)
 
 
 @pytest.mark.parametrize("backend", ["", "triton", "cuda", "cpu"])

@@ -379,24 +379,27 @@ def test_op_is_one_node_under_torch_compile():
     assert [tuple(o.meta["val"].shape) for o in outputs] == [(24, 20), (2,)]
 
 
+class LaunchRecorder:
+    """Stands in for the kernel in linear_gns_kernel._launch: keeps each launch, as the eager launch makes
+    it (fused multiply-add said explicitly), for triton_aot to compile."""
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        from nanogns.normgnorm.triton_aot import Launch
+        return lambda *args, **kwargs: self.launches.append(
+            Launch(linear_gns_kernel._weight_grad_kernel, tuple(grid), args, dict(kwargs, enable_fp_fusion=True)))
+
+
 @this_process
 @pytest.mark.parametrize("arch", [80, 90])
 def test_kernel_compiles_for_gpus_without_spilling(arch):
     """The launches TUNING gives GPT-2 small's MLP, compiled by Triton's GPU compiler for A100
     (sm_80) and H100 (sm_90) with no GPU here: code that the interpreter runs but that does not
     lower (tl.dot's shapes and dtypes) fails, and so does a tile that spills its registers."""
-    from nanogns.normgnorm.triton_aot import Launch, compile_launch
+    from nanogns.normgnorm.triton_aot import compile_launch
 
-    class Recorder:
-        def __init__(self):
-            self.launches = []
-
-        def __getitem__(self, grid):
-            # as the eager launch makes it (fused multiply-add said explicitly)
-            return lambda *args, **kwargs: self.launches.append(
-                Launch(linear_gns_kernel._weight_grad_kernel, tuple(grid), args, dict(kwargs, enable_fp_fusion=True)))
-
-    recorder = Recorder()
+    recorder = LaunchRecorder()
     allowed = torch.backends.cuda.matmul.allow_tf32
     try:
         # bfloat16; float32 in full precision, and as TF32 (train.py allows it)
@@ -419,17 +422,9 @@ def test_kernel_offsets_are_64_bit():
     """Every offset the kernel multiplies out is int64 in its compiled code (Triton's IR: no 32-bit
     tensor multiply is left): a transposed input's token or feature stride times its index can
     pass 2^31, which 32 bits would wrap. Compiled for sm_90, with dy a transposed view (no stride 1)."""
-    from nanogns.normgnorm.triton_aot import Launch, compile_launch
+    from nanogns.normgnorm.triton_aot import compile_launch
 
-    class Recorder:
-        def __init__(self):
-            self.launches = []
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: self.launches.append(
-                Launch(linear_gns_kernel._weight_grad_kernel, tuple(grid), args, dict(kwargs, enable_fp_fusion=True)))
-
-    recorder = Recorder()
+    recorder = LaunchRecorder()
     x = torch.empty(8, 1024, 768, dtype=torch.bfloat16, device="meta")
     dy = torch.empty(3072, 8, 1024, dtype=torch.bfloat16, device="meta").permute(1, 2, 0)
     linear_gns_kernel._launch(x, dy, True, kernel=recorder)
