@@ -194,11 +194,21 @@ def _examples(t, trailing):
     return t.shape[0] if t.dim() > trailing else 1
 
 
-def _sink_grad(device, weight_sq, bias_sq, examples):
-    """A sink's gradient laid out as SINK_SLOTS from the float32 0-dim sums (None: 0) and the example count."""
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([zero if weight_sq is None else weight_sq, zero if bias_sq is None else bias_sq,
-                        zero + examples])
+def _hand_out(ctx, device, weight_sq, bias_sq, examples):
+    """A Linear's or an Embedding's backward's sums (float32 0-dim, None where not measured) and its
+    example count: added to the buffers ctx.bufs (weight's, bias's, count; eager), or, where
+    ctx.sink, returned as the sink's gradient laid out as SINK_SLOTS (compiled: nothing written
+    inside the backward); None then."""
+    if ctx.sink:
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack([zero if weight_sq is None else weight_sq, zero if bias_sq is None else bias_sq,
+                            zero + examples])
+    for buf, value in zip(ctx.bufs, (weight_sq, bias_sq)):
+        if value is not None:
+            buf.add_(value)
+    if ctx.bufs[2] is not None:
+        ctx.bufs[2].add_(examples)
+    return None
 
 
 def _autocast_dtype(x):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers.buffers import (MeasuredLayer, _examples, _sink_grad, _warn_once, register_sqgradnorm_buffers,
+from nanogns.layers.buffers import (MeasuredLayer, _examples, _hand_out, _warn_once, register_sqgradnorm_buffers,
                                     sum_of_squares)
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear
 
@@ -64,7 +64,6 @@ def _embedding_backward_norms(ctx, dy, dq, ds, fused):
     Returns (the weight gradient or None, the sink's gradient or None): the sums go to the
     buffers (eager) or, given a sink (compiled), out as its gradient, nothing written."""
     ids, = ctx.saved_tensors
-    w_sq, count = ctx.bufs
     B = _examples(ids, 0)
     if dy is None:  # the lookup's output was not used
         dy = torch.zeros((*ids.shape, ctx.embedding_dim), dtype=torch.float32, device=ids.device)
@@ -75,12 +74,7 @@ def _embedding_backward_norms(ctx, dy, dq, ds, fused):
         sq = sq + 2 * (dx * dq.reshape(dx.shape)).sum()
     if ds is not None:
         sq = sq + ds
-    sink_grad = None
-    if ctx.sink:
-        sink_grad = _sink_grad(ids.device, sq, None, B)
-    else:
-        w_sq.add_(sq)
-        count.add_(B)
+    sink_grad = _hand_out(ctx, ids.device, sq, None, B)
     if not fused:
         return None, sink_grad
     D = rows.shape[1]
@@ -97,7 +91,7 @@ class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, w_sq, count, padding_idx, linked, sink=None):
         ctx.save_for_backward(ids)
-        ctx.bufs, ctx.sink = (w_sq, count), sink is not None
+        ctx.bufs, ctx.sink = (w_sq, None, count), sink is not None
         ctx.num_embeddings, ctx.embedding_dim = weight.shape
         ctx.padding_idx, ctx.weight_dtype = padding_idx, weight.dtype
         ctx.set_materialize_grads(False)
@@ -118,7 +112,7 @@ class _EmbeddingNormTap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, ids, w_sq, count, num_embeddings, padding_idx, linked, sink=None):
         ctx.save_for_backward(ids)
-        ctx.bufs, ctx.sink = (w_sq, count), sink is not None
+        ctx.bufs, ctx.sink = (w_sq, None, count), sink is not None
         ctx.num_embeddings, ctx.embedding_dim, ctx.padding_idx = num_embeddings, y.shape[-1], padding_idx
         ctx.set_materialize_grads(False)
         if not linked:

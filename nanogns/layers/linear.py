@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanogns.layers.buffers import (MeasuredLayer, _autocast_dtype, _cast, _chunk, _examples, _sink_grad,
+from nanogns.layers.buffers import (MeasuredLayer, _autocast_dtype, _cast, _chunk, _examples, _hand_out,
                                     register_sqgradnorm_buffers, sum_of_squares)
 
 
@@ -308,9 +308,7 @@ class _LinearFn(torch.autograd.Function):
     """y = x W^T + b whose backward computes dx, dW, db and the per-example norms together."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel,
-                sink=None):
-        # chooser: unused (None), kept so that the arguments after it keep their places
+    def forward(ctx, x, weight, bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, max_chunk_numel, sink=None):
         ctx.save_for_backward(x, weight, ids)
         ctx.bufs, ctx.sink = (w_sq, b_sq, count), sink is not None
         ctx.has_bias, ctx.linked = bias is not None, link_q is not None
@@ -342,21 +340,7 @@ class _LinearFn(torch.autograd.Function):
             if b_sq is not None:
                 b_sum = sum_of_squares(per_example)
         sink_grad = _hand_out(ctx, x.device, w_sum, b_sum, B)
-        return dx, dw, db, None, None, None, None, q, h_sq, None, None, None, sink_grad
-
-
-def _hand_out(ctx, device, w_sum, b_sum, B):
-    """A Linear backward's sums: added to its buffers (eager), or returned as its sink's gradient
-    (compiled: nothing written inside the backward)."""
-    if ctx.sink:
-        return _sink_grad(device, w_sum, b_sum, B)
-    w_sq, b_sq, count = ctx.bufs
-    for buf, value in ((w_sq, w_sum), (b_sq, b_sum)):
-        if value is not None:
-            buf.add_(value)
-    if count is not None:
-        count.add_(B)
-    return None
+        return dx, dw, db, None, None, None, None, q, h_sq, None, None, sink_grad
 
 
 def _norm_ways(x3, dy3, ids, max_chunk_numel, grad_dtype=None):
@@ -386,9 +370,7 @@ class _LinearNormTap(torch.autograd.Function):
     from dy and the saved input x and hands dy on untouched."""
 
     @staticmethod
-    def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, chooser, max_chunk_numel,
-                sink=None):
-        # chooser: unused (None), kept so that the arguments after it keep their places
+    def forward(ctx, y, x, has_bias, w_sq, b_sq, count, ids, link_q, link_s, ghost, max_chunk_numel, sink=None):
         ctx.save_for_backward(x, ids)
         ctx.bufs, ctx.sink = (w_sq, b_sq, count), sink is not None
         ctx.has_bias, ctx.linked = has_bias, link_q is not None
@@ -413,7 +395,7 @@ class _LinearNormTap(torch.autograd.Function):
         if b_sq is not None:
             b_sum = sum_of_squares(dy3.sum(1, dtype=torch.float32))
         sink_grad = _hand_out(ctx, x.device, w_sum, b_sum, B)
-        return dy, None, None, None, None, None, None, q, h_sq, None, None, None, sink_grad
+        return dy, None, None, None, None, None, None, q, h_sq, None, None, sink_grad
 
 
 class _MeasuredLinear(MeasuredLayer, nn.Linear):
@@ -505,9 +487,8 @@ class PEGradNormLinear(_MeasuredLinear):
     at the layer's first measured call the faster as its card's compute capability's routes table
     measured it at that shape and T (tokens per example), else the shapes rule, and keeps it (nothing
     is timed in training); "shapes" picks per call from the shapes alone; "ghost" / "materialise"
-    force one. Examples are
-    processed in chunks of at most max_chunk_numel float32 elements' worth of temporaries (or one
-    example, if one needs more: its K*L W_b materialised, in the route's dtype, 3*T^2 + T*(K+L)
+    force one. Examples are processed in chunks of at most max_chunk_numel float32 elements' worth
+    of temporaries (or one example, if one needs more: its K*L W_b materialised, in the route's dtype, 3*T^2 + T*(K+L)
     ghost); beyond that only [B, L] bias sums and, when materialising, two [L, K] float32
     accumulators. Materialising takes the route (bmm, bmm-f32, the Triton kernel at a tiling) that
     its card's routes table chose for its shape (materialised_route), on the CPU bmm.
@@ -517,7 +498,7 @@ class PEGradNormLinear(_MeasuredLinear):
     def _measured(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
         x, weight, bias = self._autocast(x)
         return _LinearFn.apply(x, weight, bias, w_sq, b_sq, self.example_count, ids, link_q, link_s,
-                               ghost, None, self.max_chunk_numel, self._compiled_sink())
+                               ghost, self.max_chunk_numel, self._compiled_sink())
 
 
 class PEGradNormShimLinear(_MeasuredLinear):
@@ -535,7 +516,7 @@ class PEGradNormShimLinear(_MeasuredLinear):
             x = x.to(dtype)  # the very tensor F.linear saves, so saved only once
         y = self._linear(x, self.weight, self._parameters.get("bias"))
         return _LinearNormTap.apply(y, x.detach(), self.bias is not None, w_sq, b_sq, self.example_count,
-                                    ids, link_q, link_s, ghost, None, self.max_chunk_numel, self._compiled_sink())
+                                    ids, link_q, link_s, ghost, self.max_chunk_numel, self._compiled_sink())
 
 
 def _auto_method(layer, tokens, dtype, device):
