@@ -4,6 +4,7 @@ blocks of causal self-attention and a GELU MLP, a final LayerNorm and an output 
 the token embedding. Four GPTConfig fields turn it, piece by piece, into a Llama-style model
 (Touvron et al. 2023): norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False;
 their defaults are GPT-2's, so older configs and checkpoints build the same model as before.
+n_expert > 0 makes every MLP a mixture of experts (MoE: a router and n_expert GELU experts).
 
 The Linear / Embedding / LayerNorm / RMSNorm classes come from layer_config, read when the model
 is constructed, so the same file builds a plain GPT or one whose layers measure per-example
@@ -50,6 +51,11 @@ class GPTConfig:
     mlp: str = 'gelu'  # or 'swiglu': a SiLU-gated MLP of width swiglu_hidden(n_embd) (Shazeer 2020)
     pos_emb: str = 'learned'  # or 'rope': Q and K rotated by position, no wpe parameter (Su et al. 2021)
     tie_embeddings: bool = True  # lm_head shares wte's weight (Press & Wolf 2017); False: two matrices
+    # mixture of experts (MoE): n_expert > 0 makes every MLP n_expert GELU experts of the MLP's width and a
+    # router sending each token to n_expert_active of them; moe_aux_loss_coef weighs the load-balancing loss
+    n_expert: int = 0
+    n_expert_active: int = 2
+    moe_aux_loss_coef: float = 0.0
 
 
 # the values of GPTConfig's string options; train.py's flags of the same names take them too
@@ -64,6 +70,15 @@ def architecture_error(config):
             return f"{key}={get(key)!r} is not one of {', '.join(allowed)}"
     if not isinstance(get('tie_embeddings'), bool):
         return f"tie_embeddings={get('tie_embeddings')!r} must be True or False"
+    n_expert, active, coef = get('n_expert'), get('n_expert_active'), get('moe_aux_loss_coef')
+    if not isinstance(n_expert, int) or isinstance(n_expert, bool) or n_expert < 0:
+        return f"n_expert={n_expert!r} must be a whole number >= 0 (0: a dense MLP)"
+    if n_expert and (not isinstance(active, int) or isinstance(active, bool) or not 1 <= active <= n_expert):
+        return f"n_expert_active={active!r} must be a whole number from 1 to n_expert={n_expert}"
+    if n_expert and get('mlp') != 'gelu':
+        return f"n_expert={n_expert} builds GELU experts: mlp={get('mlp')!r} experts are not built (use mlp='gelu')"
+    if not isinstance(coef, (int, float)) or isinstance(coef, bool) or not coef >= 0:
+        return f"moe_aux_loss_coef={coef!r} must be a number >= 0"
     if get('pos_emb') == 'rope' and (get('n_embd') // get('n_head')) % 2:
         return (f"pos_emb='rope' rotates pairs of features, so the head size n_embd / n_head = "
                 f"{get('n_embd')} / {get('n_head')} must be even")
@@ -195,6 +210,39 @@ class SwiGLU(nn.Module):
         return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
 
 
+class MoE(nn.Module):
+    """
+    A mixture-of-experts MLP (Shazeer et al. 2017; top-k routing as in Mixtral, Jiang et al. 2024):
+    the router, a Linear, gives each token a softmax over n_expert experts; the token goes to its
+    n_expert_active most probable ones, their GELU MLPs' outputs weighted by those probabilities (not
+    renormalised, so that one active expert still trains the router, as in Switch, Fedus et al. 2022).
+
+    In training with moe_aux_loss_coef > 0 it keeps Switch's load-balancing loss in `aux_loss`,
+    n_expert * sum_e f_e P_e, f_e the fraction of routed token slots that went to expert e (not
+    differentiated) and P_e the mean router probability of e, over the forward's tokens; GPT adds it to
+    the loss. It is a sum over tokens with f fixed by the whole batch, so the per-example gradient that is
+    measured with it on is that of example b's own tokens' share of it, f held at the batch's value.
+    """
+
+    def __init__(self, config, layers):
+        super().__init__()
+        self.router = layers['Linear'](config.n_embd, config.n_expert, bias=False)
+        self.experts = layers['Experts'](config.n_expert, config.n_embd, 4 * config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+        self.n_expert, self.n_active, self.aux_coef = config.n_expert, config.n_expert_active, config.moe_aux_loss_coef
+        self.aux_loss = None
+
+    def forward(self, x):
+        probs = self.router(x).float().softmax(-1)  # [B, T, n_expert]
+        weight, index = probs.topk(self.n_active, dim=-1)
+        y = self.experts(x, index, weight)
+        self.aux_loss = None
+        if self.training and self.aux_coef > 0:
+            share = torch.bincount(index.view(-1), minlength=self.n_expert).float() / index.numel()
+            self.aux_loss = self.n_expert * (share * probs.mean(dim=(0, 1))).sum()
+        return self.dropout(y)
+
+
 class Block(nn.Module):
 
     def __init__(self, config, block_idx, layers):
@@ -202,7 +250,10 @@ class Block(nn.Module):
         self.ln_1 = norm_layer(config, layers)
         self.attn = CausalSelfAttention(config, block_idx, layers)
         self.ln_2 = norm_layer(config, layers)
-        self.mlp = SwiGLU(config, layers) if config.mlp == 'swiglu' else MLP(config, layers)
+        if config.n_expert:
+            self.mlp = MoE(config, layers)
+        else:
+            self.mlp = SwiGLU(config, layers) if config.mlp == 'swiglu' else MLP(config, layers)
 
     def forward(self, x, rope=None):
         x = x + self.attn(self.ln_1(x), rope)
@@ -245,7 +296,7 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         # scaled init of the residual projections, per the GPT-2 paper
         for pn, p in self.named_parameters():
-            if pn.endswith('c_proj.weight'):
+            if pn.endswith('c_proj.weight') or pn.endswith('experts.c_proj'):
                 torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         print("number of parameters: %.2fM" % (self.get_num_params() / 1e6,))
 
@@ -288,6 +339,9 @@ class GPT(nn.Module):
         if targets is not None:
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+            aux = [b.mlp.aux_loss for b in self.transformer.h if getattr(b.mlp, 'aux_loss', None) is not None]
+            if aux:  # the mixture of experts' load-balancing losses (MoE)
+                loss = loss + self.config.moe_aux_loss_coef * sum(aux)
         else:
             # inference: only the last position's logits (the list keeps the time dimension)
             logits = self.lm_head(x[:, [-1], :])

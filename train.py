@@ -61,6 +61,10 @@ norm = 'layernorm'  # or 'rmsnorm'
 mlp = 'gelu'  # or 'swiglu'
 pos_emb = 'learned'  # or 'rope'
 tie_embeddings = True  # lm_head shares wte's weight
+# mixture of experts (model.MoE): 0 is a dense MLP
+n_expert = 0  # experts per MLP, each a GELU MLP of the dense one's width
+n_expert_active = 2  # experts each token goes to (top-k routing)
+moe_aux_loss_coef = 0.0  # weight of Switch's load-balancing loss (0: none)
 cos_attn = []  # block indices with cosine attention
 spectral_c_attn = []  # block indices with spectral-normalised Q/K/V
 fp32_attention_layers = []  # block indices whose attention runs in float32

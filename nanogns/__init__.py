@@ -9,7 +9,7 @@ are Sufficient to Predict Gradient Noise Scale in Transformers"; McCandlish et a
     from nanogns import measure           # put the measured layers into any model
 
 The package's parts:
-    layers/      the measured Linear, Embedding, LayerNorm and RMSNorm, their buffers, measure()
+    layers/      the measured Linear, Embedding, LayerNorm, RMSNorm and MoE experts, their buffers, measure()
     normgnorm/   the fused LayerNorm/RMSNorm kernels (Triton, CUDA C++, C, PyTorch)
     estimators/  the GNS estimators a run can log (exact per-example, DDP, micro-batch, hooks, Adam)
     meter.py     GNSMeter, the loop object;  hf.py, lightning.py  the callbacks built on it
@@ -39,6 +39,8 @@ _PUBLIC = {
     "PEGradNormFusedLayerNorm": "nanogns.layers",
     "PEGradNormSeparatedRMSNorm": "nanogns.layers",
     "PEGradNormFusedRMSNorm": "nanogns.layers",
+    "PEGradNormExperts": "nanogns.layers",
+    "Experts": "nanogns.layers",  # a mixture of experts' routed MLPs, unmeasured (PEGradNormExperts measures them)
     "GradientNoiseScale": "nanogns.maths",
 }
 __all__ = sorted(_PUBLIC)

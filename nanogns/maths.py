@@ -142,6 +142,9 @@ PREFIXES = dict(exact="train/gns", hooks_exact="train/hooks_gns", hooks_sogns="t
 # the kind of a cell -> the Measurement field it holds
 KINDS = {"norm": "big_batch_norm", "pegn": "small_batch_norm", "batch_size": "big_batch_size",
          "small_batch_size": "small_batch_size"}
+# a mixture-of-experts layer's experts also log PREFIX/<experts>[e]/reached: the examples of the step
+# that sent expert e a token (its GNS is over all B examples; an estimate from few that reached it is noisy)
+REACHED_CELL = "reached"
 NORM_CELLS = ("norm", "pegn")  # the cells that hold norms; the others hold batch sizes
 REQUIRED_CELLS = (*NORM_CELLS, "batch_size")  # every measured parameter's; small_batch_size only where b > 1
 
@@ -175,7 +178,10 @@ def total_columns(prefix):
 
 # The kinds of measured layer (nanogns.layers.MEASURED_CLASSES' keys) and the analysis's name for each;
 # measure-time kinds are kept in out_dir/KINDS_NAME ({parameter name: kind}) for the analysis
-KIND_NAMES = {"linear": "Linear", "embedding": "Embedding", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+# (experts: a mixture-of-experts layer's routed expert weights, one entry per expert, <name>[e]; router:
+# the Linear that routes tokens to them)
+KIND_NAMES = {"linear": "Linear", "embedding": "Embedding", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm",
+              "experts": "experts", "router": "router"}
 NORM_KINDS = ("layernorm", "rmsnorm")
 KINDS_NAME = "layer_kinds.json"
 # each measured Linear's ghost/materialise method ({layer name: method}), recorded after the first step
@@ -185,10 +191,15 @@ METHODS_NAME = "linear_norm_methods.json"
 def layer_kind(name, kinds=None, norm="layernorm"):
     """A parameter's kind: the one recorded when it was measured (kinds: {name: kind}), else, for
     a log without the record, by GPT's names: `norm` (the run's normalisation) for ln_1, ln_2,
-    ln_f, ..., embedding for wte, wpe, linear for everything else."""
+    ln_f, ..., embedding for wte, wpe, experts for one expert's weights (<name>[e]), router for
+    model.py's mlp.router, linear for everything else."""
     if kinds and name in kinds:
         return kinds[name]
+    if name.endswith("]") and "[" in name:
+        return "experts"
     parts = name.split(".")
+    if "router" in parts:
+        return "router"
     if any(p.startswith("ln_") for p in parts):
         return norm
     if any(p in ("wte", "wpe") for p in parts):
@@ -208,10 +219,10 @@ def norm_group(kinds_present):
 
 def layer_groups(names, kinds=None, norm="layernorm"):
     """{group: members} of those present, in the order normalisation (one group, named by
-    norm_group), Linear, Embedding."""
+    norm_group), Linear, Embedding, experts, router."""
     by_kind = {name: layer_kind(name, kinds, norm) for name in names}
     groups = {norm_group(set(by_kind.values())): [n for n in names if by_kind[n] in NORM_KINDS]}
-    for kind in ("linear", "embedding"):
+    for kind in ("linear", "embedding", "experts", "router"):
         groups[KIND_NAMES[kind]] = [n for n in names if by_kind[n] == kind]
     return {g: members for g, members in groups.items() if g and members}
 

@@ -8,6 +8,7 @@ import pytest
 import torch.nn as nn
 
 import nanogns.layers.config as lc
+from nanogns.layers.experts import Experts, PEGradNormExperts
 from nanogns.layers import (PEGradNormEmbedding, PEGradNormLinear, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
                       PEGradNormShimEmbedding, PEGradNormShimLinear)
 from conftest import REPO, TINY
@@ -19,7 +20,7 @@ from test_model_gns import check_gpt_against_brute_force
 from gns_fixtures import one_thread  # noqa: E402,F401
 from test_train import train_until_exit
 
-TORCH = dict(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
+TORCH = dict(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm, Experts=Experts)
 
 
 class ReferenceStyleModel(nn.Module):
@@ -53,11 +54,12 @@ def test_a_reference_style_model_gets_the_classes_in_force_then_torchs():
 
 
 def test_the_config_is_a_namedtuple_and_get_contextual_config_a_dict():
-    assert lc.config._fields == ("Embedding", "Linear", "LayerNorm", "RMSNorm")  # the reference's order, then ours
+    assert lc.config._fields == ("Embedding", "Linear", "LayerNorm", "RMSNorm", "Experts")  # the reference's order, then ours
     assert lc.config._asdict() == TORCH and lc.get_contextual_config() == TORCH
     assert type(lc.get_contextual_config()) is dict
-    # the reference's three classes still make a LayerClasses, RMSNorm torch's
+    # the reference's three classes still make a LayerClasses, RMSNorm torch's, Experts unmeasured
     assert lc.LayerClasses(nn.Embedding, nn.Linear, nn.LayerNorm).RMSNorm is nn.RMSNorm
+    assert lc.LayerClasses(nn.Embedding, nn.Linear, nn.LayerNorm).Experts is Experts
 
 
 def test_unspecified_classes_stay_as_they_were_and_each_level_is_restored():
@@ -65,13 +67,13 @@ def test_unspecified_classes_stay_as_they_were_and_each_level_is_restored():
     # would have no Linear
     with lc.set_contextual_config(Linear=PEGradNormLinear):
         with lc.set_contextual_config(LayerNorm=PEGradNormFusedLayerNorm, Embedding=None) as inner:
-            assert inner == (nn.Embedding, PEGradNormLinear, PEGradNormFusedLayerNorm, nn.RMSNorm)
+            assert inner == (nn.Embedding, PEGradNormLinear, PEGradNormFusedLayerNorm, nn.RMSNorm, Experts)
             assert lc.get_contextual_config() == dict(TORCH, Linear=PEGradNormLinear, LayerNorm=PEGradNormFusedLayerNorm)
             with lc.set_contextual_config(RMSNorm=PEGradNormSeparatedRMSNorm):
                 assert lc.config.RMSNorm is PEGradNormSeparatedRMSNorm
                 assert type(RMSNormModel().norm) is PEGradNormSeparatedRMSNorm
             assert lc.config.RMSNorm is nn.RMSNorm
-        assert lc.config == (nn.Embedding, PEGradNormLinear, nn.LayerNorm, nn.RMSNorm)
+        assert lc.config == (nn.Embedding, PEGradNormLinear, nn.LayerNorm, nn.RMSNorm, Experts)
     assert lc.config._asdict() == TORCH
 
 
@@ -103,7 +105,8 @@ def test_the_table_keeps_train_pys_values_and_gives_set_contextual_configs_argum
             ("embeddingclass", "gns"): PEGradNormEmbedding, ("embeddingclass", "shim"): PEGradNormShimEmbedding}
     for (flag, value), cls in kept.items():
         assert lc.FLAG_CLASSES[flag][value] is cls  # a one-kind flag's entry is the class itself
-        assert lc.classes_for_flags(**{flag: value}) == dict(TORCH, **{lc.FLAG_KINDS[flag]: cls})
+        experts = PEGradNormExperts if flag == "linearclass" else Experts  # measured with the Linears
+        assert lc.classes_for_flags(**{flag: value}) == dict(TORCH, **{lc.FLAG_KINDS[flag]: cls}, Experts=experts)
     with lc.set_contextual_config(**lc.classes_for_flags(linearclass="shim", lnclass="fused")):
         model = ReferenceStyleModel()
     assert (type(model.wte), type(model.ln), type(model.fc)) == (nn.Embedding, PEGradNormFusedLayerNorm,
@@ -119,6 +122,7 @@ def test_lnclass_chooses_the_class_of_either_normalisation():
     assert tuple(lc.FLAG_CLASSES["lnclass"]) == tuple(both)  # train.py's choices, in order
     for value, (layernorm, rmsnorm) in both.items():
         assert lc.classes_for_flags(lnclass=value) == dict(TORCH, LayerNorm=layernorm, RMSNorm=rmsnorm)
+        assert lc.classes_for_flags(lnclass=value, linearclass="gns")["Experts"] is PEGradNormExperts
         with lc.set_contextual_config(**lc.classes_for_flags(lnclass=value, linearclass="shim")):
             layer_norm_model, rms_model = ReferenceStyleModel(), RMSNormModel()
         assert type(layer_norm_model.ln) is layernorm and type(rms_model.norm) is rmsnorm

@@ -32,13 +32,16 @@ import nanogns.estimators.adam as adamgns
 import nanogns.estimators.ddp as ddp
 import nanogns.estimators.hooks as gnshooks
 import nanogns.estimators.microbatch as microbatch_gns
-from nanogns.layers import (agree_linear_norm_methods, all_sqgradnorm_buffers, allreduce_buffers, find_sqgradnorm_buffers,
-                      layer_kinds, linear_norm_methods, measured_linears, set_linear_norm_methods, sum_of_squares)
+from nanogns.layers import (agree_linear_norm_methods, all_sqgradnorm_buffers, allreduce_buffers, entry_names,
+                            find_sqgradnorm_buffers, layer_kinds, linear_norm_methods, measured_linears,
+                            set_linear_norm_methods, sum_of_squares)
 # the interface every estimator offers, from its leaf module (importable from here, as before)
 from nanogns.estimators.base import (Estimator, Measurement, current_scale, distributed_world_size, read_now,  # noqa: F401
                                      unwrap)
 # the maths and the column names, from their torch-free home; imported here by the estimators
-from nanogns.maths import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, GradientNoiseScale, column, debiased_ema,  # noqa: F401
+from nanogns.layers.experts import PEGradNormExperts
+from nanogns.maths import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, REACHED_CELL, GradientNoiseScale, column,  # noqa: F401
+                           debiased_ema,
                      layer_kind, layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
 from nanogns.refusals import module_refusals, refuse_attributes, refuse_tracker_constructor
 
@@ -64,6 +67,22 @@ def _grad_sqnorms(grads, device, foreach=None):
     squares = torch.stack([sum_of_squares(g.to_local()).to(device) for g in grads])
     torch.distributed.all_reduce(squares, group=mesh.get_group())
     return list(squares.unbind())
+
+
+def _per_measurement(entries):
+    """(name, gradient, sum buffer, count buffer) of each measurement of `entries` (name, parameter, sum,
+    count): a parameter's own, or for one whose sum holds an entry per expert ([E], its first dimension
+    the experts') one per expert, name[e] with the gradient's and the sum's e-th slices."""
+    found = []
+    for name, p, sq, count in entries:
+        if sq.dim() == 0:
+            found.append((name, p.grad, sq, count))
+            continue
+        if hasattr(p.grad, "device_mesh"):
+            raise ValueError(f"{name}: experts measured per expert are not measured with sharded (DTensor) "
+                             "gradients: train them unsharded (DDP)")
+        found += [(each, p.grad[e], sq[e], count) for e, each in enumerate(entry_names(name, sq))]
+    return found
 
 
 # what finishing a tracked step needs besides its values: the measured parameters' names (the
@@ -143,8 +162,9 @@ class MeasurementTracker:
 
     @property
     def names(self):
-        """The tracked parameters' names, in model.named_parameters() order."""
-        return [name for name, _, _, _ in self.entries]
+        """The tracked measurements' names, in model.named_parameters() order: each parameter's, or for
+        one measured per expert (a sum buffer of one entry per expert) name[0], name[1], ..."""
+        return [each for name, _, sq, _ in self.entries for each in entry_names(name, sq)]
 
     @torch.no_grad()
     def step(self, batch_size=None, step=None):
@@ -179,14 +199,14 @@ class MeasurementTracker:
         measure, say)."""
         step = self.step_count if step is None else step
         self.step_count += 1
-        live = [(n, p, sq, count) for n, p, sq, count in self.entries if p.grad is not None]
+        live = _per_measurement([(n, p, sq, count) for n, p, sq, count in self.entries if p.grad is not None])
         if not live:
             self._zero_buffers()
             return None, None
         # everything in one tensor: one device-to-host copy, whenever it is read
         scale = current_scale(self.scaler)
-        device = live[0][1].grad.device
-        values = _grad_sqnorms([p.grad for _, p, _, _ in live], device)
+        device = live[0][1].device
+        values = _grad_sqnorms([grad for _, grad, _, _ in live], device)
         values += [sq.to(device) for _, _, sq, _ in live]
         values += [count.to(device) for _, _, _, count in live]
         if isinstance(scale, torch.Tensor):
@@ -342,6 +362,8 @@ class ExactGNS(Estimator):
         if self.norm_names:
             self.groups["LayerNorm"] = GradientNoiseScale(beta=beta)
         self.linears = [layer for _, layer in measured_linears(self.model)]
+        # mixture-of-experts layers: the examples that reached each expert, logged beside its norms
+        self.experts = [(name, m) for name, m in self.model.named_modules() if isinstance(m, PEGradNormExperts)]
         self.agreed_methods = None  # how many Linears had a method when the ranks last agreed on them
 
     @property
@@ -356,9 +378,20 @@ class ExactGNS(Estimator):
                 agree_linear_norm_methods(self.model)
                 self.agreed_methods = sum(layer.norm_method is not None for layer in self.linears)
         self.tracker.scaler = scaler
-        return self.tracker.sums(batch_size=examples, step=step, skipped=skipped)
+        values, context = self.tracker.sums(batch_size=examples, step=step, skipped=skipped)
+        if values is None or not self.experts:
+            return values, (context, 0)
+        reached = torch.cat([m.expert_examples.to(values.device) for _, m in self.experts])  # a copy: reset() zeroes them
+        return torch.cat([values, reached]), (context, reached.numel())
 
     def finish(self, host, context):
+        context, n_reached = context
+        reached_row = {}
+        if n_reached:
+            host, reached = host[:-n_reached], iter(host[-n_reached:])
+            for name, m in self.experts:  # the examples that reached each expert (an estimate from few is noisy)
+                for e in range(m.n_expert):
+                    reached_row[column(self.name, f"{name}[{e}]", REACHED_CELL)] = int(next(reached))
         measurements = self.tracker.finish(host, context)
         examples = context.batch_size if context is not None else None
         if examples is None and measurements:  # B from the layers' own example counts, which must agree
@@ -376,7 +409,10 @@ class ExactGNS(Estimator):
                 members = [m for m in measurements if group == "total" or m.metadata["name"] in self.norm_names]
                 gns.update(sum(m.small_batch_norm ** 2 for m in members),
                            sum(m.big_batch_norm ** 2 for m in members), 1, examples)
-        return self.logs.pop()
+        row = self.logs.pop()
+        if measurements:
+            row.update(reached_row)
+        return row
 
     def reset(self):
         torch._foreach_zero_(self.buffers)

@@ -17,6 +17,8 @@ puts them into any model. `import buffered` (the reference implementation's name
     registry.py   MEASURED_CLASSES (kind and flag value -> class, whence config.py's flags),
                   SOURCE_KINDS, TOKEN_BLOCKS, and measure(model, linear="gns", embedding="gns",
                   norm="shim", kinds=None, strict=False, batch_dim=0)
+    experts.py    Experts (a mixture of experts' routed GELU MLPs, weights [E, out, in]) and
+                  PEGradNormExperts, the same measured per example and per expert
     config.py     the flags' classes, chosen for nanoGPT's model.py (the reference's layer_config)
     linear_kernel.py  the Triton GEMM of materialised Linear norms
 
@@ -29,6 +31,7 @@ from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, all_sqgradnorm
                                     allreduce_buffers, allreduce_sqgradnorm_buffers, coordinate_buffers,
                                     find_sqgradnorm_buffers, register_sqgradnorm_buffers, sum_of_squares,
                                     zero_sqgradnorm_buffers)
+from nanogns.layers.experts import Experts, PEGradNormExperts, expert_reach  # noqa: F401
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, link_tied, tie_weights  # noqa: F401
 from nanogns.layers.linear import (CUBLAS_ROUTE, DTYPE_NAMES, FUSED_GHOST_RATIO, HAS_TRITON, NORM_METHODS,  # noqa: F401
                                    PER_EXAMPLE_MODES, ROUTE_COLUMNS, ROUTE_TOLERANCE, ROUTES_DIR,
@@ -41,7 +44,7 @@ from nanogns.layers.norms import (LAYERNORM_DEFAULTS, LayerNorm, PEGradNormFused
                                   PEGradNormFusedRMSNorm, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
                                   layernorm_arguments, register_coordinate_buffers)
 from nanogns.layers.registry import (KIND_NAMES, MEASURED_CLASSES, NORM_KINDS, SOURCE_KINDS,  # noqa: F401
-                                     TOKEN_BLOCKS, TRANSPOSED_WEIGHT, kind_of_measured, layer_kinds, measure,
+                                     TOKEN_BLOCKS, TRANSPOSED_WEIGHT, entry_names, kind_of_measured, layer_kinds, measure,
                                      measured_batch_dim, source_kind)
 from nanogns.refusals import module_refusals
 

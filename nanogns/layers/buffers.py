@@ -75,7 +75,8 @@ def _linked_pair(modules):
 
 
 def _is_norm_buffer(name):
-    return name == "example_count" or name.endswith("_sqgradnorm")
+    # expert_examples: a mixture-of-experts layer's examples per expert (nanogns/layers/experts.py)
+    return name in ("example_count", "expert_examples") or name.endswith("_sqgradnorm")
 
 
 def coordinate_buffers(model):

@@ -32,16 +32,19 @@ import torch.nn as nn
 
 # model.py ties wte to lm_head through here, so that only the measured layers know how they link
 from nanogns.layers.embedding import tie_weights  # noqa: F401
+from nanogns.layers.experts import Experts
 from nanogns.layers.registry import KIND_NAMES, MEASURED_CLASSES
 
-# RMSNorm last and with a default, so that the reference's three-class LayerClasses(...) still builds
-LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm"], defaults=(nn.RMSNorm,))
+# RMSNorm and Experts last and with defaults, so that the reference's three-class LayerClasses(...) still builds
+LayerClasses = namedtuple("LayerClasses", ["Embedding", "Linear", "LayerNorm", "RMSNorm", "Experts"],
+                          defaults=(nn.RMSNorm, Experts))
 
 
 def init_contextual_config():
-    """Back to torch's classes."""
+    """Back to torch's classes (and the unmeasured mixture-of-experts Experts)."""
     global config
-    config = LayerClasses(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm)
+    config = LayerClasses(Embedding=nn.Embedding, Linear=nn.Linear, LayerNorm=nn.LayerNorm, RMSNorm=nn.RMSNorm,
+                          Experts=Experts)
 
 
 init_contextual_config()
@@ -125,4 +128,6 @@ def classes_for_flags(**flags):
         if value not in values:
             raise ValueError(f"--{flag}={value!r} is not one of {', '.join(values)}")
         classes.update(_entry_classes(flag, value))
+    # routed experts (model.py's MoE MLP) are measured whenever the Linears are, by their one class
+    classes['Experts'] = Experts if flags.get('linearclass', 'nn') == 'nn' else MEASURED_CLASSES['experts']['gns']
     return classes

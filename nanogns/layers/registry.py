@@ -15,6 +15,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from nanogns.layers.buffers import MeasuredLayer, find_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, _MeasuredEmbedding, link_tied
+from nanogns.layers.experts import EXPERT_PARAMETERS, Experts, PEGradNormExperts
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear, _MeasuredLinear
 from nanogns.layers.norms import (LayerNorm, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm,
                                   PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm)
@@ -35,6 +36,8 @@ MEASURED_CLASSES = {
     "embedding": {"gns": PEGradNormEmbedding, "shim": PEGradNormShimEmbedding},
     "layernorm": {"shim": PEGradNormSeparatedLayerNorm, "fused": PEGradNormFusedLayerNorm},
     "rmsnorm": {"shim": PEGradNormSeparatedRMSNorm, "fused": PEGradNormFusedRMSNorm},
+    # routed experts: one class, which measure() (and model.py) use whenever the Linears are measured
+    "experts": {"gns": PEGradNormExperts},
 }
 # The classes measure() converts, each to the measured class of its kind: torch's, ours, and
 # foreign ones named by their module path, so that their package is never imported here (a model
@@ -42,7 +45,7 @@ MEASURED_CLASSES = {
 # is named with kinds= or left unmeasured (the coverage warning lists it).
 SOURCE_KINDS = {
     nn.Linear: "linear", nn.Embedding: "embedding", nn.LayerNorm: "layernorm", LayerNorm: "layernorm",
-    nn.RMSNorm: "rmsnorm",
+    nn.RMSNorm: "rmsnorm", Experts: "experts",
     # Hugging Face's GPT-2 layers: y = x W + b, a Linear whose weight is stored [in, out]
     "transformers.pytorch_utils.Conv1D": "linear",
     # Hugging Face's Llama-family RMSNorm (gain `weight`, eps `variance_epsilon`): the same maths as
@@ -82,6 +85,8 @@ def _token_rows(name, module, kinds):
     """Why the layers in `module` (called `name` in the model) see tokens rather than examples, by
     what it is (kinds={Class: None}, TOKEN_BLOCKS, an expert's name), or None."""
     cls = type(module)
+    if isinstance(module, (Experts, PEGradNormExperts)) and kinds.get(cls, "") is not None:
+        return None  # routed experts that keep each row's example: measured per example
     if kinds and kinds.get(cls, "") is None:
         return f"in {name} ({cls.__name__}), left out by kinds={{{cls.__name__}: None}}"
     if cls in TOKEN_BLOCKS or _class_path(cls) in TOKEN_BLOCKS:
@@ -102,13 +107,31 @@ def kind_of_measured(cls):
 def layer_kinds(model):
     """{parameter name: kind} of every measured parameter (find_sqgradnorm_buffers' names): what
     the analysis groups them by (nanogns.maths.KINDS_NAME in out_dir)."""
+    beside_experts = set()  # a Linear beside measured experts, in the block that holds them, is their router
+    for parent in model.modules():
+        children = list(parent.children())
+        if any(isinstance(c, PEGradNormExperts) for c in children):
+            beside_experts.update(id(c) for c in children)
     kinds = {}
     for module in model.modules():
         kind = kind_of_measured(type(module))
+        routes = kind == "linear" and id(module) in beside_experts
         for p in module.parameters(recurse=False):
             if kind is not None:
-                kinds.setdefault(id(p), kind)
-    return {name: kinds[id(p)] for name, p, _, _ in find_sqgradnorm_buffers(model) if id(p) in kinds}
+                kinds.setdefault(id(p), "router" if routes else kind)
+    found = {}
+    for name, p, sq, _ in find_sqgradnorm_buffers(model):
+        if id(p) in kinds:
+            for each in entry_names(name, sq):
+                found[each] = kinds[id(p)]
+    return found
+
+
+def entry_names(name, sq):
+    """The names a parameter's measurements go by: its own, or for a buffer of one sum per expert
+    ([E], nanogns/layers/experts.py) one per expert, name[0], name[1], ..."""
+    return [name] if sq.dim() == 0 else [f"{name}[{e}]" for e in range(sq.shape[0])]
+
 
 
 def _measured_class(kind, value):
@@ -118,6 +141,8 @@ def _measured_class(kind, value):
 
 def _build_like(module, kind, cls, weight, bias):
     """An empty `cls` (on the meta device) shaped and configured like `module`; None where it cannot be."""
+    if kind == "experts":
+        return cls(module.n_expert, module.n_embd, module.hidden, device="meta")
     if kind == "linear":
         transposed = _class_path(type(module)) in TRANSPOSED_WEIGHT
         out_features, in_features = weight.shape[::-1] if transposed else weight.shape
@@ -142,7 +167,8 @@ def _build_like(module, kind, cls, weight, bias):
 def _convert(module, kind, cls):
     """A `cls` doing what `module` (of kind `kind`) does with the very same Parameter objects; None
     where the module cannot be measured as it is (said in the returned reason)."""
-    weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+    names = EXPERT_PARAMETERS if kind == "experts" else ("weight", "bias")
+    weight, bias = module._parameters.get(names[0]), module._parameters.get(names[1])
     if weight is None or is_parametrized(module):
         return None, "no weight of its own (none, or parametrized)"
     try:
@@ -151,7 +177,7 @@ def _convert(module, kind, cls):
         return None, str(e)
     if new is None:
         return None, "sparse or scale_grad_by_freq gradients"
-    for name in ("weight", "bias"):
+    for name in names:
         if name in new._parameters:
             setattr(new, name, module._parameters.get(name))
     for name, buf in new._buffers.items():  # made on the default device: to the weight's
@@ -194,7 +220,7 @@ def _carry_over(module, new):
         elif key not in vars(new) and key not in ("forward", "_old_forward"):
             new.__dict__[key] = _rebound(value, module, new)
     for name, p in module._parameters.items():
-        if name not in ("weight", "bias"):
+        if name not in new._parameters:
             new._parameters[name] = p
     for name, buf in module._buffers.items():
         if name not in new._buffers:
@@ -346,8 +372,8 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
             raise ValueError(f"measure: {flag}={value!r} is not one of {', '.join(map(repr, allowed))} or None")
     kinds = dict(kinds or {})
     for cls, kind in kinds.items():
-        if not isinstance(cls, type) or (kind is not None and kind not in KIND_NAMES):
-            raise ValueError(f"measure: kinds maps classes to one of {', '.join(map(repr, KIND_NAMES))} or None, "
+        if not isinstance(cls, type) or (kind is not None and kind not in MEASURED_CLASSES):
+            raise ValueError(f"measure: kinds maps classes to one of {', '.join(map(repr, MEASURED_CLASSES))} or None, "
                              f"not {cls!r}: {kind!r}")
     if isinstance(model, MeasuredLayer) or source_kind(type(model), kinds):
         raise ValueError("measure converts the layers inside a model, not a single layer: "
@@ -366,7 +392,9 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
         warnings.warn(f"measure: {other_layout[0]}{more} {first} input while the examples are taken to be "
                       f"dimension {batch_dim} of every layer's input: for a model whose input is {'[T, B, ...]' if batch_dim == 0 else '[B, T, ...]'} "
                       f"measure with batch_dim={1 - batch_dim}", stacklevel=2)
-    value_of = {"linear": linear, "embedding": embedding, "layernorm": norm, "rmsnorm": norm}
+    # routed experts are measured whenever the Linears are, by their one class
+    value_of = {"linear": linear, "embedding": embedding, "layernorm": norm, "rmsnorm": norm,
+                "experts": None if linear is None else "gns"}
 
     # swap each module for its measured class; one held under two names is left as it is (it
     # would be applied twice, and its per-example norm needs the cross terms between the uses)
