@@ -43,8 +43,8 @@ import pandas as pd
 
 from nanogns.logread import (REFERENCE_PAIR, LogError, ToolParser, figure, load_log, log10_positive, log_columns,
                        x_axis)
-from nanogns.maths import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REQUIRED_CELLS, WRITER, WRITER_KEY,  # noqa: F401
-                     debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
+from nanogns.maths import (EMA_BETA, KINDS, KINDS_NAME, NORM_CELLS, PREFIXES, REACHED_CELL, REQUIRED_CELLS, WRITER,  # noqa: F401
+                     WRITER_KEY, debiased_ema, layer_groups, layer_type, parse_column, total_columns, unbiased_estimates)
 from nanogns.extras import extra_missing
 from nanogns.figures import GNS_FIGURE, NORM_FIGURE, PIXELS, write_figures  # matplotlib loads only when drawing
 from nanogns.refusals import module_refusals
@@ -68,6 +68,9 @@ NOT_NUMBERS = ("nan", "-nan", "+nan")  # text that is a (non-finite) number
 # what load_estimator tells of the cells it left out, carried into analyze's info for the summary
 CELL_REPORTS = ("overflow_steps", "bad_cells", "bad_examples", "out_of_range", "out_of_range_examples")
 SHOWN_CELLS = 5  # cells named in the summary's line on each kind of cell left out
+# an expert that fewer examples than this reach per step, on average, has a noisy GNS: the summary says so
+FEW_REACHED = 8
+EXPERT_NAME = re.compile(r"^(.*)\.[^.\[\]]+\[(\d+)\]$")  # <experts module>.<weight>[e]: one expert's weight
 
 
 class AnalysisError(Exception):
@@ -81,9 +84,32 @@ def block_of(name):
 
 
 def analysis_columns(columns):
-    """The log columns the analysis reads: every GNS column, the DDP ones, and the x axes."""
+    """The log columns the analysis reads: every GNS column, the DDP ones, the x axes, and the examples
+    that reached each expert of a mixture of experts (PREFIX/<experts>[e]/reached)."""
     extra = {"step", "iter_num", "tokens_processed", DDP_GNS, *DDP_COLUMNS.values()}
-    return [c for c in columns if c in extra or parse_column(c)]
+    return [c for c in columns if c in extra or parse_column(c) or c.endswith(f"]/{REACHED_CELL}")]
+
+
+def expert_groups(names):
+    """{expert: its weights' names} of a mixture of experts' experts among `names` (each weight measured
+    per expert, <experts module>.<weight>[e]; the expert is <experts module>[e]), in order."""
+    groups = {}
+    for name in names:
+        m = EXPERT_NAME.match(name)
+        if m:
+            groups.setdefault(f"{m.group(1)}[{m.group(2)}]", []).append(name)
+    return groups
+
+
+def expert_reach(df, prefix, experts):
+    """{expert: the examples that reached it at each row (NaN where not logged)} of those in `experts`
+    whose PREFIX/<expert>/reached column the log has."""
+    reach = {}
+    for expert in experts:
+        col = f"{prefix}/{expert}/{REACHED_CELL}"
+        if col in df.columns:
+            reach[expert] = pd.to_numeric(df[col], errors="coerce").to_numpy(dtype=float)
+    return reach
 
 
 def tied_columns(columns):
@@ -287,19 +313,23 @@ def choose_main(df, estimators, prefix, fallback=True):
     return main, loaded, f"{why}; showing '{main}' instead (estimators in the log: {', '.join(loaded)})"
 
 
-def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="layernorm"):
+def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="layernorm", experts=False):
     """
     (results DataFrame, info dict) for a loaded log: the main estimator (`prefix`, or with
     fallback the first usable one if it is absent) per group, every other estimator's total, and
     their comparison with the main one (info's comparison: the normalisation group's with the
     total, over the results' rows norm_compared); results also hold the reference's columns (module
     docstring). The log is taken as it is: leave out a reference log's tied weight beforehand
-    (tied_columns). kinds, norm: how parameters are grouped (read_kinds). Raises AnalysisError.
+    (tied_columns). kinds, norm: how parameters are grouped (read_kinds). experts: also a group for
+    each expert of a mixture of experts (its weights), with the examples that reached it. Raises
+    AnalysisError.
     """
     prefix = prefix.rstrip("/")
     main, loaded, note = choose_main(df, find_estimators(df), prefix, fallback)
     est = loaded[main]
     groups = main_groups(est["names"], main, kinds, norm)
+    each_expert = expert_groups(est["names"]) if main != DDP else {}
+    reach = expert_reach(df, main, each_expert)
     type_groups = [g for g in groups if g != "total" and not g.startswith("h.")]
     norm_name = type_groups[0] if type_groups and type_groups[0] not in ("Linear", "Embedding") else None
 
@@ -314,6 +344,11 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
             out["batch_size"], out["small_batch_size"], mixed_batch_rows = g["B"], g["b"], g["mixed"]
             total = g
         out.update(smoothed(g["sq_norm"], g["trace"], alpha, group))
+    for expert, members in each_expert.items() if experts else ():
+        g = group_estimates(est, members)
+        out.update(smoothed(g["sq_norm"], g["trace"], alpha, expert))
+        if expert in reach:
+            out[f"{expert}/{REACHED_CELL}"] = reach[expert]
     # the reference's columns (copies of the total's), for code that reads its gns_analysis.csv
     reference = {name: out[ours] for ours, name in REFERENCE_COLUMNS.items()}
     reference.update(sgn=total["big_sq"], spegn=total["small_sq"])
@@ -343,6 +378,10 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
     for e in loaded.values():
         rows |= e["measured"].any(1)
     main_rows = int(est["measured"].any(1).sum())
+    measured_rows = est["measured"].any(1)
+    with np.errstate(invalid="ignore"):  # an expert never logged: NaN
+        reached = {e: float(np.nanmean(r[measured_rows])) if np.isfinite(r[measured_rows]).any() else math.nan
+                   for e, r in reach.items()}
     kept = {k: est[k] for k in ("incomplete", "never", *CELL_REPORTS)}
     est = other = loaded = None  # the raw [rows, params] arrays: freed before the results take their place
     first = [c for c in ("step", "iter_num", "tokens_processed", "batch_size", "small_batch_size") if c in out]
@@ -367,7 +406,8 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
                 norm_group=norm_name,
                 incomplete=kept["incomplete"], never_measured=kept["never"], mixed_batch_rows=mixed_batch_rows,
                 **{k: kept[k] for k in CELL_REPORTS},
-                log_rows=len(df), main_rows=main_rows, comparison=ln, norm_compared=norm_compared, estimators=others)
+                log_rows=len(df), main_rows=main_rows, comparison=ln, norm_compared=norm_compared, estimators=others,
+                experts=dict(groups=each_expert, reached=reached, shown=experts))
     return results, info
 
 
@@ -597,6 +637,7 @@ def summary(results, info, path, alpha):
     if blocks:
         cells = [f"{b} {last[f'{b}/gns']:.4g}" for b in blocks]
         lines.append("  GNS per block: " + ", ".join(cells[:12]) + (" ..." if len(cells) > 12 else ""))
+    lines += expert_lines(last, info)
     c, norm = info["comparison"], info["norm_group"]
     if c is None:
         if main != DDP:
@@ -609,6 +650,36 @@ def summary(results, info, path, alpha):
                      f"mean {c['ratio_mean']:.3f}; Pearson r {c['pearson']:.3f}")
     lines += estimator_table(results, info, alpha)
     return "\n".join(lines)
+
+
+def expert_lines(last, info):
+    """The summary's lines on a mixture of experts' experts: how many examples reached each (an expert
+    that few reach has a noisy GNS, named), and with --experts each expert's GNS at the last step."""
+    found = info.get("experts") or {}
+    groups, reached = found.get("groups") or {}, found.get("reached") or {}
+    if not groups:
+        return []
+    layers = {expert.rsplit("[", 1)[0] for expert in groups}
+    line = f"  experts: {len(groups)} in {len(layers)} layer{'s' * (len(layers) > 1)}"
+    known = {e: v for e, v in reached.items() if math.isfinite(v)}
+    if known:
+        low, high = min(known, key=known.get), max(known, key=known.get)
+        line += (f"; examples that reached an expert per step, on average: {known[low]:.3g} ({low}) to "
+                 f"{known[high]:.3g} ({high})")
+    else:
+        line += " (the log does not say how many examples reached each)"
+    lines = [line]
+    few = [e for e, v in known.items() if v < FEW_REACHED]
+    if few:
+        lines.append(f"  note: {len(few)} expert{'s were' if len(few) > 1 else ' was'} reached by fewer than "
+                     f"{FEW_REACHED} examples a step on average, so {'their' if len(few) > 1 else 'its'} GNS is "
+                     f"noisy: {', '.join(few[:SHOWN_CELLS])}{' ...' if len(few) > SHOWN_CELLS else ''}")
+    if found.get("shown"):
+        lines.append(f"  {'expert':<40} {'GNS':>12} {'|G|^2':>12} {'tr(S)':>12} {'reached':>8}")
+        for expert in groups:
+            cells = " ".join(f"{last[f'{expert}/{k}']:>12.4g}" for k in ("gns", "sq_norm_ema", "trace_ema"))
+            lines.append(f"  {expert:<40} {cells} {reached.get(expert, math.nan):>8.3g}")
+    return lines
 
 
 def estimator_table(results, info, alpha):
@@ -713,6 +784,11 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
                              "estimator; a PREFIX given that the log lacks is an error (default: train/gns, or "
                              "if the log lacks it the first estimator present, with a note)")
     parser.add_argument("--no-plots", action="store_true", help="print only the summary (default: plots too)")
+    parser.add_argument("--experts", action="store_true",
+                        help="a mixture of experts: also the GNS of each expert (its weights' <name>[e] columns "
+                             "summed) in the summary and in gns_analysis.csv, with the examples that reached it "
+                             "per step on average (the summary always names the experts that fewer than "
+                             f"{FEW_REACHED} reach: their GNS is noisy; default: the experts as one group)")
     parser.add_argument("--figures", metavar="DIR", default=None,
                         help=f"also write the figures as {PIXELS[0]} x {PIXELS[1]} PNG files into DIR (made if "
                              f"missing): {GNS_FIGURE}, the GNS of each layer type over tokens, and {NORM_FIGURE}, the "
@@ -740,7 +816,7 @@ Exit status: 0 done, 2 bad input (one line on stderr), 1 the result could not be
         df, path, notes = read_log(args.out_dir, args.tied, args.origin)
         kinds, norm = read_kinds(path)
         results, info = analyze(df, args.alpha, args.prefix or "train/gns", fallback=args.prefix is None,
-                                kinds=kinds, norm=norm)
+                                kinds=kinds, norm=norm, experts=args.experts)
     except (LogError, AnalysisError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

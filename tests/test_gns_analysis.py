@@ -567,6 +567,38 @@ def test_layer_types_and_block_order():
     assert list(gns_analysis.main_groups(names, "train/gns"))[-3:] == ["h.1", "h.2", "h.10"]
 
 
+def test_each_expert_is_a_group_of_its_weights_and_an_expert_few_examples_reach_is_named():
+    """A mixture of experts' columns: <experts>.<weight>[e] per expert and <experts>[e]/reached. The experts
+    kind groups them all; --experts adds a group per expert (its weights' sums before the estimators);
+    an expert fewer than FEW_REACHED examples reach per step on average is named as noisy."""
+    rng = np.random.default_rng(0)
+    n, B = 6, 16
+    experts = "transformer.h.0.mlp.experts"
+    cols = {"step": np.arange(n)}
+    for e in range(2):
+        for w in ("c_fc", "c_proj"):
+            cols.update(gns_cols("train/gns", f"{experts}.{w}[{e}]", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), B))
+    cols.update(gns_cols("train/gns", "transformer.h.0.mlp.router.weight", rng.uniform(0.5, 1, n), rng.uniform(2, 3, n), B))
+    cols[f"train/gns/{experts}[0]/reached"] = np.full(n, 16)
+    cols[f"train/gns/{experts}[1]/reached"] = np.array([2, 3, 4, 2, 3, 4])
+    df = pd.DataFrame(cols)
+    results, info = gns_analysis.analyze(df, 0.9, experts=True)
+    assert info["type_groups"] == ["experts", "router"] and len(info["groups"]["experts"]) == 4
+    assert info["experts"]["groups"][f"{experts}[1]"] == [f"{experts}.c_fc[1]", f"{experts}.c_proj[1]"]
+    big = sum(df[f"train/gns/{experts}.{w}[1]/norm"] ** 2 for w in ("c_fc", "c_proj"))
+    small = sum(df[f"train/gns/{experts}.{w}[1]/pegn"] ** 2 for w in ("c_fc", "c_proj"))
+    sq_norm, trace = gns_analysis.unbiased_estimates(big, small, B)
+    np.testing.assert_allclose(results[f"{experts}[1]/sq_norm"], sq_norm)
+    np.testing.assert_allclose(results[f"{experts}[1]/trace"], trace)
+    assert results[f"{experts}[1]/reached"].tolist() == [2, 3, 4, 2, 3, 4]
+    text = gns_analysis.summary(results, info, "log.csv", 0.9)
+    assert f"experts: 2 in 1 layer; examples that reached an expert per step, on average: 3 ({experts}[1]) to 16" in text
+    assert f"note: 1 expert was reached by fewer than 8 examples a step on average, so its GNS is noisy: {experts}[1]" in text
+    assert re.search(rf"^  {re.escape(experts)}\[0\] +\S+ +\S+ +\S+ +16$", text, re.M)
+    results, info = gns_analysis.analyze(df, 0.9)  # without --experts: the note, no per-expert groups
+    assert f"{experts}[0]/gns" not in results and "its GNS is noisy" in gns_analysis.summary(results, info, "log.csv", 0.9)
+
+
 def test_compare_ratio_median_pearson_and_short_runs():
     a, d = [2.0, 3.0, 12.0, 5.0], [1.0, 1.0, 2.0, 0.0]  # the last step: denominator GNS 0, left out
     c = gns_analysis.compare(a, d, [1, 2, 3, 4], alpha=0.9)  # shorter than the window of 10

@@ -629,6 +629,38 @@ def test_the_llama_style_config_trains_measures_and_resumes_as_itself(tiny_datas
     assert ckpt["model"].keys() == sd.keys()
 
 
+MOE_CONFIG = os.path.join(REPO, "config", "train_shakespeare_char_moe_cpu.py")
+
+
+def test_the_moe_config_trains_logs_each_expert_resumes_and_is_analysed(tiny_dataset, tmp_path):
+    """config/train_shakespeare_char_moe_cpu.py for two iterations and two more from its checkpoint: every
+    expert's weights in log.csv as name[e] with the examples that reached it, the router's, and
+    gns-analysis groups them (experts, router) and shows each expert with --experts."""
+    out = tmp_path / "out"
+    step = 12 * 64
+    common = [MOE_CONFIG, f"--dataset={tiny_dataset}", f"--out_dir={out}", "--eval_iters=1", "--eval_interval=2",
+              "--log_interval=1", "--n_layer=2"]
+    run_train(*common, f"--max_tokens={2 * step}")
+    p = run_train(*common, f"--max_tokens={4 * step}", "--init_from=resume")
+    assert [int(i) for i in re.findall(r"^iter (\d+):", p.stdout, re.M)] == [2, 3]
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    assert ckpt["model_args"]["n_expert"] == 4 and ckpt["model"]["transformer.h.1.mlp.experts.c_fc"].shape[0] == 4
+    log = pd.read_csv(out / "log.csv")
+    assert list(log["step"]) == [0, 1, 2, 3]
+    for e in range(4):
+        assert (log[f"train/gns/transformer.h.1.mlp.experts.c_proj[{e}]/batch_size"] == 12).all()
+        assert log[f"train/gns/transformer.h.1.mlp.experts[{e}]/reached"].between(0, 12).all()
+    assert log["train/gns/transformer.h.0.mlp.router.weight/pegn"].gt(0).all()
+    analysed = subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), str(out), "--no-plots",
+                               "--experts"], capture_output=True, text=True)
+    assert analysed.returncode == 0, analysed.stderr
+    assert re.search(r"^  experts +\S+ +\S+ +\S+ +16$", analysed.stdout, re.M)  # 2 layers x 4 experts x 2 weights
+    assert re.search(r"^  router +\S+ +\S+ +\S+ +2$", analysed.stdout, re.M)
+    assert "experts: 8 in 2 layers" in analysed.stdout
+    results = pd.read_csv(out / "gns_analysis.csv")
+    assert {"transformer.h.0.mlp.experts[3]/gns", "transformer.h.0.mlp.experts[3]/reached"} <= set(results.columns)
+
+
 def test_bad_input_from_the_command_line_exits_2_in_a_real_process(tiny_dataset, tmp_path):
     p = run_train(f"--dataset={tiny_dataset}", f"--out_dir={tmp_path / 'o'}", *TINY, "--batch_size=0", check=False)
     assert p.returncode == 2 and p.stderr == "error: --batch_size=0 must be a whole number >= 1\n"
