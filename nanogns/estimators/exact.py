@@ -48,40 +48,61 @@ from nanogns.refusals import module_refusals, refuse_attributes, refuse_tracker_
 # ---------------------------------------------------------------------------------------------
 # The exact per-example estimator's measurements
 
+# one expert's rows of a gradient that FSDP2 shards over the experts (Shard(0) of an [E, ...] weight)
+ExpertRows = collections.namedtuple("ExpertRows", "grad expert")
+
+
 def _grad_sqnorms(grads, device, foreach=None):
     """||grad||^2 of each gradient, float32 0-dim tensors on `device`. FSDP's gradients are DTensor
     shards: each rank squares its own shard and one all-reduce of them all sums the ranks' squares
-    (never a gather of the full gradients). foreach (default: on a GPU): all the norms from one
-    multi-tensor kernel, where a launch per gradient costs host time each step; on the CPU one dot
-    each (sum_of_squares: more precise there)."""
-    mesh = getattr(grads[0], "device_mesh", None)
+    (never a gather of the full gradients); an ExpertRows is one expert's rows of a shard on the
+    experts' dimension, which the rank holding them squares (0 elsewhere). foreach (default: on a GPU):
+    all the norms from one multi-tensor kernel, where a launch per gradient costs host time each step;
+    on the CPU one dot each (sum_of_squares: more precise there)."""
+    first = grads[0].grad if isinstance(grads[0], ExpertRows) else grads[0]
+    mesh = getattr(first, "device_mesh", None)
     foreach = device.type == "cuda" if foreach is None else foreach
     if mesh is None and foreach and all(g.dtype == torch.float32 and g.device == device for g in grads):
         norms = torch.stack(torch._foreach_norm(grads))
         return list((norms * norms).unbind())
     if mesh is None:
         return [sum_of_squares(g).to(device) for g in grads]
-    if not all(pl.is_shard() for g in grads for pl in g.placements):
+    if not all(pl.is_shard() for g in grads for pl in (g.grad if isinstance(g, ExpertRows) else g).placements):
         raise ValueError("the gradients are DTensors that are not sharded (FSDP shards them): "
                          "summing each rank's squares would count them more than once")
-    squares = torch.stack([sum_of_squares(g.to_local()).to(device) for g in grads])
+    squares = torch.stack([_expert_rows_sqnorm(g, device) if isinstance(g, ExpertRows) else
+                           sum_of_squares(g.to_local()).to(device) for g in grads])
     torch.distributed.all_reduce(squares, group=mesh.get_group())
     return list(squares.unbind())
+
+
+def _expert_rows_sqnorm(rows, device):
+    """This rank's part of ||grad[e]||^2 for a gradient sharded on its first dimension: FSDP2 gives each of
+    the W ranks ceil(E / W) consecutive experts (torch.chunk's split; the last ranks may hold fewer)."""
+    grad, e = rows
+    if [pl.dim if pl.is_shard() else None for pl in grad.placements] != [0]:
+        raise ValueError(f"an experts weight's gradient is sharded as {grad.placements}, not on its first (the "
+                         "experts') dimension over one mesh dimension: its per-expert norms are not measured so")
+    local, mesh = grad.to_local(), grad.device_mesh
+    first = mesh.get_local_rank() * -(-grad.shape[0] // mesh.size())
+    if not first <= e < first + local.shape[0]:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return sum_of_squares(local[e - first]).to(device)
 
 
 def _per_measurement(entries):
     """(name, gradient, sum buffer, count buffer) of each measurement of `entries` (name, parameter, sum,
     count): a parameter's own, or for one whose sum holds an entry per expert ([E], its first dimension
-    the experts') one per expert, name[e] with the gradient's and the sum's e-th slices."""
+    the experts') one per expert, name[e] with the gradient's e-th slice (ExpertRows of a DTensor
+    gradient, which FSDP2 shards on the experts) and the sum's."""
     found = []
     for name, p, sq, count in entries:
         if sq.dim() == 0:
             found.append((name, p.grad, sq, count))
             continue
-        if hasattr(p.grad, "device_mesh"):
-            raise ValueError(f"{name}: experts measured per expert are not measured with sharded (DTensor) "
-                             "gradients: train them unsharded (DDP)")
-        found += [(each, p.grad[e], sq[e], count) for e, each in enumerate(entry_names(name, sq))]
+        sharded = hasattr(p.grad, "device_mesh")
+        found += [(each, ExpertRows(p.grad, e) if sharded else p.grad[e], sq[e], count)
+                  for e, each in enumerate(entry_names(name, sq))]
     return found
 
 
@@ -205,7 +226,7 @@ class MeasurementTracker:
             return None, None
         # everything in one tensor: one device-to-host copy, whenever it is read
         scale = current_scale(self.scaler)
-        device = live[0][1].device
+        device = next(p.grad.device for _, p, _, _ in self.entries if p.grad is not None)
         values = _grad_sqnorms([grad for _, grad, _, _ in live], device)
         values += [sq.to(device) for _, _, sq, _ in live]
         values += [count.to(device) for _, _, _, count in live]
