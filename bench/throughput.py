@@ -27,8 +27,12 @@ Settings (train.py's flags for each; any `flag=value[+flag=value...]` is one too
     llama-rms-shim   llama-nn's flags and --lnclass=shim     its normalisations only
     llama-rms-fused  llama-nn's flags and --lnclass=fused    its normalisations only, fused
     llama-all-gns    llama-nn's flags and --linearclass=gns --embeddingclass=gns --lnclass=shim
-Every ratio is against nn, so a llama-* row's holds the architecture's cost too: the measurement's
-own is its ratio over llama-nn's.
+    moe-nn       --n_expert=4 --n_expert_active=2   a mixture-of-experts model (4 GELU experts, top-2
+                 routing: config/train_shakespeare_char_moe_cpu.py's), no measurement
+    moe-ln-shim  moe-nn's flags and --lnclass=shim     its LayerNorms only
+    moe-all-gns  moe-nn's flags and the measured classes of all-gns: every parameter, each expert's
+Every ratio is against nn, so a llama-* or moe-* row's holds the architecture's cost too: the
+measurement's own is its ratio over llama-nn's or moe-nn's.
 
 Reported per setting: milliseconds per iteration (the median over rounds of each run's window),
 the device's and the host's median per step, tokens/s, their ratio to the nn baseline (tokens/s
@@ -84,6 +88,8 @@ from nanogns.runlog import atomic_write  # noqa: E402
 
 # train.py's flags of a Llama-style model (model.GPTConfig's options)
 LLAMA = dict(norm='rmsnorm', mlp='swiglu', pos_emb='rope', tie_embeddings=False)
+# and of a mixture-of-experts one (config/train_shakespeare_char_moe_cpu.py's experts)
+MOE = dict(n_expert=4, n_expert_active=2)
 BASELINE = 'nn'
 NULL = 'nn-null'  # the baseline's flags under a second name: how far two runs of the same code differ
 # setting -> train.py flags that differ from the plain model (layer_config.FLAG_CLASSES maps the
@@ -102,6 +108,9 @@ SETTINGS = {
     'llama-rms-shim': dict(LLAMA, lnclass='shim'),
     'llama-rms-fused': dict(LLAMA, lnclass='fused'),
     'llama-all-gns': dict(LLAMA, linearclass='gns', embeddingclass='gns', lnclass='shim'),
+    'moe-nn': MOE,
+    'moe-ln-shim': dict(MOE, lnclass='shim'),
+    'moe-all-gns': dict(MOE, linearclass='gns', embeddingclass='gns', lnclass='shim'),
 }
 DTYPES = ('float32', 'bfloat16', 'float16')
 GPT2_VOCAB = 50304  # train.py's vocabulary for a dataset without meta.pkl

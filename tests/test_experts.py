@@ -131,6 +131,29 @@ def test_bf16_autocast_measures_the_bf16_computation():
         torch.testing.assert_close(got[n], expected[n], rtol=5e-2, atol=1e-9, msg=n)
 
 
+def test_experts_sharded_in_the_forward_are_refused_and_can_be_left_out():
+    """A DTensor weight in the forward (expert or tensor parallelism; FSDP2 hands the forward whole
+    weights) is refused in one line that says how to leave the experts out; left out, they run unmeasured."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = PEGradNormExperts(E, C, H)
+
+        def forward(self, x, index, weight):
+            return self.experts(x, index, weight)
+
+    block = Block()
+    x, index, weight, _ = routed(2, dtype=torch.float32)
+    block.experts.c_fc.device_mesh = "a mesh"  # what a DTensor has
+    with pytest.raises(RuntimeError, match=r"experts.c_fc is a DTensor in the forward .* kinds=\{PEGradNormExperts: None\}"):
+        measure(block)(x, index, weight)
+    del block.experts.c_fc.device_mesh
+    with pytest.warns(UserWarning, match="2 trainable parameters are not measured"):
+        measure(block, kinds={PEGradNormExperts: None})
+    block(x, index, weight).sum().backward()
+    assert block.experts.c_fc.grad is not None and not find_sqgradnorm_buffers(block)
+
+
 def test_routing_out_of_range_is_refused():
     index = torch.tensor([[0, 4]])
     with pytest.raises(ValueError, match="outside 0..3"):

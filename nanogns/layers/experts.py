@@ -199,6 +199,12 @@ class PEGradNormExperts(MeasuredLayer, Experts):
 
     @torch.compiler.disable
     def forward(self, x, expert_index, expert_weight):
+        sharded = [n for n in EXPERT_PARAMETERS if hasattr(self._parameters[n], "device_mesh")]
+        if sharded and torch.is_grad_enabled():  # FSDP2 hands the forward whole weights; a DTensor is another plan
+            raise RuntimeError(f"{self._measured_name or type(self).__name__}.{sharded[0]} is a DTensor in the "
+                               "forward (experts sharded over ranks: expert or tensor parallelism), whose "
+                               "per-example norms are not measured: shard the experts with FSDP2, or leave them "
+                               "unmeasured (measure(model, kinds={PEGradNormExperts: None}))")
         if x.dim() > 2:
             self._check_call(x.shape[0])
         return super().forward(x, expert_index, expert_weight)
@@ -210,13 +216,12 @@ class PEGradNormExperts(MeasuredLayer, Experts):
         return next((n for n in names if self._parameters[n].requires_grad), None)
 
     def _expert_linear(self, rows, weight, routing, name, B, counted):
-        param = self._parameters[name]
-        if not torch.is_grad_enabled() or not param.requires_grad:
+        param, sq = self._parameters[name], self._buffers.get(f"{name}_sqgradnorm")
+        if not torch.is_grad_enabled() or not param.requires_grad or sq is None:  # None: left out by measure()
             return super()._expert_linear(rows, weight, routing, name, B, counted)
-        count, reached = (self.example_count, self.expert_examples) if counted else (None, None)
+        count, reached = (self._buffers.get("example_count"), self._buffers.get("expert_examples")) if counted else (None, None)
         mode = "shapes" if self.per_example_mode in ("auto", None) else self.per_example_mode
-        return _ExpertLinearFn.apply(rows, weight, routing, self._buffers.get(f"{name}_sqgradnorm"), count, reached,
-                                     B, mode, self.max_chunk_numel)
+        return _ExpertLinearFn.apply(rows, weight, routing, sq, count, reached, B, mode, self.max_chunk_numel)
 
     # MeasuredLayer's sink is for layers compiled into the graph; this one never is
     def _new_sink(self):
