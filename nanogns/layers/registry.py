@@ -1,7 +1,8 @@
 """
 The registry of measured classes (MEASURED_CLASSES: kind and flag value -> class, whence
-nanogns.layers.config's flags), the classes measure() converts (SOURCE_KINDS, with Hugging Face's by name)
-and the blocks whose layers see tokens (TOKEN_BLOCKS), and measure(), which swaps the layers of any
+nanogns.layers.config's flags), the classes measure() converts (SOURCE_KINDS, with Hugging Face's by name),
+Hugging Face's mixture-of-experts blocks it measures (MOE_BLOCKS) and the blocks whose layers see tokens
+(TOKEN_BLOCKS), and measure(), which swaps the layers of any
 model for their measured classes in place.
 """
 import functools
@@ -356,11 +357,21 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     Hooks, instance attributes and accelerate's forward wrapper go with the module to its new
     class; a module whose forward is otherwise replaced on the instance is left out.
 
-    A layer must see examples, not tokens. Left out by what it is: every layer inside a
-    mixture-of-experts block (TOKEN_BLOCKS: Mixtral's, Qwen2/3-MoE's, DeepSeek-V3's), inside a
-    module whose name holds "expert" (an `experts` ModuleList, a `shared_expert`), or inside a
-    class named with kinds={Block: None}: their rows are routed or flattened tokens, and a routed
-    expert may get exactly B rows. A pre-hook on `model` learns B and T from its input (its first
+    Hugging Face's mixture-of-experts blocks (MOE_BLOCKS: Mixtral's, Qwen2-MoE's, Qwen3-MoE's,
+    OLMoE's, DeepSeek-V3's) are measured exactly, on their [B*T, H] rows in example order
+    (nanogns/layers/hf_moe.py): the routed experts' fused weights per expert (name[e]; kind
+    "experts"), the router's weight as a Linear's per example (kind "router"), and every Linear
+    inside (Qwen2-MoE's shared_expert and shared_expert_gate, DeepSeek-V3's shared_experts; kind
+    "shared_expert") with its rows viewed [B, T, K]; whichever experts implementation the config
+    names, the measured experts compute the eager one's outputs. With output_router_logits=True the
+    load-balancing loss's gradient is measured split by the tokens it came through, its batch
+    statistics held fixed (hf_moe's docstring). Under batch_dim=1 such a block is left out.
+
+    A layer must see examples, not tokens. Left out by what it is: every layer inside a block of
+    TOKEN_BLOCKS (none at present), inside a module whose name holds "expert" (an `experts`
+    ModuleList, a `shared_expert`) outside a MOE_BLOCKS block, or inside a class named with
+    kinds={Block: None}: their rows are routed or flattened tokens, and a routed expert may get
+    exactly B rows. A pre-hook on `model` learns B and T from its input (its first
     tensor argument, or input_ids, is [B, T, ...]), so that an Embedding called with positions
     shared by the batch ([T] or [1, T]) is measured per example; in a forward with grad, a
     measured layer whose input's first dimension is not B (a Linear on x.view(-1, D)) raises a
