@@ -147,6 +147,18 @@ def test_every_parameter_matches_brute_force_and_grad_is_unchanged(family):
         assert "shared expert" in layer_groups(list(kinds), kinds)
 
 
+@pytest.mark.parametrize("mode", ["ghost", "materialise"])
+def test_routed_experts_and_routers_by_either_method(mode):
+    plain, data = tiny("mixtral").train(), batches(1)
+    model = measured_strictly(plain)
+    for m in model.modules():
+        if isinstance(m, (PEGradNormHFExperts, PEGradNormHFRouter)):
+            m.per_example_mode = mode
+    train(model, data)
+    got, _ = measured(model)
+    assert_sums(got, brute_force(plain, data, got), RTOL)
+
+
 def silenced_expert_zero(model):
     """Router rows (0, v, -v, u): the logit of expert 0 is 0 while one of v's two is |x.v| > 0, so top-1
     never sends it a token."""

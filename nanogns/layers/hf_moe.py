@@ -225,7 +225,8 @@ class PEGradNormHFRouter(_Made, MeasuredLayer):
         if dtype is not None and x.is_floating_point():  # as autocast casts F.linear's operands
             x3, weight = x3.to(dtype), weight.to(dtype)
         E = weight.shape[0]
-        ghost = _use_ghost(rows // B, H, E, True, self.per_example_mode)
+        mode = "shapes" if self.per_example_mode in ("auto", None) else self.per_example_mode
+        ghost = _use_ghost(rows // B, H, E, True, mode)
         y = _LinearFn.apply(x3, weight, None, self._buffers["weight_sqgradnorm"], None, self._buffers["example_count"],
                             None, None, None, ghost, self.max_chunk_numel)
         return y.reshape(*x.shape[:-1], E)
