@@ -286,3 +286,30 @@ def test_router_that_does_not_pass_its_weight_to_f_linear_is_an_error(monkeypatc
         lm_loss(model, batches(1)[0])
     with torch.no_grad():  # nothing measured without grad: the router's own forward
         lm_loss(model, batches(1)[0])
+
+
+def test_accelerate_wrapped_experts_and_router_call_the_measured_forwards():
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Counting(hooks.ModelHook):
+        def __init__(self):
+            self.calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    plain, data = tiny("mixtral").train(), batches(1)
+    model = copy.deepcopy(plain)
+    block = model.model.layers[0].mlp
+    counting = [Counting(), Counting()]
+    hooks.add_hook_to_module(block.experts, counting[0])
+    hooks.add_hook_to_module(block.gate, counting[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        measure(model, strict=True)
+    assert isinstance(block.experts, PEGradNormHFExperts) and isinstance(block.gate, PEGradNormHFRouter)
+    train(model, data)
+    got, _ = measured(model)
+    assert [c.calls for c in counting] == [1, 1]
+    assert_sums(got, brute_force(plain, data, got), RTOL)

@@ -18,7 +18,9 @@ of example i // T), and
 
 Both classes are made on demand from the Hugging Face class (type(module) with the mixin first), and a
 module is converted in place (its class swapped, its buffers added), so that everything attached to
-it stays; pickling and copy.deepcopy rebuild the class from the same two.
+it stays (hooks; accelerate's forward wrapper, rebound to call the measured forward); a module whose
+forward is otherwise replaced on the instance is left out. Pickling and copy.deepcopy rebuild the
+class from the same two.
 
 Load-balancing auxiliary loss (output_router_logits=True): the loss is sum_e f_e P_e over the batch,
 f_e the fraction of the batch's tokens routed to e (no gradient: from the top-k choice) and P_e the
@@ -29,6 +31,9 @@ defined: it is that of the gradient split by the tokens it came through, f_e and
 means held at the batch's values (as model.py's own MoE measures its auxiliary loss). The routed and
 shared experts get no gradient from it.
 """
+import functools
+import types
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -56,14 +61,31 @@ def _rebuild(mixin, base):
     return cls.__new__(cls)
 
 
+def _accelerate_wrapped(module):
+    """Whether `module`'s instance forward is accelerate's wrapper (a partial taking the module first,
+    calling the class's forward kept bound in `_old_forward`)."""
+    own = vars(module)
+    forward, inner = own.get("forward"), own.get("_old_forward")
+    return (isinstance(forward, functools.partial) and forward.args[:1] == (module,)
+            and getattr(inner, "__self__", None) is module and getattr(inner, "__func__", None) is type(module).forward)
+
+
 def _swap_refusal(module):
-    """Why `module` cannot have its class swapped (its forward replaced on the instance, or compiled on
-    its own), or None."""
-    if "forward" in vars(module):
+    """Why `module` cannot have its class swapped (its forward replaced on the instance other than by
+    accelerate's wrapper, or compiled on its own), or None."""
+    if "forward" in vars(module) and not _accelerate_wrapped(module):
         return "its forward is replaced on the instance, which would bypass the measured class"
     if vars(module).get("_compiled_call_impl") is not None:
         return "compiled on its own (module.compile()), which would call the old class: measure before compiling"
     return None
+
+
+def _swap(module, cls):
+    """Give `module` the class `cls` in place; accelerate's wrapper then calls the measured forward."""
+    wrapped = _accelerate_wrapped(module)
+    module.__class__ = cls
+    if wrapped:
+        module._old_forward = types.MethodType(cls.forward, module)
 
 
 class _Made:
@@ -107,7 +129,7 @@ class PEGradNormHFExperts(_Made, PEGradNormExperts):
         if why:
             return why
         device = module.gate_up_proj.device
-        module.__class__ = measured_class(cls, type(module))
+        _swap(module, measured_class(cls, type(module)))
         module.n_expert = module.gate_up_proj.shape[0]
         for name in HF_EXPERT_PARAMETERS:
             module.register_buffer(f"{name}_sqgradnorm", torch.zeros(module.n_expert, device=device), persistent=False)
@@ -189,7 +211,7 @@ class PEGradNormHFRouter(_Made, MeasuredLayer):
         why = _swap_refusal(module)
         if why:
             return why
-        module.__class__ = measured_class(cls, type(module))
+        _swap(module, measured_class(cls, type(module)))
         register_sqgradnorm_buffers(module)
         for name, buf in module._buffers.items():
             if name.endswith("_sqgradnorm") or name == "example_count":
