@@ -313,3 +313,16 @@ def test_accelerate_wrapped_experts_and_router_call_the_measured_forwards():
     got, _ = measured(model)
     assert [c.calls for c in counting] == [1, 1]
     assert_sums(got, brute_force(plain, data, got), RTOL)
+
+
+def test_block_left_out_by_kinds_or_with_the_linears_says_why():
+    model = tiny("mixtral")
+    with pytest.warns(UserWarning, match=r"model.layers.0.mlp.gate.weight \(MixtralTopKRouter: in model.layers.0 "
+                                         r"\(MixtralDecoderLayer\), left out by kinds="):
+        measure(model, kinds={type(model.model.layers[0]): None})
+    assert not isinstance(model.model.layers[0].mlp.experts, PEGradNormHFExperts)
+    assert isinstance(model.model.layers[1].mlp.experts, PEGradNormHFExperts)
+    model = tiny("mixtral")
+    with pytest.warns(UserWarning, match=r"model.layers.0.mlp.experts.gate_up_proj \(MixtralExperts: routers and "
+                                         r"experts are measured with the Linears \(linear=None\)\)"):
+        measure(model, linear=None)

@@ -2,8 +2,7 @@
 The registry of measured classes (MEASURED_CLASSES: kind and flag value -> class, whence
 nanogns.layers.config's flags), the classes measure() converts (SOURCE_KINDS, with Hugging Face's by name),
 Hugging Face's mixture-of-experts blocks it measures (MOE_BLOCKS) and the blocks whose layers see tokens
-(TOKEN_BLOCKS), and measure(), which swaps the layers of any
-model for their measured classes in place.
+(TOKEN_BLOCKS), and measure(), which swaps the layers of any model for their measured classes in place.
 """
 import functools
 import types
@@ -450,6 +449,8 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
             child = block._modules.get(key)
             if child is None or isinstance(child, MeasuredLayer) or _class_path(type(child)) != path:
                 continue  # measured already, or another class (an nn.Linear gate is converted below)
+            if id(child) in refused:  # left out already (inside a class named with kinds={Block: None})
+                continue
             if why or held[id(child)] > 1:
                 refused.setdefault(id(child), why or "held under more than one name")
                 continue
