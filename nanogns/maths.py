@@ -179,9 +179,10 @@ def total_columns(prefix):
 # The kinds of measured layer (nanogns.layers.MEASURED_CLASSES' keys) and the analysis's name for each;
 # measure-time kinds are kept in out_dir/KINDS_NAME ({parameter name: kind}) for the analysis
 # (experts: a mixture-of-experts layer's routed expert weights, one entry per expert, <name>[e]; router:
-# the Linear that routes tokens to them)
+# the Linear that routes tokens to them; shared_expert: the MLP every token goes through beside them, and
+# the gate that scales its output, as Qwen2-MoE's shared_expert and shared_expert_gate, DeepSeek-V3's shared_experts)
 KIND_NAMES = {"linear": "Linear", "embedding": "Embedding", "layernorm": "LayerNorm", "rmsnorm": "RMSNorm",
-              "experts": "experts", "router": "router"}
+              "experts": "experts", "router": "router", "shared_expert": "shared expert"}
 NORM_KINDS = ("layernorm", "rmsnorm")
 KINDS_NAME = "layer_kinds.json"
 # each measured Linear's ghost/materialise method ({layer name: method}), recorded after the first step
@@ -219,10 +220,10 @@ def norm_group(kinds_present):
 
 def layer_groups(names, kinds=None, norm="layernorm"):
     """{group: members} of those present, in the order normalisation (one group, named by
-    norm_group), Linear, Embedding, experts, router."""
+    norm_group), Linear, Embedding, experts, router, shared expert."""
     by_kind = {name: layer_kind(name, kinds, norm) for name in names}
     groups = {norm_group(set(by_kind.values())): [n for n in names if by_kind[n] in NORM_KINDS]}
-    for kind in ("linear", "embedding", "experts", "router"):
+    for kind in ("linear", "embedding", "experts", "router", "shared_expert"):
         groups[KIND_NAMES[kind]] = [n for n in names if by_kind[n] == kind]
     return {g: members for g, members in groups.items() if g and members}
 

@@ -15,10 +15,12 @@ puts them into any model. `import buffered` (the reference implementation's name
                   own normalisation and gradients), PEGradNormFusedLayerNorm / PEGradNormFusedRMSNorm
                   (=fused: the normgnorm kernel), LayerNorm (unmeasured; takes nanoGPT's (ndim, bias))
     registry.py   MEASURED_CLASSES (kind and flag value -> class, whence config.py's flags),
-                  SOURCE_KINDS, TOKEN_BLOCKS, and measure(model, linear="gns", embedding="gns",
+                  SOURCE_KINDS, MOE_BLOCKS, TOKEN_BLOCKS, and measure(model, linear="gns", embedding="gns",
                   norm="shim", kinds=None, strict=False, batch_dim=0)
     experts.py    Experts (a mixture of experts' routed GELU MLPs, weights [E, out, in]) and
                   PEGradNormExperts, the same measured per example and per expert
+    hf_moe.py     Hugging Face's MoE blocks' routed experts (PEGradNormHFExperts) and routers
+                  (PEGradNormHFRouter), converted in place by measure()
     config.py     the flags' classes, chosen for nanoGPT's model.py (the reference's layer_config)
     linear_kernel.py  the Triton GEMM of materialised Linear norms
 
@@ -32,6 +34,7 @@ from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, all_sqgradnorm
                                     find_sqgradnorm_buffers, register_sqgradnorm_buffers, sum_of_squares,
                                     zero_sqgradnorm_buffers)
 from nanogns.layers.experts import Experts, PEGradNormExperts, expert_reach  # noqa: F401
+from nanogns.layers.hf_moe import PEGradNormHFExperts, PEGradNormHFRouter  # noqa: F401
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, link_tied, tie_weights  # noqa: F401
 from nanogns.layers.linear import (CUBLAS_ROUTE, DTYPE_NAMES, FUSED_GHOST_RATIO, HAS_TRITON, NORM_METHODS,  # noqa: F401
                                    PER_EXAMPLE_MODES, ROUTE_COLUMNS, ROUTE_TOLERANCE, ROUTES_DIR,
@@ -43,7 +46,7 @@ from nanogns.layers.linear import (CUBLAS_ROUTE, DTYPE_NAMES, FUSED_GHOST_RATIO,
 from nanogns.layers.norms import (LAYERNORM_DEFAULTS, LayerNorm, PEGradNormFusedLayerNorm,  # noqa: F401
                                   PEGradNormFusedRMSNorm, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
                                   layernorm_arguments, register_coordinate_buffers)
-from nanogns.layers.registry import (KIND_NAMES, MEASURED_CLASSES, NORM_KINDS, SOURCE_KINDS,  # noqa: F401
+from nanogns.layers.registry import (KIND_NAMES, MEASURED_CLASSES, MOE_BLOCKS, NORM_KINDS, SOURCE_KINDS,  # noqa: F401
                                      TOKEN_BLOCKS, TRANSPOSED_WEIGHT, entry_names, kind_of_measured, layer_kinds, measure,
                                      measured_batch_dim, source_kind)
 from nanogns.refusals import module_refusals

@@ -241,6 +241,9 @@ class MeasuredLayer:
     _forward_state = None
     _measured_name = None
     _last_forward = None
+    # the kind layer_kinds gives this layer's parameters where its class or place says it (a router, a
+    # shared expert: nanogns/layers/hf_moe.py, set by measure()); None: its measured class's kind
+    _gns_kind = None
 
     def _check_call(self, n):
         """

@@ -189,6 +189,7 @@ class PEGradNormExperts(MeasuredLayer, Experts):
     """
     per_example_mode = "shapes"
     max_chunk_numel = 1 << 24
+    expert_parameters = EXPERT_PARAMETERS  # the [E, out, in] weights measured per expert
 
     def __init__(self, n_expert, n_embd, hidden, device=None, dtype=None):
         super().__init__(n_expert, n_embd, hidden, device=device, dtype=dtype)
@@ -235,6 +236,6 @@ def expert_reach(model):
     for name, module in model.named_modules():
         if isinstance(module, PEGradNormExperts):
             reached = module.expert_examples.tolist()
-            for pname in EXPERT_PARAMETERS:
+            for pname in module.expert_parameters:
                 found[f"{name}.{pname}" if name else pname] = reached
     return found

@@ -405,6 +405,9 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
     max_chunk_numel = 1 << 24  # bound on the float32 elements of per-example temporaries
     fused = True
     weight_transposed = False  # set by measure() for a weight stored [in, out] (Hugging Face's Conv1D)
+    # set by measure() for a Linear inside a known mixture-of-experts block (registry.MOE_BLOCKS), which
+    # hands it the batch flattened to [B*T, K] rows in example order: such an input is viewed [B, T, K]
+    flat_examples = False
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -415,11 +418,25 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         self.norm_method = None
 
     def forward(self, x):
+        x3 = self._examples_view(x)
+        if x3 is not None:
+            return self.forward(x3).reshape(x.shape[0], -1)
         self._check_call(_examples(x, 1))
         args = self._measurement_args(x)
         if args is None:
             return self._linear(x, self.weight, self.bias)
         return self._measured(x, *args)
+
+    def _examples_view(self, x):
+        """A flat_examples layer's [B*T, K] input (B and T the model's, examples first) viewed [B, T, K];
+        None for any other input, which is measured as it is (or refused by _check_call)."""
+        if not self.flat_examples or x.dim() != 2:
+            return None
+        state = self._forward_state or {}
+        B, T = state.get("B"), state.get("T")
+        if not B or not T or T == 1 or state.get("batch_dim", 0) != 0 or x.shape[0] != B * T:
+            return None
+        return x.reshape(B, T, x.shape[1])
 
     def _linear(self, x, weight, bias):
         """x W^T + b; for a transposed weight ([in, out], Hugging Face's Conv1D) Conv1D's own addmm,

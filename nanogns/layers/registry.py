@@ -1,8 +1,8 @@
 """
 The registry of measured classes (MEASURED_CLASSES: kind and flag value -> class, whence
-nanogns.layers.config's flags), the classes measure() converts (SOURCE_KINDS, with Hugging Face's by name)
-and the blocks whose layers see tokens (TOKEN_BLOCKS), and measure(), which swaps the layers of any
-model for their measured classes in place.
+nanogns.layers.config's flags), the classes measure() converts (SOURCE_KINDS, with Hugging Face's by name),
+Hugging Face's mixture-of-experts blocks it measures (MOE_BLOCKS) and the blocks whose layers see tokens
+(TOKEN_BLOCKS), and measure(), which swaps the layers of any model for their measured classes in place.
 """
 import functools
 import types
@@ -16,6 +16,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from nanogns.layers.buffers import MeasuredLayer, find_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, _MeasuredEmbedding, link_tied
 from nanogns.layers.experts import EXPERT_PARAMETERS, Experts, PEGradNormExperts
+from nanogns.layers.hf_moe import PEGradNormHFExperts, PEGradNormHFRouter
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear, _MeasuredLinear
 from nanogns.layers.norms import (LayerNorm, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm,
                                   PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm)
@@ -53,21 +54,29 @@ SOURCE_KINDS = {
     **{f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "rmsnorm" for m, c in [
         ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"),
         ("qwen2_moe", "Qwen2Moe"), ("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3Moe"), ("phi3", "Phi3"),
-        ("granite", "Granite"), ("smollm3", "SmolLM3"), ("deepseek_v3", "DeepseekV3")]},
+        ("granite", "Granite"), ("smollm3", "SmolLM3"), ("deepseek_v3", "DeepseekV3"), ("olmoe", "Olmoe")]},
 }
 TRANSPOSED_WEIGHT = {"transformers.pytorch_utils.Conv1D"}  # weight [in, out]
-# The mixture-of-experts blocks of SOURCE_KINDS' families. Their router and experts work on tokens,
-# not examples: the routed experts on the rows the router gathered from the whole batch (an expert
-# may get exactly B of them by chance), the shared expert and its gate (Qwen2/3-MoE) on the
-# flattened [B*T, D] batch. So every layer inside one is left out. By the same rule, a module
-# whose name in its parent holds "expert" (an `experts` ModuleList, a `shared_expert`) is left out
-# in any model, and kinds={Block: None} leaves out a block measure() does not know.
-TOKEN_BLOCKS = {
-    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-    "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE",
-}
+# Hugging Face's mixture-of-experts blocks measured exactly (nanogns/layers/hf_moe.py): {block class:
+# (its router's class, the child `gate`; its routed experts' class, the child `experts`)}. Each flattens
+# the batch to [B*T, H] rows in example order: the router and the experts are converted in place to
+# their measured classes, and every Linear inside (Qwen2-MoE's shared_expert and shared_expert_gate,
+# DeepSeek-V3's shared_experts) is measured with flat_examples (its rows viewed [B, T, K]).
+MOE_BLOCKS = {
+    f"transformers.models.{m}.modeling_{m}.{block}": (f"transformers.models.{m}.modeling_{m}.{router}",
+                                                      f"transformers.models.{m}.modeling_{m}.{experts}")
+    for m, block, router, experts in [
+        ("mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter", "MixtralExperts"),
+        ("qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter", "Qwen2MoeExperts"),
+        ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter", "Qwen3MoeExperts"),
+        ("olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts"),
+        ("deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter", "DeepseekV3Experts")]}
+# Blocks whose layers work on tokens, not examples, that measure() does not know how to measure: every
+# layer inside one is left out (a routed expert may get exactly B rows by chance). None at present: the
+# known families' blocks are MOE_BLOCKS. By the same rule, a module whose name in its parent holds
+# "expert" (an `experts` ModuleList, a `shared_expert`) outside a MOE_BLOCKS block is left out in any
+# model, and kinds={Block: None} leaves out a block measure() does not know.
+TOKEN_BLOCKS = set()
 
 
 def _class_path(cls):
@@ -81,14 +90,16 @@ def source_kind(cls, kinds=None):
     return SOURCE_KINDS.get(cls) or SOURCE_KINDS.get(_class_path(cls))
 
 
-def _token_rows(name, module, kinds):
+def _token_rows(name, module, kinds, in_moe_block=False):
     """Why the layers in `module` (called `name` in the model) see tokens rather than examples, by
-    what it is (kinds={Class: None}, TOKEN_BLOCKS, an expert's name), or None."""
+    what it is (kinds={Class: None}, TOKEN_BLOCKS, an expert's name outside a MOE_BLOCKS block), or None."""
     cls = type(module)
     if isinstance(module, (Experts, PEGradNormExperts)) and kinds.get(cls, "") is not None:
         return None  # routed experts that keep each row's example: measured per example
     if kinds and kinds.get(cls, "") is None:
         return f"in {name} ({cls.__name__}), left out by kinds={{{cls.__name__}: None}}"
+    if in_moe_block:
+        return None  # a known block's router, experts and shared experts: measured by their rows' examples
     if cls in TOKEN_BLOCKS or _class_path(cls) in TOKEN_BLOCKS:
         return f"in the mixture-of-experts block {name} ({cls.__name__}): its rows are tokens, not examples"
     if "expert" in name.rsplit(".", 1)[-1].lower():
@@ -114,11 +125,13 @@ def layer_kinds(model):
             beside_experts.update(id(c) for c in children)
     kinds = {}
     for module in model.modules():
-        kind = kind_of_measured(type(module))
-        routes = kind == "linear" and id(module) in beside_experts
+        kind = getattr(module, "_gns_kind", None)  # set by measure() or the class (nanogns/layers/hf_moe.py)
+        if kind is None:
+            kind = kind_of_measured(type(module))
+            kind = "router" if kind == "linear" and id(module) in beside_experts else kind
         for p in module.parameters(recurse=False):
             if kind is not None:
-                kinds.setdefault(id(p), "router" if routes else kind)
+                kinds.setdefault(id(p), kind)
     found = {}
     for name, p, sq, _ in find_sqgradnorm_buffers(model):
         if id(p) in kinds:
@@ -343,11 +356,21 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     Hooks, instance attributes and accelerate's forward wrapper go with the module to its new
     class; a module whose forward is otherwise replaced on the instance is left out.
 
-    A layer must see examples, not tokens. Left out by what it is: every layer inside a
-    mixture-of-experts block (TOKEN_BLOCKS: Mixtral's, Qwen2/3-MoE's, DeepSeek-V3's), inside a
-    module whose name holds "expert" (an `experts` ModuleList, a `shared_expert`), or inside a
-    class named with kinds={Block: None}: their rows are routed or flattened tokens, and a routed
-    expert may get exactly B rows. A pre-hook on `model` learns B and T from its input (its first
+    Hugging Face's mixture-of-experts blocks (MOE_BLOCKS: Mixtral's, Qwen2-MoE's, Qwen3-MoE's,
+    OLMoE's, DeepSeek-V3's) are measured exactly, on their [B*T, H] rows in example order
+    (nanogns/layers/hf_moe.py): the routed experts' fused weights per expert (name[e]; kind
+    "experts"), the router's weight as a Linear's per example (kind "router"), and every Linear
+    inside (Qwen2-MoE's shared_expert and shared_expert_gate, DeepSeek-V3's shared_experts; kind
+    "shared_expert") with its rows viewed [B, T, K]; whichever experts implementation the config
+    names, the measured experts compute the eager one's outputs. With output_router_logits=True the
+    load-balancing loss's gradient is measured split by the tokens it came through, its batch
+    statistics held fixed (hf_moe's docstring). Under batch_dim=1 such a block is left out.
+
+    A layer must see examples, not tokens. Left out by what it is: every layer inside a block of
+    TOKEN_BLOCKS (none at present), inside a module whose name holds "expert" (an `experts`
+    ModuleList, a `shared_expert`) outside a MOE_BLOCKS block, or inside a class named with
+    kinds={Block: None}: their rows are routed or flattened tokens, and a routed expert may get
+    exactly B rows. A pre-hook on `model` learns B and T from its input (its first
     tensor argument, or input_ids, is [B, T, ...]), so that an Embedding called with positions
     shared by the batch ([T] or [1, T]) is measured per example; in a forward with grad, a
     measured layer whose input's first dimension is not B (a Linear on x.view(-1, D)) raises a
@@ -401,13 +424,39 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     held = {}
     for module in model.modules(remove_duplicate=False):
         held[id(module)] = held.get(id(module), 0) + 1
-    # what sees tokens by what it is (an MoE block's router and experts): left out, whatever its rows
+    # what sees tokens by what it is (an unknown MoE block's router and experts): left out, whatever its rows
     refused = {}
+    blocks = [(name, m) for name, m in model.named_modules()
+              if _class_path(type(m)) in MOE_BLOCKS and kinds.get(type(m), "") is not None]
+    in_block = {id(inner) for _, block in blocks for inner in block.modules()}
     for name, module in model.named_modules():
-        why = None if id(module) in refused else _token_rows(name, module, kinds)
+        why = None if id(module) in refused else _token_rows(name, module, kinds, id(module) in in_block)
         if why:
             for inner in module.modules():
                 refused.setdefault(id(inner), why)
+    # the known MoE blocks' routers and routed experts: converted in place (nanogns/layers/hf_moe.py)
+    for name, block in blocks:
+        why = None
+        if batch_dim != 0:
+            why = f"in the mixture-of-experts block {name}: its rows are in example order only with batch_dim=0"
+            for inner in block.modules():
+                refused.setdefault(id(inner), why)
+        elif linear is None:
+            why = "routers and experts are measured with the Linears (linear=None)"
+        router_class, experts_class = MOE_BLOCKS[_class_path(type(block))]
+        for key, path, measured_cls in (("gate", router_class, PEGradNormHFRouter),
+                                        ("experts", experts_class, PEGradNormHFExperts)):
+            child = block._modules.get(key)
+            if child is None or isinstance(child, MeasuredLayer) or _class_path(type(child)) != path:
+                continue  # measured already, or another class (an nn.Linear gate is converted below)
+            if id(child) in refused:  # left out already (inside a class named with kinds={Block: None})
+                continue
+            if why or held[id(child)] > 1:
+                refused.setdefault(id(child), why or "held under more than one name")
+                continue
+            failed = measured_cls.convert(child)
+            if failed:
+                refused[id(child)] = failed
     for parent in list(model.modules()):
         for child_name, child in list(parent._modules.items()):
             kind = None if child is None or isinstance(child, MeasuredLayer) else source_kind(type(child), kinds)
@@ -419,6 +468,14 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
             new, refused[id(child)] = _convert(child, kind, _measured_class(kind, value_of[kind]))
             if new is not None:
                 parent._modules[child_name] = new
+
+    # the Linears inside the known MoE blocks see the flattened rows: viewed per example, kinds by place
+    for _, block in blocks:
+        gate = block._modules.get("gate")
+        for inner in block.modules():
+            if isinstance(inner, _MeasuredLinear) and id(inner) not in refused:
+                inner.flat_examples = True
+                inner._gns_kind = "router" if inner is gate else "shared_expert"
 
     # the forward state the measured layers read: B and T of the model's input, a forward count
     state = getattr(model, "_gns_forward_state", None)
