@@ -629,9 +629,10 @@ def summary(results, info, path, alpha):
         where += f", {last['tokens_processed']:,.0f} tokens"
     B, b = last_finite(results["batch_size"]), last_finite(results["small_batch_size"])
     lines.append(f"at the last step ({where}), B = {B:.0f}" + (f", B_small = {b:.0f}:" if b != 1 else ":"))
-    lines.append(f"  {'group':<10} {'GNS':>12} {'|G|^2':>12} {'tr(S)':>12} {'params':>7}")
+    width = max([10, *(len(g) for g in info["type_groups"])])  # "shared expert" is longer than the others
+    lines.append(f"  {'group':<{width}} {'GNS':>12} {'|G|^2':>12} {'tr(S)':>12} {'params':>7}")
     for g in ["total"] + info["type_groups"]:
-        lines.append(f"  {g:<10} {last[f'{g}/gns']:>12.4g} {last[f'{g}/sq_norm_ema']:>12.4g} "
+        lines.append(f"  {g:<{width}} {last[f'{g}/gns']:>12.4g} {last[f'{g}/sq_norm_ema']:>12.4g} "
                      f"{last[f'{g}/trace_ema']:>12.4g} {len(groups[g]) if main != DDP else '-':>7}")
     blocks = [g for g in groups if g.startswith("h.")]
     if blocks:

@@ -325,3 +325,35 @@ def test_block_left_out_by_kinds_or_with_the_linears_says_why():
     with pytest.warns(UserWarning, match=r"model.layers.0.mlp.experts.gate_up_proj \(MixtralExperts: routers and "
                                          r"experts are measured with the Linears \(linear=None\)\)"):
         measure(model, linear=None)
+
+
+def test_a_logged_qwen2_moe_run_is_analysed_by_kind_and_expert(tmp_path):
+    """The README's own-loop recipe on Qwen2-MoE: log.csv holds every expert and the examples that reached
+    it, layer_kinds.json the kinds, and gns-analysis groups experts, router and shared expert."""
+    import subprocess
+
+    from nanogns.estimators.exact import estimators_for, measure_all, reset_all
+    from nanogns.runlog import LogWrapper
+    model = measure(tiny("qwen2_moe"))
+    estimators = estimators_for(model)
+    logger = LogWrapper(out_dir=str(tmp_path))
+    logger.record_kinds(layer_kinds(model))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step, ids in enumerate(batches(4)):
+        lm_loss(model, ids).backward()
+        row = measure_all(estimators, step, B, scaler=None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reset_all(estimators)
+        logger.log({"iter_num": step, **row})
+        logger.step()
+    logger.close()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, os.path.join(root, "gns-analysis.py"), str(tmp_path), "--no-plots",
+                           "--experts"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for group in ("experts", "router", "shared expert"):
+        assert f"\n  {group:<13} " in done.stdout, done.stdout
+    assert "model.layers.1.mlp.experts[3]" in done.stdout and "experts: 4 in 1 layer" in done.stdout
+    # 3 examples a step: every expert reached by fewer than 8, so each named as noisy
+    assert "4 experts were reached by fewer than 8 examples a step on average" in done.stdout
