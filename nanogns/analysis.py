@@ -71,6 +71,7 @@ SHOWN_CELLS = 5  # cells named in the summary's line on each kind of cell left o
 # an expert that fewer examples than this reach per step, on average, has a noisy GNS: the summary says so
 FEW_REACHED = 8
 EXPERT_NAME = re.compile(r"^(.*)\.[^.\[\]]+\[(\d+)\]$")  # <experts module>.<weight>[e]: one expert's weight
+LISTED_EXPERT = re.compile(r"^(.*experts?)\.(\d+)\.")  # <experts list>.<e>.<...>: experts written as Linears
 
 
 class AnalysisError(Exception):
@@ -90,12 +91,15 @@ def analysis_columns(columns):
     return [c for c in columns if c in extra or parse_column(c) or c.endswith(f"]/{REACHED_CELL}")]
 
 
-def expert_groups(names):
-    """{expert: its weights' names} of a mixture of experts' experts among `names` (each weight measured
-    per expert, <experts module>.<weight>[e]; the expert is <experts module>[e]), in order."""
+def expert_groups(names, kinds=None):
+    """{expert: its weights' names} of a mixture of experts' experts among `names`, in order: each weight
+    measured per expert, <experts module>.<weight>[e], and (where the kinds recorded say "experts")
+    experts written as Linears, <experts list>.<e>.<...>; the expert is <experts module or list>[e]."""
     groups = {}
     for name in names:
         m = EXPERT_NAME.match(name)
+        if m is None and (kinds or {}).get(name) == "experts":
+            m = LISTED_EXPERT.match(name)
         if m:
             groups.setdefault(f"{m.group(1)}[{m.group(2)}]", []).append(name)
     return groups
@@ -328,7 +332,7 @@ def analyze(df, alpha, prefix="train/gns", fallback=True, kinds=None, norm="laye
     main, loaded, note = choose_main(df, find_estimators(df), prefix, fallback)
     est = loaded[main]
     groups = main_groups(est["names"], main, kinds, norm)
-    each_expert = expert_groups(est["names"]) if main != DDP else {}
+    each_expert = expert_groups(est["names"], kinds) if main != DDP else {}
     reach = expert_reach(df, main, each_expert)
     type_groups = [g for g in groups if g != "total" and not g.startswith("h.")]
     norm_name = type_groups[0] if type_groups and type_groups[0] not in ("Linear", "Embedding") else None

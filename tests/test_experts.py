@@ -284,3 +284,105 @@ def test_moe_options_are_checked_in_one_line():
                        (dict(n_expert=4, mlp="swiglu"), "GELU experts"), (dict(moe_aux_loss_coef=-1.0), "moe_aux")]:
         with pytest.raises(ValueError, match=match):
             GPT(GPTConfig(**{**MOE, **bad}))
+
+
+# --------------------------------------------------------------------------------------------
+# A user's own MoE block, its experts a ModuleList of Linears (nanogns/layers/routed.py)
+
+class ExpertMLP(torch.nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Linear(C, H, bias=bias), torch.nn.Linear(H, C, bias=bias)
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class ListMoE(torch.nn.Module):
+    """Top-k routing written as a loop over a ModuleList of experts, as Mixtral was in transformers 4:
+    the router on the flattened rows, each expert on the rows picked for it (skipped when none are)."""
+
+    def __init__(self, k, bias=True, picks="getitem"):
+        super().__init__()
+        self.gate = torch.nn.Linear(C, E, bias=False)
+        self.experts = torch.nn.ModuleList([ExpertMLP(bias) for _ in range(E)])
+        self.shared_expert = ExpertMLP(bias)
+        self.k, self.picks = k, picks
+
+    def forward(self, hidden):
+        b, t, c = hidden.shape
+        x = hidden.view(-1, c)
+        logits = self.gate(x)
+        logits = logits - 30 * F.one_hot(torch.tensor(E - 1), E)  # the last expert: no token reaches it
+        weight, index = logits.softmax(-1).topk(self.k, -1)
+        out = self.shared_expert(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(index == e)
+            if rows.numel() == 0:
+                continue
+            picked = x[None, rows].reshape(-1, c) if self.picks == "getitem" else x.index_select(0, rows)
+            out = out.index_add(0, rows, expert(picked) * weight[rows, slot, None])
+        return out.view(b, t, c)
+
+
+class ListMoEModel(torch.nn.Module):
+    def __init__(self, k, bias=True, picks="getitem"):
+        super().__init__()
+        self.inp = torch.nn.Linear(C, C)
+        self.moe = ListMoE(k, bias, picks)
+
+    def forward(self, x):
+        return self.moe(self.inp(x))
+
+
+@pytest.mark.parametrize("k,bias,picks", [(1, True, "getitem"), (2, False, "index_select"), (2, True, "getitem")])
+def test_experts_written_as_linears_are_measured_by_following_their_rows(k, bias, picks):
+    """Every parameter of a block whose experts are a ModuleList of Linears, over two micro-steps,
+    against per-example backward passes; an expert no token reaches still counts the batch; .grad as
+    the unmeasured model's; kinds experts, router, shared expert."""
+    torch.manual_seed(5)
+    plain = ListMoEModel(k, bias, picks).double()
+    model = ListMoEModel(k, bias, picks).double()
+    model.load_state_dict(plain.state_dict())
+    measure(model, strict=True)
+    g = torch.Generator().manual_seed(6)
+    data = [(torch.randn(B, T, C, generator=g, dtype=torch.float64), torch.randn(B, T, C, generator=g, dtype=torch.float64))
+            for _ in range(2)]
+    expected = {}
+    params = dict(plain.named_parameters())
+    for x, probe in data:
+        for b in range(B):
+            share = (plain(x[b:b + 1]) * probe[b:b + 1]).sum() / B / len(data)
+            for (n, p), grad in zip(params.items(), torch.autograd.grad(share, list(params.values()), allow_unused=True)):
+                expected[n] = expected.get(n, 0.0) + (0.0 if grad is None else grad.square().sum().item())
+    for m in (plain, model):
+        for x, probe in data:
+            ((m(x) * probe).sum() / B / len(data)).backward()
+    found = {n: (sq.item(), count.item()) for n, _, sq, count in find_sqgradnorm_buffers(model)}
+    assert set(found) == set(params)
+    for n, (sq, count) in found.items():
+        assert count == 2 * B, n
+        torch.testing.assert_close(sq, expected[n], rtol=1e-6, atol=1e-30, msg=n)
+    assert found[f"moe.experts.{E - 1}.w1.weight"][0] == 0
+    for n, p in model.named_parameters():
+        q = params[n].grad
+        assert (p.grad is None) == (q is None), n
+        if q is not None:
+            torch.testing.assert_close(p.grad, q, rtol=1e-6, atol=1e-12)
+    kinds = layer_kinds(model)
+    assert kinds["moe.experts.1.w2.weight"] == "experts" and kinds["moe.gate.weight"] == "router"
+    assert kinds["moe.shared_expert.w1.weight"] == "shared_expert" and kinds["inp.weight"] == "linear"
+
+
+def test_an_expert_whose_rows_are_not_followed_is_refused():
+    """Rows reached by an op the mode does not follow (a sort of the picked rows): an error, not a guess."""
+    class Sorted(ListMoE):
+        def forward(self, hidden):
+            x = hidden.view(-1, C)
+            rows = torch.arange(x.shape[0])
+            picked = torch.sort(x[rows], dim=0).values  # rows mixed across tokens
+            return self.experts[0](picked).view(hidden.shape)
+
+    model = measure(torch.nn.Sequential(Sorted(1)), strict=True)
+    with pytest.raises(RuntimeError, match=r"0.experts.0.w1: the example of each of its 15 rows is not known"):
+        model(torch.randn(B, T, C))

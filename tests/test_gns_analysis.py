@@ -599,6 +599,14 @@ def test_each_expert_is_a_group_of_its_weights_and_an_expert_few_examples_reach_
     assert f"{experts}[0]/gns" not in results and "its GNS is noisy" in gns_analysis.summary(results, info, "log.csv", 0.9)
 
 
+def test_experts_written_as_linears_are_grouped_by_their_index_where_the_kinds_say_experts():
+    names = ["moe.experts.0.w1.weight", "moe.experts.0.w2.weight", "moe.experts.1.w1.weight", "blocks.0.fc.weight",
+             "moe.gate.weight"]
+    kinds = {n: "experts" for n in names[:3]}
+    assert gns_analysis.expert_groups(names, kinds) == {"moe.experts[0]": names[:2], "moe.experts[1]": names[2:3]}
+    assert gns_analysis.expert_groups(names) == {}  # without the record, a list is not taken for experts
+
+
 def test_compare_ratio_median_pearson_and_short_runs():
     a, d = [2.0, 3.0, 12.0, 5.0], [1.0, 1.0, 2.0, 0.0]  # the last step: denominator GNS 0, left out
     c = gns_analysis.compare(a, d, [1, 2, 3, 4], alpha=0.9)  # shorter than the window of 10

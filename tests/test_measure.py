@@ -505,7 +505,7 @@ def moe_batches():
     return batches
 
 
-def test_routed_and_shared_experts_are_left_out_by_what_they_are():
+def test_routed_and_shared_experts_are_measured_by_following_their_rows():
     torch.manual_seed(5)
     plain, batches = MoEModel(), moe_batches()
     expected, _ = brute_force(plain, batches, nano_loss)
@@ -518,34 +518,32 @@ def test_routed_and_shared_experts_are_left_out_by_what_they_are():
     assert built.block.experts[0].example_count.item() == 2 * B
     wrong = built.block.experts[0].weight_sqgradnorm.item()
     assert wrong != pytest.approx(expected["block.experts.0.weight"], rel=1e-2)
-    with pytest.raises(ValueError, match=r"block.experts.0.weight \(PEGradNormLinear: in the expert block.experts: "
-                                         r"its rows are tokens, not examples\); .*block.shared_expert.weight "
-                                         r"\(Linear: in the expert block.shared_expert"):
-        measure(copy.deepcopy(built), strict=True)
+    # measure() follows each row's token through the block (nanogns/layers/routed.py): every parameter exact
     model = copy.deepcopy(built)
     model.zero_grad(set_to_none=True)
-    with pytest.warns(UserWarning, match=r"measure: 6 trainable parameters are not measured: block.experts.0.weight"):
-        measure(model)
-    assert type(model.block.experts[1]) is nn.Linear and type(model.block.shared_expert) is nn.Linear
-    assert "weight_sqgradnorm" not in model.block.experts[0]._buffers  # built measured: its buffers removed
+    measure(model, strict=True)
+    buffered.zero_sqgradnorm_buffers(model)
     train(model, batches, nano_loss)
     got, counts = measured_sums(model)
-    assert counts == {float(2 * B)} and set(got) == {"tok.weight", "ln.weight", "ln.bias", "head.weight", "head.bias"}
+    assert counts == {float(2 * B)} and set(got) == set(expected)
     for n in got:
         torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=0, msg=n)
+    kinds = buffered.layer_kinds(model)
+    assert kinds["block.experts.0.weight"] == "experts" and kinds["block.shared_expert.weight"] == "shared_expert"
 
 
-def test_router_on_flattened_tokens_is_an_error_until_its_block_is_left_out():
+def test_router_on_flattened_tokens_is_measured_and_its_block_can_be_left_out():
     torch.manual_seed(6)
     plain, batches = MoEModel(router=True), moe_batches()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the experts left out
-        model = measure(copy.deepcopy(plain))
-    with pytest.raises(RuntimeError, match=rf"^block.router: sees {B * T} rows, the batch has {B} examples"):
-        nano_loss(model, *batches[0])
+    expected, _ = brute_force(plain, batches, nano_loss)
+    model = measure(copy.deepcopy(plain), strict=True)
+    train(model, batches, nano_loss)
+    got, _ = measured_sums(model)
+    assert set(got) == set(expected) and buffered.layer_kinds(model)["block.router.weight"] == "router"
+    for n in got:
+        torch.testing.assert_close(got[n], expected[n], rtol=1e-5, atol=0, msg=n)
     with pytest.warns(UserWarning, match=r"block.router.weight \(Linear: in block \(TinyMoE\), left out by kinds="):
         model = measure(copy.deepcopy(plain), kinds={TinyMoE: None})
-    expected, _ = brute_force(plain, batches, nano_loss)
     train(model, batches, nano_loss)
     got, _ = measured_sums(model)
     assert set(got) == {"tok.weight", "ln.weight", "ln.bias", "head.weight", "head.bias"}

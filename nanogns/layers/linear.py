@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanogns.layers.routed import routed_forward
 from nanogns.layers.buffers import (MeasuredLayer, _autocast_dtype, _cast, _chunk, _examples, _hand_out,
                                     register_sqgradnorm_buffers, sum_of_squares)
 
@@ -335,7 +336,7 @@ class _LinearFn(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             dw = dy.reshape(-1, L).mT.mm(x.reshape(-1, K))
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            per_example = dy3.sum(1, dtype=torch.float32)  # [B, L]
+            per_example = dy3.sum(1, dtype=torch.promote_types(dy.dtype, torch.float32))  # [B, L]; float64 stays
             db = _cast(per_example.sum(0), dy.dtype)
             if b_sq is not None:
                 b_sum = sum_of_squares(per_example)
@@ -417,10 +418,18 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         # one it keeps (chosen at its first measured call, or restored: set_linear_norm_methods)
         self.norm_method = None
 
+    # set by measure() for a Linear of an expert written as Linears (nanogns/layers/routed.py): its block
+    _gns_block = None
+
     def forward(self, x):
+        if self._gns_block is not None:  # an expert's rows: laid out per example by their tokens
+            return routed_forward(self, x, self._forward)
+        return self._forward(x)
+
+    def _forward(self, x):
         x3 = self._examples_view(x)
         if x3 is not None:
-            return self.forward(x3).reshape(x.shape[0], -1)
+            return self._forward(x3).reshape(x.shape[0], -1)
         self._check_call(_examples(x, 1))
         args = self._measurement_args(x)
         if args is None:

@@ -16,6 +16,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from nanogns.layers.buffers import MeasuredLayer, find_sqgradnorm_buffers
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, _MeasuredEmbedding, link_tied
 from nanogns.layers.experts import EXPERT_PARAMETERS, Experts, PEGradNormExperts
+from nanogns.layers import routed
 from nanogns.layers.hf_moe import PEGradNormHFExperts, PEGradNormHFRouter
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear, _MeasuredLinear
 from nanogns.layers.norms import (LayerNorm, PEGradNormFusedLayerNorm, PEGradNormFusedRMSNorm,
@@ -366,9 +367,15 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     load-balancing loss's gradient is measured split by the tokens it came through, its batch
     statistics held fixed (hf_moe's docstring). Under batch_dim=1 such a block is left out.
 
+    A block of a user's own whose experts are a ModuleList of Linears (a child named with "expert",
+    not "shared") is measured by following each row's token through its forward
+    (nanogns/layers/routed.py): each expert Linear per example (kind "experts"), its `gate` or
+    `router` Linear and shared experts on the flattened rows in example order; rows that cannot be
+    followed raise a RuntimeError naming the Linear.
+
     A layer must see examples, not tokens. Left out by what it is: every layer inside a block of
-    TOKEN_BLOCKS (none at present), inside a module whose name holds "expert" (an `experts`
-    ModuleList, a `shared_expert`) outside a MOE_BLOCKS block, or inside a class named with
+    TOKEN_BLOCKS (none at present), inside a module whose name holds "expert" (a `shared_expert`)
+    outside those blocks, or inside a class named with
     kinds={Block: None}: their rows are routed or flattened tokens, and a routed expert may get
     exactly B rows. A pre-hook on `model` learns B and T from its input (its first
     tensor argument, or input_ids, is [B, T, ...]), so that an Embedding called with positions
@@ -428,7 +435,13 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
     refused = {}
     blocks = [(name, m) for name, m in model.named_modules()
               if _class_path(type(m)) in MOE_BLOCKS and kinds.get(type(m), "") is not None]
+    # a user's own MoE blocks, their experts a ModuleList of Linears (nanogns/layers/routed.py): measured by
+    # following each row's token through the block's forward; batch_dim=1 leaves them to the name rule
+    own_blocks = [] if batch_dim != 0 else [(name, block, experts) for name, block, experts in
+                                             routed.routed_blocks(model, MOE_BLOCKS)
+                                             if kinds.get(type(block), "") is not None]
     in_block = {id(inner) for _, block in blocks for inner in block.modules()}
+    in_block |= {id(inner) for _, block, _ in own_blocks for inner in block.modules()}
     for name, module in model.named_modules():
         why = None if id(module) in refused else _token_rows(name, module, kinds, id(module) in in_block)
         if why:
@@ -483,6 +496,20 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
         state = model._gns_forward_state = {"B": None, "T": None, "forward": None, "count": 0, "batch_dim": batch_dim}
         model.register_forward_pre_hook(_learn_batch, with_kwargs=True)
         model.register_forward_hook(_forget_batch, with_kwargs=True, always_call=True)
+    for name, block, experts in own_blocks:
+        inside = {id(m) for m in experts.modules()}
+        routed_layers = []
+        for inner_name, inner in block.named_modules():
+            if not isinstance(inner, _MeasuredLinear) or id(inner) in refused:
+                continue
+            if id(inner) in inside:
+                routed_layers.append(inner)
+                inner._gns_kind = "experts"
+            else:  # the router and shared experts see the block's flattened rows in example order
+                inner.flat_examples = True
+                inner._gns_kind = ("router" if inner_name in ("gate", "router") else
+                                   "shared_expert" if "shared" in inner_name.lower() else "linear")
+        routed.watch(block, name, state, routed_layers)
     for name, module in model.named_modules():
         if isinstance(module, MeasuredLayer) and id(module) in refused:  # already measured, now left out
             for key in [k for k in module._buffers if k.endswith("_sqgradnorm")]:
