@@ -6,6 +6,7 @@ norms, bf16 autocast and gradient accumulation; the measured gradients are the u
 and the MoE GPT, eager and compiled, with and without the load-balancing loss, against per-example
 gradients of each example's share of the loss.
 """
+import copy
 import os
 import sys
 
@@ -386,3 +387,32 @@ def test_an_expert_whose_rows_are_not_followed_is_refused():
     model = measure(torch.nn.Sequential(Sorted(1)), strict=True)
     with pytest.raises(RuntimeError, match=r"0.experts.0.w1: the example of each of its 15 rows is not known"):
         model(torch.randn(B, T, C))
+
+
+def test_dense_experts_in_a_list_see_whole_examples_and_are_measured_as_linears():
+    """Experts in a ModuleList called on the block's [B, T, C] input itself (a soft mixture): each sees
+    whole examples, so each is measured as any Linear."""
+    class Soft(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = torch.nn.Linear(C, 2)
+            self.experts = torch.nn.ModuleList([ExpertMLP(True) for _ in range(2)])
+
+        def forward(self, x):
+            w = self.mix(x).softmax(-1)
+            return sum(w[..., e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+    torch.manual_seed(8)
+    plain = torch.nn.Sequential(Soft()).double()
+    model = measure(copy.deepcopy(plain), strict=True)
+    x, probe = torch.randn(B, T, C, dtype=torch.float64), torch.randn(B, T, C, dtype=torch.float64)
+    ((model(x) * probe).sum() / B).backward()
+    params = dict(plain.named_parameters())
+    expected = dict.fromkeys(params, 0.0)
+    for b in range(B):
+        grads = torch.autograd.grad((plain(x[b:b + 1]) * probe[b:b + 1]).sum() / B, list(params.values()))
+        for n, g in zip(params, grads):
+            expected[n] += g.square().sum().item()
+    for n, _, sq, count in find_sqgradnorm_buffers(model):
+        assert count.item() == B
+        torch.testing.assert_close(sq.item(), expected[n], rtol=1e-6, atol=0, msg=n)
