@@ -35,8 +35,19 @@ def test_every_model_and_setting_timed_against_its_own_baseline(tmp_path, capsys
     assert not os.path.exists(str(out) + ".tmp")
 
 
-@pytest.mark.parametrize("args", [["--settings=all-gns"], ["--settings=nn,bogus"], ["--iters=0"], ["--n_head=3"]])
+@pytest.mark.parametrize("args", [["--settings=all-gns"], ["--settings=nn,bogus"], ["--iters=0"], ["--n_head=3"],
+                                  ["--models=ours,bogus"]])
 def test_bad_input_is_one_line_exit_2(args, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(TINY + args)
     assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_mixture_of_experts_models_measure_every_parameter(tmp_path):
+    out = tmp_path / "moe.csv"
+    models = ["ours-moe", "hf-mixtral", "hf-qwen2-moe"]
+    bench.main(TINY + ["--n_embd=32", f"--models={','.join(models)}", "--settings=nn,all-gns", f"--csv={out}"])
+    with open(out) as f:
+        rows = {(r["model"], r["setting"]): r for r in csv.DictReader(f)}
+    assert list(rows) == [(m, s) for m in models for s in ("nn", "all-gns")]
+    assert all(int(rows[m, "all-gns"]["measured_params"]) > 0 for m in models)
