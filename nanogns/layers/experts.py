@@ -39,27 +39,28 @@ def route(expert_index, n_expert, B):
     """
     index = expert_index.reshape(-1, expert_index.shape[-1])
     N, k = index.shape
-    flat = index.reshape(-1)
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n_expert):
-        raise ValueError(f"expert_index holds experts outside 0..{n_expert - 1}")
-    order = torch.sort(flat, stable=True).indices  # stable: token order kept within each expert
-    token, slot, expert = order // k, order % k, flat[order]
     if N % B:
         raise ValueError(f"{N} routed tokens are not {B} examples of equal length")
+    flat = index.reshape(-1)
+    outside = ((flat < 0) | (flat >= n_expert)).sum().view(1)  # read with the counts: no read of its own
+    order = torch.sort(flat, stable=True).indices  # stable: token order kept within each expert
+    token, slot, expert = order // k, order % k, flat[order].clamp(0, n_expert - 1)
     example = token // (N // B)
     key = expert * B + example  # non-decreasing: one run per (expert, example) group
     new_group = torch.ones_like(key, dtype=torch.bool)
     new_group[1:] = key[1:] != key[:-1]
     group = torch.cumsum(new_group, 0) - 1  # each row's group
-    starts = torch.nonzero(new_group).view(-1)  # each group's first row
-    sizes = torch.diff(starts, append=torch.tensor([key.numel()], device=key.device))
-    group_expert = expert[starts]
+    here = torch.arange(key.numel(), device=key.device)
+    start = torch.cummax(torch.where(new_group, here, 0), 0).values  # each row's group's first row
+    position = here - start  # the row's place in its group
     rows = torch.bincount(expert, minlength=n_expert)
-    groups = torch.bincount(group_expert, minlength=n_expert)
-    longest = torch.zeros(n_expert, dtype=sizes.dtype, device=sizes.device).scatter_reduce(
-        0, group_expert, sizes, "amax", include_self=True)
-    rows, groups, longest = torch.stack([rows, groups, longest]).tolist()
-    position = torch.arange(key.numel(), device=key.device) - starts[group]  # row's place in its group
+    groups = torch.zeros(n_expert, dtype=rows.dtype, device=rows.device).index_add_(0, expert, new_group.to(rows.dtype))
+    longest = torch.zeros(n_expert, dtype=rows.dtype, device=rows.device).scatter_reduce(
+        0, expert, position + 1, "amax", include_self=True)
+    counts = torch.cat([torch.stack([rows, groups, longest]).view(-1), outside.to(rows.dtype)]).tolist()
+    if counts[-1]:
+        raise ValueError(f"expert_index holds experts outside 0..{n_expert - 1}")
+    rows, groups, longest = counts[:n_expert], counts[n_expert:2 * n_expert], counts[2 * n_expert:3 * n_expert]
     return dict(token=token, slot=slot, expert=expert, group=group, position=position,
                 rows=rows, groups=groups, longest=longest)
 
