@@ -9,7 +9,7 @@ flattened input, as in
         out.index_add_(0, rows, expert(x[rows]) * weight[rows, slot, None])
 
 A Linear there sees some tokens of some examples; its per-example gradient is the sum over each
-example's rows (DESIGN.md section 9). To know which example each row came from, the block's forward
+example's rows (nanogns/layers/experts.py's docstring). To know which example each row came from, the block's forward
 runs under RowTags, a torch function mode that follows the rows of the block's input: a row picked
 by index (x[rows], x[None, rows], x[mask], index_select on dim 0) is tagged with its token, and the
 tag goes on through what keeps rows in place (reshapes that keep them first, F.linear, elementwise
