@@ -357,3 +357,17 @@ def test_a_logged_qwen2_moe_run_is_analysed_by_kind_and_expert(tmp_path):
     assert "model.layers.1.mlp.experts[3]" in done.stdout and "experts: 4 in 1 layer" in done.stdout
     # 3 examples a step: every expert reached by fewer than 8, so each named as noisy
     assert "4 experts were reached by fewer than 8 examples a step on average" in done.stdout
+
+
+def test_a_compiled_mixtral_measures_as_eager():
+    """torch.compile of a measured Mixtral: the experts and router run outside the graph, the rest in it;
+    every sum as eager's."""
+    eager = measure(tiny("mixtral"))
+    compiled = copy.deepcopy(eager)
+    data = batches()
+    train(eager, data)
+    train(torch.compile(compiled), data)
+    (got, counts), (expected, _) = measured(compiled), measured(eager)
+    assert set(got) == set(expected) and counts == {2 * B}
+    for n, value in expected.items():
+        torch.testing.assert_close(got[n], value, rtol=1e-5, atol=1e-12, msg=n)
