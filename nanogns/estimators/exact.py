@@ -80,7 +80,9 @@ def _grad_sqnorms(grads, device, foreach=None):
     for mesh, indices in by_mesh.values():
         placements = [[pl for pl in (grads[i].grad if isinstance(grads[i], ExpertRows) else grads[i]).placements]
                       for i in indices]
-        summed = [d for d in range(mesh.ndim) if any(pls[d].is_shard() for pls in placements)]
+        # sharded: Shard, and FSDP2's _StridedShard of a TP shard (which is_shard() does not count)
+        summed = [d for d in range(mesh.ndim)
+                  if any(not (pls[d].is_replicate() or pls[d].is_partial()) for pls in placements)]
         squares = torch.stack([_local_sqnorm(grads[i], device, mesh, summed) for i in indices])
         for d in summed:
             torch.distributed.all_reduce(squares, group=mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group())
