@@ -1109,9 +1109,10 @@ def test_gpu_backends_agree_with_torch_path(backend, rms):
 
 
 def test_sharded_input_refused_in_one_line():
-    # a LayerNorm under torch's SequenceParallel is handed DTensors: every measured normalisation
-    # refuses it in one line (the CPU kernel, handed one, crashed the process), and the CPU kernel
-    # itself never takes a tensor whose memory is not its values
+    # a LayerNorm under torch's SequenceParallel is handed DTensors: the fused normalisations refuse
+    # it in one line (the CPU kernel, handed one, crashed the process), the separated ones measure it
+    # (tests/test_tensor_parallel.py), and the CPU kernel itself never takes a tensor whose memory is
+    # not its values
     code = ("import torch, torch.distributed as dist, torch.nn as nn\n"
             "from torch.distributed.device_mesh import init_device_mesh\n"
             "from torch.distributed.tensor import distribute_tensor, Shard\n"
@@ -1122,11 +1123,14 @@ def test_sharded_input_refused_in_one_line():
             "mesh = init_device_mesh('cpu', (1,))\n"
             "for cls in (L.PEGradNormSeparatedLayerNorm, L.PEGradNormFusedLayerNorm,\n"
             "            L.PEGradNormSeparatedRMSNorm, L.PEGradNormFusedRMSNorm):\n"
+            "    print(cls.__name__, end=' ')\n"
             "    model = parallelize_module(nn.Sequential(cls(8)), mesh, {'0': SequenceParallel()})\n"
             "    try:\n"
             "        model(torch.randn(2, 4, 8)).to_local().sum().backward()\n"
             "    except TypeError as e:\n"
-            "        print(cls.__name__, e)\n"
+            "        print(e)\n"
+            "    else:\n"
+            "        print('measured')\n"
             "x = distribute_tensor(torch.randn(2, 4, 8), mesh, [Shard(1)])\n"
             "torch.set_grad_enabled(False)  # as in a backward, where the kernel runs\n"
             "print('kernel takes a DTensor:', cpu_ext._takes((x,), ()))\n"
@@ -1136,6 +1140,7 @@ def test_sharded_input_refused_in_one_line():
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert len(lines) == 6, done.stdout
-    for line, name in zip(lines, ("LayerNorm", "LayerNorm", "RMSNorm", "RMSNorm")):
-        assert f"a measured {name} was handed a DTensor" in line and "norm=None" in line
+    assert lines[0] == "PEGradNormSeparatedLayerNorm measured" and lines[2] == "PEGradNormSeparatedRMSNorm measured"
+    for line, name in ((lines[1], "LayerNorm"), (lines[3], "RMSNorm")):
+        assert f"a measured {name} was handed a DTensor" in line and "norm='shim'" in line
     assert lines[4:] == ["kernel takes a DTensor: False", "kernel takes a tensor: True"]

@@ -122,6 +122,25 @@ def run(config, linear, norm, rank, world):
         print(f"ok {config} {linear} {norm} methods={methods}", flush=True)
 
 
+def refusals(rank):
+    """What is not measured says so in one line: a Linear whose tokens are split over the ranks (its
+    parameters replicated under SequenceParallel), and a fused LayerNorm under SequenceParallel."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    cases = [(nanogns.measure(nn.Sequential(nn.Linear(D, D)), linear=linear), "other ranks' tokens")
+             for linear in ("gns", "shim")]
+    cases.append((nanogns.measure(nn.Sequential(nn.LayerNorm(D)), norm="fused"), "norm='shim'"))
+    for model, words in cases:
+        parallelize_module(model, mesh, {"0": SequenceParallel()})
+        try:
+            model(torch.randn(B, T // dist.get_world_size(), D)).to_local().sum().backward()
+        except (RuntimeError, TypeError) as e:
+            assert words in str(e) and "\n" not in str(e), str(e)
+        else:
+            raise AssertionError(f"{model} under SequenceParallel was not refused")
+    if rank == 0:
+        print("ok refusals", flush=True)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -132,5 +151,6 @@ if __name__ == "__main__":
         configs += [("fsdp-tp", "gns", "layernorm"), ("fsdp-tp", "shim", "rmsnorm")]
     for config in configs:
         run(*config, rank, world)
+    refusals(rank)
     dist.barrier()
     dist.destroy_process_group()
