@@ -396,6 +396,13 @@ class ExactGNS(Estimator):
     every rank rank 0's, in one broadcast of them all, on the step in which a layer first chose (the
     same step on every rank, which run the same layers on the same shapes), so that methods restored
     differently cannot part the ranks.
+
+    Tensor and sequence parallelism (torch's parallelize_module over a TP mesh, with or without FSDP2
+    over a data-parallel one; nanogns/layers/sharded.py): every rank of a TP group sees the same
+    examples, so world_size is the number of data-parallel ranks alone (1 under TP alone), and group
+    their process group (None: every rank, right only without TP). Each step the sharded layers' sums
+    are first combined over their TP groups (a shard's add, a replicated value counts once), then the
+    buffers are summed over `group` when world_size > 1.
     """
     name = PREFIXES["exact"]
     label = "gns"

@@ -132,6 +132,8 @@ def allreduce_sqgradnorm_buffers(model, group=None):
         |G_1|^2 = (B_rank^2 / B) * S = B * S / W^2,
     so the tracker must know W (the naive B * S is W^2 times too large). Under a float16
     GradScaler S is still s^2 times too large, as on one process.
+    Under tensor or sequence parallelism, call allreduce_sharded_buffers first (its layers' sums over
+    their TP groups), and give this the data-parallel ranks' group alone: W counts those.
     """
     allreduce_buffers(all_sqgradnorm_buffers(model), group)
 

@@ -124,7 +124,7 @@ def _local_norm_inputs(layer, x, weight, stats):
     the process group over which its per-example vectors are summed before squaring (None: not). Plain
     tensors go as they are. Under torch's SequenceParallel (DTensors on the TP mesh, the parameters
     replicated, each rank holding some of every example's tokens) the local tensors, and the TP group:
-    each rank's dgamma_b, dbeta_b are partial sums over its tokens (DESIGN.md section 8); the summed
+    each rank's dgamma_b, dbeta_b are partial sums over its tokens, whose squares do not add; the summed
     vectors are the same on every rank, so its buffers count once over the group (nanogns/layers/sharded.py)."""
     if not sharded.is_dtensor(x):
         return x, weight, stats, None

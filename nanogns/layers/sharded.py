@@ -1,6 +1,6 @@
 """
 The measured layers under torch.distributed.tensor's tensor and sequence parallelism
-(parallelize_module: ColwiseParallel, RowwiseParallel, SequenceParallel; DESIGN.md section 8).
+(parallelize_module: ColwiseParallel, RowwiseParallel, SequenceParallel).
 
 Inside such a module's forward the input, the parameters and the output are DTensors on the TP
 mesh (one dimension). A measured layer computes its per-example sums from the local tensors and
