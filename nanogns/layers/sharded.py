@@ -30,6 +30,9 @@ def dtensor_class():
 
 
 def is_dtensor(t):
+    """Whether t is a DTensor; False while torch.compile traces (tensor parallelism is measured eagerly)."""
+    if torch.compiler.is_compiling():
+        return False
     cls = dtensor_class()
     return cls is not None and isinstance(t, cls)
 
