@@ -3,7 +3,7 @@ gloo, 2 and 4 processes (tests/tp_worker.py): ColwiseParallel and RowwiseParalle
 classes), a SequenceParallel LayerNorm and RMSNorm (the separated classes), and with 4 processes
 FSDP2 over 2 data-parallel ranks x 2 TP ranks. Each parameter's (1/B) sum_b ||g_b||^2 and |G_B|^2
 from ExactGNS equal one process's on the whole batch (one backward per example) within 1e-5
-relative, every rank's Linears chose their method alike, and what is not measured (a Linear whose
+relative (through GNSMeter too), every rank's Linears chose their method alike, and what is not measured (a Linear whose
 tokens are split, a fused normalisation under SequenceParallel) is refused in one line."""
 import os
 import subprocess
@@ -25,4 +25,5 @@ def test_tensor_and_sequence_parallel_measure_what_one_process_measures(procs):
     expected = ["ok tp gns layernorm", "ok tp shim layernorm", "ok sp gns layernorm", "ok sp shim rmsnorm"]
     if procs == 4:
         expected += ["ok fsdp-tp gns layernorm", "ok fsdp-tp shim rmsnorm"]
-    assert lines == expected + ["ok refusals"], done.stdout
+    meter = f"ok {'fsdp-tp' if procs == 4 else 'sp'} gns layernorm meter"
+    assert lines == expected + [meter, "ok refusals"], done.stdout

@@ -8,6 +8,7 @@ each parameter's |G_1|^2 = (1/B) sum_b ||g_b||^2 and |G_B|^2 with the unsharded 
 from one backward per example. Configurations: tensor parallelism (the normalisation outside it), sequence
 parallelism (the normalisation under SequenceParallel, tokens split over the ranks: a LayerNorm and an
 RMSNorm), each with both Linear classes; with 4 ranks also FSDP2 over 2 data-parallel ranks x 2 TP ranks.
+The last configuration runs once more through GNSMeter (told the data-parallel ranks and their group).
 Prints one "ok <configuration>" line per configuration on rank 0; raises on any mismatch.
 """
 import copy
@@ -23,6 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import nanogns
 from nanogns.estimators.exact import ExactGNS
 from nanogns.maths import parse_column
+from nanogns.meter import GNSMeter
 
 B, T, D, H = 4, 8, 8, 16  # examples per micro-step, tokens, width, hidden width (all divisible by 4)
 MICRO = 2
@@ -73,7 +75,7 @@ def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples):
     return estimator.measure(0, MICRO * B, None)
 
 
-def run(config, linear, norm, rank, world):
+def run(config, linear, norm, rank, world, meter=False):
     torch.manual_seed(0)
     plain = Block(norm)
     with torch.no_grad():  # gains and biases away from their inits, so that every norm is a real test
@@ -95,7 +97,11 @@ def run(config, linear, norm, rank, world):
         from torch.distributed.fsdp import fully_shard
         fully_shard(model, mesh=mesh["dp"])
         group = mesh["dp"].get_group()
-    estimator = ExactGNS(model, world_size=dp, group=group)
+    if meter:  # the user-facing loop's meter, told the data-parallel ranks
+        estimator = GNSMeter(model, world_size=dp, group=group)
+        estimator.measure = lambda step, examples, scaler: estimator.step(examples=examples)
+    else:
+        estimator = ExactGNS(model, world_size=dp, group=group)
     dp_rank = mesh["dp"].get_local_rank()
     share = B // dp
     rank_examples = slice(dp_rank * share, (dp_rank + 1) * share)
@@ -118,8 +124,10 @@ def run(config, linear, norm, rank, world):
     gathered = [None] * world
     dist.all_gather_object(gathered, methods)
     assert all(m == gathered[0] for m in gathered), gathered
+    if meter:
+        estimator.close()
     if rank == 0:
-        print(f"ok {config} {linear} {norm} methods={methods}", flush=True)
+        print(f"ok {config} {linear} {norm}{' meter' if meter else ''} methods={methods}", flush=True)
 
 
 def refusals(rank):
@@ -151,6 +159,7 @@ if __name__ == "__main__":
         configs += [("fsdp-tp", "gns", "layernorm"), ("fsdp-tp", "shim", "rmsnorm")]
     for config in configs:
         run(*config, rank, world)
+    run(configs[-1][0], "gns", "layernorm", rank, world, meter=True)
     refusals(rank)
     dist.barrier()
     dist.destroy_process_group()
