@@ -7,7 +7,8 @@ Every configuration below runs one optimizer step of two micro-steps through Exa
 each parameter's |G_1|^2 = (1/B) sum_b ||g_b||^2 and |G_B|^2 with the unsharded model's in one process,
 from one backward per example. Configurations: tensor parallelism (the normalisation outside it), sequence
 parallelism (the normalisation under SequenceParallel, tokens split over the ranks: a LayerNorm and an
-RMSNorm), each with both Linear classes; with 4 ranks also FSDP2 over 2 data-parallel ranks x 2 TP ranks.
+RMSNorm; "sp-out": the output reduce-scattered onto the sequence again, each rank's loss its tokens' part),
+with both Linear classes; with 4 ranks also FSDP2 over 2 data-parallel ranks x 2 TP ranks.
 The last configuration runs once more through GNSMeter (told the data-parallel ranks and their group).
 Prints one "ok <configuration>" line per configuration on rank 0; raises on any mismatch.
 """
@@ -64,13 +65,18 @@ def reference(model, xs, targets):
     return {name: (per_example[name] / n, total[name].square().sum().item()) for name in per_example}
 
 
-def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples):
-    """One step of MICRO micro-steps on this rank's part of the batch; the ExactGNS row."""
+def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, split_output):
+    """One step of MICRO micro-steps on this rank's part of the batch; the ExactGNS row. split_output:
+    the output is this rank's slice of the sequence too, and the loss this rank's part of the mean."""
     for x, target in zip(xs, targets):
         x, target = x[rank_examples], target[rank_examples]
         if shard_tokens is not None:  # sequence parallelism: the ranks hold the sequence's slices
             x = x.chunk(shard_tokens[1], dim=1)[shard_tokens[0]].contiguous()
-        loss = example_losses(model(x), target).mean() / MICRO
+        if split_output:
+            target = target.chunk(shard_tokens[1], dim=1)[shard_tokens[0]]
+            loss = ((model(x) - target).square().sum((1, 2)) / (T * D)).mean() / MICRO
+        else:
+            loss = example_losses(model(x), target).mean() / MICRO
         loss.backward()
     return estimator.measure(0, MICRO * B, None)
 
@@ -89,8 +95,9 @@ def run(config, linear, norm, rank, world, meter=False):
     dp, tp = (2, world // 2) if config == "fsdp-tp" else (1, world)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     plan = {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
-    if config == "sp":
-        plan = {"norm": SequenceParallel(), "fc": ColwiseParallel(input_layouts=Shard(1)), "proj": RowwiseParallel()}
+    if config in ("sp", "sp-out"):  # sp-out: the output too split on the sequence (reduce-scattered)
+        plan = {"norm": SequenceParallel(), "fc": ColwiseParallel(input_layouts=Shard(1)),
+                "proj": RowwiseParallel(output_layouts=Shard(1) if config == "sp-out" else None)}
     parallelize_module(model, mesh["tp"], plan)
     group = None
     if config == "fsdp-tp":
@@ -105,8 +112,8 @@ def run(config, linear, norm, rank, world, meter=False):
     dp_rank = mesh["dp"].get_local_rank()
     share = B // dp
     rank_examples = slice(dp_rank * share, (dp_rank + 1) * share)
-    shard_tokens = (mesh["tp"].get_local_rank(), tp) if config == "sp" else None
-    row = measured_step(model, xs, targets, estimator, shard_tokens, rank_examples)
+    shard_tokens = (mesh["tp"].get_local_rank(), tp) if config.startswith("sp") else None
+    row = measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, config == "sp-out")
 
     got = {}
     for col, value in row.items():
@@ -154,7 +161,7 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     configs = [("tp", "gns", "layernorm"), ("tp", "shim", "layernorm"), ("sp", "gns", "layernorm"),
-               ("sp", "shim", "rmsnorm")]
+               ("sp", "shim", "rmsnorm"), ("sp-out", "gns", "layernorm")]
     if world == 4:
         configs += [("fsdp-tp", "gns", "layernorm"), ("fsdp-tp", "shim", "rmsnorm")]
     for config in configs:
