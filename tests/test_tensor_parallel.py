@@ -1,11 +1,11 @@
 """The measured layers under torch's tensor and sequence parallelism (parallelize_module) on CPU with
 gloo, 2 and 4 processes (tests/tp_worker.py): ColwiseParallel and RowwiseParallel Linears (both
-classes), a SequenceParallel LayerNorm and RMSNorm (the separated classes; the block's output
+classes), a SequenceParallel LayerNorm and RMSNorm (separated and fused; the block's output
 replicated, or split on the sequence again with the loss each rank's part), and with 4 processes
 FSDP2 over 2 data-parallel ranks x 2 TP ranks. Each parameter's (1/B) sum_b ||g_b||^2 and |G_B|^2
 from ExactGNS equal one process's on the whole batch (one backward per example) within 1e-5
-relative (through GNSMeter too), every rank's Linears chose their method alike, and what is not measured (a Linear whose
-tokens are split, a fused normalisation under SequenceParallel) is refused in one line."""
+relative (through GNSMeter too), every rank's Linears chose their method alike, and a Linear whose tokens are
+split over the ranks is refused in one line."""
 import os
 import subprocess
 import sys
@@ -28,4 +28,5 @@ def test_tensor_and_sequence_parallel_measure_what_one_process_measures(procs):
     if procs == 4:
         expected += ["ok fsdp-tp gns layernorm", "ok fsdp-tp shim rmsnorm"]
     meter = f"ok {'fsdp-tp' if procs == 4 else 'sp-out'} gns layernorm meter"
-    assert lines == expected + [meter, "ok refusals"], done.stdout
+    fused = ["ok sp-out shim layernorm fused", "ok sp-out shim rmsnorm fused"]
+    assert lines == expected + [meter, *fused, "ok refusals"], done.stdout

@@ -189,7 +189,8 @@ class _FusedNorm(_MeasuredNorm):
     implementation (None: Triton on CUDA, the CPU kernel on CPU; normgnorm.resolve_backend). Under
     torch.compile every backend runs the one compiled route, the PyTorch path fused with the model.
     The kernel normalises over the last dimension only; elementwise_affine=False leaves nothing to
-    measure and runs torch's own.
+    measure and runs torch's own. A DTensor input (torch's SequenceParallel) is normalised by torch
+    and measured as the separated class measures it: the kernels read local memory.
     """
     separated = None  # the separated class, for what the kernel does not take
 
@@ -207,6 +208,8 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
     separated = "PEGradNormSeparatedLayerNorm"
 
     def forward(self, x):
+        if sharded.is_dtensor(x):  # sequence parallelism: torch's own normalisation, measured as separated
+            return PEGradNormSeparatedLayerNorm.forward(self, x)
         self._check_call(_examples(x, len(self.normalized_shape)))
         if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -231,6 +234,8 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
     separated = "PEGradNormSeparatedRMSNorm"
 
     def forward(self, x):
+        if sharded.is_dtensor(x):  # sequence parallelism: torch's own normalisation, measured as separated
+            return PEGradNormSeparatedRMSNorm.forward(self, x)
         self._check_call(_examples(x, len(self.normalized_shape)))
         if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)

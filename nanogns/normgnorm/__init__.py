@@ -212,15 +212,16 @@ def _autocast_off(ctx):
 
 def _refuse_sharded(x, weight, rms):
     """A DTensor (a module that torch.distributed.tensor's parallelize_module shards: sequence or
-    tensor parallelism) is refused in one line: each rank holds part of every example's rows, and
-    the kernels read a tensor's local memory, which a DTensor does not hand them. Only a process that
+    tensor parallelism) handed to the fused way (layer_norm, rms_norm, PEGLayerNorm) is refused in
+    one line: each rank holds part of every example's rows, and the kernels read a tensor's local
+    memory, which a DTensor does not hand them. The measured layers hand the Function local tensors. Only a process that
     made DTensors has the module loaded, so the check costs a dict read elsewhere."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is not None and (isinstance(x, dtensor) or isinstance(weight, dtensor)):
         raise TypeError(f"a measured {'RMSNorm' if rms else 'LayerNorm'} was handed a DTensor (a module sharded by "
-                        "torch.distributed.tensor, e.g. SequenceParallel), which the fused per-example norms do not "
-                        "take: measure the model with norm='shim' (the separated class takes sequence parallelism) "
-                        "or norm=None")
+                        "torch.distributed.tensor, e.g. SequenceParallel), which the fused kernels do not take: "
+                        "use the measured layer classes (measure(model)), which normalise a DTensor with torch's "
+                        "own and measure it from its local tensors")
 
 
 class _NormFn(torch.autograd.Function):
