@@ -14,6 +14,13 @@ allreduce_sharded_buffers then sums them over each group in one all_reduce, a "o
 counted from the group's first rank alone. Call it on every rank after the last micro-step's
 backward, before the data-parallel sum and before the tracker reads the buffers (ExactGNS does).
 
+There both Linear classes run torch's linear and backward on the DTensors (.grad is torch's) and
+measure beside it as the shim does; the ghost/materialise choice is made from the global shapes, so
+every rank makes the same. The normalisations, separated and fused alike, normalise with torch's own
+and measure from the local tensors. A Linear whose tokens are split over the ranks (its parameters
+replicated) is refused in one line: its norm would need the other ranks' activations. Eager mode only:
+under torch.compile nothing here runs.
+
 Only a process that made DTensors has torch.distributed.tensor loaded, so the checks cost a dict
 read elsewhere.
 """
