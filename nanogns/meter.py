@@ -71,6 +71,8 @@ class GNSMeter:
     linear, embedding, norm, kinds, strict: layers.measure's; a trainable parameter left
         unmeasured is named in one warning, or, with strict=True, a ValueError.
     world_size: the ranks whose buffers step() sums; default: torch.distributed's world size.
+        Under tensor or sequence parallelism the data-parallel ranks alone (1 under TP alone), and
+    group: their process group (None: every rank): the TP ranks see the same examples.
     config: a dict of the run's settings for out_dir/config.json.
     batch_dim: the dimension of the model's input that holds the examples (layers.measure's):
         0, or 1 for sequence-first input [T, B, ...] (nn.Transformer's default).
@@ -81,7 +83,7 @@ class GNSMeter:
     """
 
     def __init__(self, model, out_dir=None, linear="gns", embedding="gns", norm="shim", kinds=None, strict=False,
-                 world_size=None, config=None, beta=EMA_BETA, batch_dim=0):
+                 world_size=None, config=None, beta=EMA_BETA, batch_dim=0, group=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"GNSMeter takes an nn.Module (the model, or its DDP / torch.compile wrapper), not "
                             f"{type(model).__name__} {_shown(model)}")
@@ -114,6 +116,7 @@ class GNSMeter:
         _meters[self.model] = weakref.ref(self)
         self.given_out_dir = out_dir
         self.world_size = distributed_world_size() if world_size is None else int(world_size)
+        self.group = group
         self.beta = beta
         # the estimator holds the model's Parameters: it is built at the first step(), after any
         # fully_shard (FSDP2 puts sharded Parameters in place of the ones there now)
@@ -159,7 +162,7 @@ class GNSMeter:
         if self.out_dir is not None and self.logger is None:
             self.open_log()
         if self.estimator is None:
-            self.estimator = exact.ExactGNS(self.model, self.world_size, beta=self.beta)
+            self.estimator = exact.ExactGNS(self.model, self.world_size, beta=self.beta, group=self.group)
             if self.loaded_state is not None:
                 exact.load_states([self.estimator], self.loaded_state)
         if not any(p.grad is not None for _, p, _, _ in self.estimator.tracker.entries):

@@ -1109,25 +1109,32 @@ def test_gpu_backends_agree_with_torch_path(backend, rms):
 
 
 def test_sharded_input_refused_in_one_line():
-    # a LayerNorm under torch's SequenceParallel is handed DTensors: every measured normalisation
-    # refuses it in one line (the CPU kernel, handed one, crashed the process), and the CPU kernel
-    # itself never takes a tensor whose memory is not its values
+    # a LayerNorm under torch's SequenceParallel is handed DTensors: every measured normalisation class
+    # measures it (torch's normalisation, the sums from the local tensors: tests/test_tensor_parallel.py),
+    # the fused functions refuse one in one line (the CPU kernel, handed one, crashed the process), and
+    # the CPU kernel itself never takes a tensor whose memory is not its values
     code = ("import torch, torch.distributed as dist, torch.nn as nn\n"
             "from torch.distributed.device_mesh import init_device_mesh\n"
-            "from torch.distributed.tensor import distribute_tensor, Shard\n"
+            "from torch.distributed.tensor import distribute_tensor, Shard, Replicate\n"
             "from torch.distributed.tensor.parallel import parallelize_module, SequenceParallel\n"
             "import nanogns.layers as L\n"
+            "import nanogns.normgnorm as ng\n"
             "from nanogns.normgnorm import cpu_ext\n"
             "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
             "mesh = init_device_mesh('cpu', (1,))\n"
             "for cls in (L.PEGradNormSeparatedLayerNorm, L.PEGradNormFusedLayerNorm,\n"
             "            L.PEGradNormSeparatedRMSNorm, L.PEGradNormFusedRMSNorm):\n"
             "    model = parallelize_module(nn.Sequential(cls(8)), mesh, {'0': SequenceParallel()})\n"
-            "    try:\n"
-            "        model(torch.randn(2, 4, 8)).to_local().sum().backward()\n"
-            "    except TypeError as e:\n"
-            "        print(cls.__name__, e)\n"
+            "    model(torch.randn(2, 4, 8)).to_local().sum().backward()\n"
+            "    print(cls.__name__, 'measured', model[0].example_count.item())\n"
             "x = distribute_tensor(torch.randn(2, 4, 8), mesh, [Shard(1)])\n"
+            "w = distribute_tensor(torch.ones(8), mesh, [Replicate()])\n"
+            "bufs = [torch.zeros(()) for _ in range(3)]\n"
+            "for call in (lambda: ng.layer_norm(x, w, w, *bufs), lambda: ng.rms_norm(x, w, bufs[0], bufs[2])):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except TypeError as e:\n"
+            "        print(e)\n"
             "torch.set_grad_enabled(False)  # as in a backward, where the kernel runs\n"
             "print('kernel takes a DTensor:', cpu_ext._takes((x,), ()))\n"
             "print('kernel takes a tensor:', cpu_ext._takes((x.to_local(),), ()))\n")
@@ -1135,7 +1142,9 @@ def test_sharded_input_refused_in_one_line():
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 6, done.stdout
-    for line, name in zip(lines, ("LayerNorm", "LayerNorm", "RMSNorm", "RMSNorm")):
-        assert f"a measured {name} was handed a DTensor" in line and "norm=None" in line
-    assert lines[4:] == ["kernel takes a DTensor: False", "kernel takes a tensor: True"]
+    assert len(lines) == 8, done.stdout
+    assert lines[:4] == [f"PEGradNorm{kind}{norm} measured 2.0" for norm in ("LayerNorm", "RMSNorm")
+                         for kind in ("Separated", "Fused")]
+    for line, name in ((lines[4], "LayerNorm"), (lines[5], "RMSNorm")):
+        assert f"a measured {name} was handed a DTensor" in line and "measure(model)" in line
+    assert lines[6:] == ["kernel takes a DTensor: False", "kernel takes a tensor: True"]

@@ -39,7 +39,9 @@ from nanogns.layers import (agree_linear_norm_methods, all_sqgradnorm_buffers, a
 from nanogns.estimators.base import (Estimator, Measurement, current_scale, distributed_world_size, read_now,  # noqa: F401
                                      unwrap)
 # the maths and the column names, from their torch-free home; imported here by the estimators
+from nanogns.layers.buffers import MeasuredLayer
 from nanogns.layers.experts import PEGradNormExperts
+from nanogns.layers.sharded import allreduce_sharded_buffers
 from nanogns.maths import (EMA_BETA, KINDS, NORM_KINDS, PREFIXES, REACHED_CELL, GradientNoiseScale, column,  # noqa: F401
                            debiased_ema,
                      layer_kind, layer_type, parameter_columns, parse_column, total_columns, unbiased_estimates)
@@ -53,27 +55,56 @@ ExpertRows = collections.namedtuple("ExpertRows", "grad expert")
 
 
 def _grad_sqnorms(grads, device, foreach=None):
-    """||grad||^2 of each gradient, float32 0-dim tensors on `device`. FSDP's gradients are DTensor
-    shards: each rank squares its own shard and one all-reduce of them all sums the ranks' squares
-    (never a gather of the full gradients); an ExpertRows is one expert's rows of a shard on the
-    experts' dimension, which the rank holding them squares (0 elsewhere). foreach (default: on a GPU):
-    all the norms from one multi-tensor kernel, where a launch per gradient costs host time each step;
-    on the CPU one dot each (sum_of_squares: more precise there)."""
-    first = grads[0].grad if isinstance(grads[0], ExpertRows) else grads[0]
-    mesh = getattr(first, "device_mesh", None)
+    """||grad||^2 of each gradient, float32 0-dim tensors on `device`. A DTensor gradient (FSDP2's shards,
+    tensor parallelism's, both on a 2-D mesh) is squared on each rank's local tensor, and one all-reduce
+    per mesh dimension of all of a mesh's squares sums them over the dimensions where some gradient is
+    sharded (never a gather of the full gradients): a gradient replicated over such a dimension is
+    counted from its first rank only, and a partial sum (a sequence-parallel LayerNorm's gain) is summed
+    over its group before it is squared. An ExpertRows is one expert's rows of a shard on the experts'
+    dimension, which the rank holding them squares (0 elsewhere). foreach (default: on a GPU): all the
+    norms from one multi-tensor kernel, where a launch per gradient costs host time each step; on the
+    CPU one dot each (sum_of_squares: more precise there)."""
+    meshes = [getattr(g.grad if isinstance(g, ExpertRows) else g, "device_mesh", None) for g in grads]
     foreach = device.type == "cuda" if foreach is None else foreach
-    if mesh is None and foreach and all(g.dtype == torch.float32 and g.device == device for g in grads):
-        norms = torch.stack(torch._foreach_norm(grads))
-        return list((norms * norms).unbind())
-    if mesh is None:
+    if all(m is None for m in meshes):
+        if foreach and all(g.dtype == torch.float32 and g.device == device for g in grads):
+            norms = torch.stack(torch._foreach_norm(grads))
+            return list((norms * norms).unbind())
         return [sum_of_squares(g).to(device) for g in grads]
-    if not all(pl.is_shard() for g in grads for pl in (g.grad if isinstance(g, ExpertRows) else g).placements):
-        raise ValueError("the gradients are DTensors that are not sharded (FSDP shards them): "
-                         "summing each rank's squares would count them more than once")
-    squares = torch.stack([_expert_rows_sqnorm(g, device) if isinstance(g, ExpertRows) else
-                           sum_of_squares(g.to_local()).to(device) for g in grads])
-    torch.distributed.all_reduce(squares, group=mesh.get_group())
-    return list(squares.unbind())
+    out, by_mesh = [None] * len(grads), {}
+    for i, (g, mesh) in enumerate(zip(grads, meshes)):
+        if mesh is None:
+            out[i] = sum_of_squares(g).to(device)
+        else:
+            by_mesh.setdefault(id(mesh), (mesh, []))[1].append(i)
+    for mesh, indices in by_mesh.values():
+        placements = [[pl for pl in (grads[i].grad if isinstance(grads[i], ExpertRows) else grads[i]).placements]
+                      for i in indices]
+        # sharded: Shard, and FSDP2's _StridedShard of a TP shard (which is_shard() does not count)
+        summed = [d for d in range(mesh.ndim)
+                  if any(not (pls[d].is_replicate() or pls[d].is_partial()) for pls in placements)]
+        squares = torch.stack([_local_sqnorm(grads[i], device, mesh, summed) for i in indices])
+        for d in summed:
+            torch.distributed.all_reduce(squares, group=mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group())
+        for i, sq in zip(indices, squares.unbind()):
+            out[i] = sq
+    return out
+
+
+def _local_sqnorm(g, device, mesh, summed):
+    """This rank's part of ||g||^2 for a DTensor gradient (or ExpertRows) on `mesh`, whose squares are then
+    summed over the mesh dimensions `summed`: a partial sum reduced over its dimension first, and 0 on
+    the ranks other than the first of a summed dimension over which g is replicated."""
+    if isinstance(g, ExpertRows):
+        return _expert_rows_sqnorm(g, device)
+    if any(pl.is_partial() for pl in g.placements):
+        from torch.distributed.tensor import Replicate
+        g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+    sq = sum_of_squares(g.to_local()).to(device)
+    for d in summed:
+        if g.placements[d].is_replicate() and mesh.get_local_rank(d) != 0:
+            return torch.zeros_like(sq)
+    return sq
 
 
 def _expert_rows_sqnorm(rows, device):
@@ -365,17 +396,27 @@ class ExactGNS(Estimator):
     every rank rank 0's, in one broadcast of them all, on the step in which a layer first chose (the
     same step on every rank, which run the same layers on the same shapes), so that methods restored
     differently cannot part the ranks.
+
+    Tensor and sequence parallelism (torch's parallelize_module over a TP mesh, with or without FSDP2
+    over a data-parallel one; nanogns/layers/sharded.py): every rank of a TP group sees the same
+    examples, so world_size is the number of data-parallel ranks alone (1 under TP alone), and group
+    their process group (None: every rank, right only without TP). Each step the sharded layers' sums
+    are first combined over their TP groups (a shard's add, a replicated value counts once), then the
+    buffers are summed over `group` when world_size > 1.
     """
     name = PREFIXES["exact"]
     label = "gns"
 
-    def __init__(self, model, world_size=1, beta=EMA_BETA):
+    def __init__(self, model, world_size=1, beta=EMA_BETA, group=None):
         self.model = unwrap(model)
+        self.group = group  # the data-parallel ranks' process group (None: all of them)
         self.logs = AccumulateMeasurements(prefix=self.name)
         self.tracker = MeasurementTracker.from_model(self.model, callback=self.logs, world_size=world_size)
         # every buffer, the untracked ones too (a layer whose parameters are frozen, or shared): found once,
         # as the tracker's entries are, not by a walk over the model's modules twice a step
         self.buffers = all_sqgradnorm_buffers(self.model)
+        # the measured layers, whose buffers tensor or sequence parallelism combines over its group first
+        self.layers = [m for m in self.model.modules() if isinstance(m, MeasuredLayer)]
         self.gns = GradientNoiseScale(beta=beta)
         self.groups = {"total": self.gns}
         kinds = layer_kinds(self.model)  # as measured, not by name: any model's normalisation layers
@@ -392,8 +433,10 @@ class ExactGNS(Estimator):
         return self.tracker.skipped_steps
 
     def sums(self, step, examples, scaler, skipped=None):
+        # tensor/sequence parallelism: each layer's sums over its TP group (its shards', or once); none else
+        allreduce_sharded_buffers(self.layers)
         if self.tracker.world_size > 1:
-            allreduce_buffers(self.buffers)  # the global batch's sums, not one rank's
+            allreduce_buffers(self.buffers, group=self.group)  # the global batch's sums, not one rank's
             methods = sum(layer.norm_method is not None for layer in self.linears)
             if methods != self.agreed_methods:  # a layer chose this step: rank 0's choices for all
                 agree_linear_norm_methods(self.model)

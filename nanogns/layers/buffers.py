@@ -18,6 +18,7 @@ the layers never see s.
 The first dimension of a layer's input indexes the examples: [B, T, ...] (the rest are summed
 over within an example), a 2-D [N, K] input is N examples of one row each.
 """
+import sys
 import warnings
 
 import torch
@@ -50,6 +51,7 @@ def find_sqgradnorm_buffers(model):
     for module in model.modules():
         if "example_count" not in module._buffers:
             continue
+        localise_buffers(module)
         for pname, p in module.named_parameters(recurse=False):
             buf = module._buffers.get(f"{pname}_sqgradnorm")
             if buf is not None and p.requires_grad:
@@ -79,6 +81,19 @@ def _is_norm_buffer(name):
     return name in ("example_count", "expert_examples") or name.endswith("_sqgradnorm")
 
 
+def localise_buffers(module):
+    """parallelize_module (torch.distributed.tensor) turns every buffer of a module it shards into a
+    replicated DTensor: the per-example-norm buffers of `module` go back to plain tensors, their local
+    memory, which the backwards add to and the estimators read (nanogns/layers/sharded.py). A dict
+    read where no DTensor was ever made."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return
+    for name, buf in list(module._buffers.items()):
+        if isinstance(buf, dtensor) and (_is_norm_buffer(name) or name.endswith("_sqgrad_coords")):
+            module._buffers[name] = buf.to_local()
+
+
 def coordinate_buffers(model):
     """(name, parameter, per-coordinate sum buffer) of each parameter that has one, in named_parameters order."""
     found = {}
@@ -96,6 +111,7 @@ def all_sqgradnorm_buffers(model):
     found = {}
     for module in model.modules():
         if "example_count" in module._buffers:
+            localise_buffers(module)
             for name, buf in module._buffers.items():
                 if buf is not None and _is_norm_buffer(name):
                     found.setdefault(id(buf), buf)
@@ -116,6 +132,8 @@ def allreduce_sqgradnorm_buffers(model, group=None):
         |G_1|^2 = (B_rank^2 / B) * S = B * S / W^2,
     so the tracker must know W (the naive B * S is W^2 times too large). Under a float16
     GradScaler S is still s^2 times too large, as on one process.
+    Under tensor or sequence parallelism, call allreduce_sharded_buffers first (its layers' sums over
+    their TP groups), and give this the data-parallel ranks' group alone: W counts those.
     """
     allreduce_buffers(all_sqgradnorm_buffers(model), group)
 

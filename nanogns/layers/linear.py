@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from nanogns.layers import sharded
 from nanogns.layers.routed import routed_forward
 from nanogns.layers.buffers import (MeasuredLayer, _autocast_dtype, _cast, _chunk, _examples, _hand_out,
                                     register_sqgradnorm_buffers, sum_of_squares)
@@ -376,15 +377,18 @@ class _LinearNormTap(torch.autograd.Function):
         ctx.bufs, ctx.sink = (w_sq, b_sq, count), sink is not None
         ctx.has_bias, ctx.linked = has_bias, link_q is not None
         ctx.ghost, ctx.max_chunk_numel = ghost, max_chunk_numel
+        # a DTensor y (tensor parallelism): x is already local, dy is measured on its local tensor
+        ctx.dy_placements = sharded.grad_placements(y) if sharded.is_dtensor(y) else None
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx, dy):
         x, ids = ctx.saved_tensors
         w_sq, b_sq, count = ctx.bufs
-        K, L = x.shape[-1], dy.shape[-1]
+        dl = dy if ctx.dy_placements is None else sharded.local_grad(dy, ctx.dy_placements)
+        K, L = x.shape[-1], dl.shape[-1]
         B = _examples(x, 1)
-        x3, dy3 = x.reshape(B, -1, K), dy.reshape(B, -1, L)
+        x3, dy3 = x.reshape(B, -1, K), dl.reshape(B, -1, L)
         q = h_sq = w_sum = b_sum = None
         if w_sq is not None or ctx.linked:
             ids2 = ids.reshape(B, -1) if ctx.linked else None
@@ -431,9 +435,14 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         if x3 is not None:
             return self._forward(x3).reshape(x.shape[0], -1)
         self._check_call(_examples(x, 1))
+        tensor_parallel = sharded.is_dtensor(x)
+        if tensor_parallel:  # before the buffers are read: parallelize_module made them DTensors
+            sharded.localise_buffers(self)
         args = self._measurement_args(x)
         if args is None:
             return self._linear(x, self.weight, self.bias)
+        if tensor_parallel:
+            return self._measured_sharded(x, *args)
         return self._measured(x, *args)
 
     def _examples_view(self, x):
@@ -446,6 +455,27 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
         if not B or not T or T == 1 or state.get("batch_dim", 0) != 0 or x.shape[0] != B * T:
             return None
         return x.reshape(B, T, x.shape[1])
+
+    def _measured_sharded(self, x, ids, link_q, link_s, w_sq, b_sq, ghost):
+        """Under ColwiseParallel / RowwiseParallel (x, the parameters, the output DTensors on the TP mesh):
+        torch's own linear and backward (either class), the norms measured beside them from the local
+        x and dy as the shim does, and how they add over the TP group noted (nanogns/layers/sharded.py):
+        a weight shard's sums add; a bias whose output gradient is replicated (rowwise) counts once."""
+        where = self._measured_name or type(self).__name__
+        if link_q is not None or self.weight_transposed:
+            raise RuntimeError(f"{where}: a tied output head or a transposed (Conv1D) weight under tensor "
+                               "parallelism is not measured; leave it unmeasured (measure(model, kinds=...))")
+        x_split = sharded.feature_sharded(x.placements, x.dim(), f"{where}'s input")
+        dtype = _autocast_dtype(x)
+        if dtype is not None and x.is_floating_point():
+            x = x.to(dtype)
+        y = self._linear(x, self.weight, self._parameters.get("bias"))
+        dy_split = sharded.feature_sharded(sharded.grad_placements(y), y.dim(), f"{where}'s output gradient")
+        sharded.note_sharded(self, x.device_mesh, {"weight_sqgradnorm": "sum" if x_split or dy_split else "once",
+                                                   "bias_sqgradnorm": "sum" if dy_split else "once",
+                                                   "example_count": "once"})
+        return _LinearNormTap.apply(y, x.detach().to_local(), self.bias is not None, w_sq, b_sq, self.example_count,
+                                    None, None, None, ghost, self.max_chunk_numel, self._compiled_sink())
 
     def _linear(self, x, weight, bias):
         """x W^T + b; for a transposed weight ([in, out], Hugging Face's Conv1D) Conv1D's own addmm,

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanogns.normgnorm as normgnorm
+from nanogns.layers import sharded
 from nanogns.layers.buffers import MeasuredLayer, _examples, coordinate_buffers, register_sqgradnorm_buffers
 from nanogns.normgnorm.torch_path import rms_norm_eps
 from nanogns.refusals import refuse_attributes
@@ -103,17 +104,48 @@ class PEGradNormSeparatedLayerNorm(_MeasuredNorm, LayerNorm):
         # autograd too), with the float32 casts of F.layer_norm's autocast rule where autocast has one
         xc, weight, bias, _ = normgnorm._float32_under_autocast(x, self.weight, self.bias, False)
         y, mean, rstd = torch.native_layer_norm(xc, self.normalized_shape, weight, bias, self.eps)
+        xl, wl, stats, group = _local_norm_inputs(self, xc.detach(), self.weight.detach(),
+                                                  (mean.detach(), rstd.detach()))
         bufs = self._buffers
-        return normgnorm._NormFn.apply(xc.detach(), self.weight.detach(), None,
+        return normgnorm._NormFn.apply(xl, wl, None,
                                        bufs.get("weight_sqgradnorm") if w_trains else None,
                                        bufs.get("bias_sqgradnorm") if b_trains else None,
                                        bufs["example_count"], self._compiled_sink(), self.eps, "", False,
-                                       y, (mean.detach(), rstd.detach()),
-                                       (bufs.get("weight_sqgrad_coords"), bufs.get("bias_sqgrad_coords")))
+                                       y, stats,
+                                       (bufs.get("weight_sqgrad_coords"), bufs.get("bias_sqgrad_coords")), None, group)
 
     # The reference implementation's separated LayerNorm held the gain and bias in a submodule
     # .affine (after a .layernorm without them, refused: refusals.ATTRIBUTES); here they are its own.
     affine = property(lambda self: self, doc="The layer itself: its weight and bias are the affine part's.")
+
+
+def _local_norm_inputs(layer, x, weight, stats):
+    """A separated normalisation's x, weight and row statistics as its Function measures from them, and
+    the process group over which its per-example vectors are summed before squaring (None: not). Plain
+    tensors go as they are. Under torch's SequenceParallel (DTensors on the TP mesh, the parameters
+    replicated, each rank holding some of every example's tokens) the local tensors, and the TP group:
+    each rank's dgamma_b, dbeta_b are partial sums over its tokens, whose squares do not add; the summed
+    vectors are the same on every rank, so its buffers count once over the group (nanogns/layers/sharded.py)."""
+    if not sharded.is_dtensor(x):
+        return x, weight, stats, None
+    where = layer._measured_name or type(layer).__name__
+    placements = x.placements
+    if len(placements) != 1:
+        raise RuntimeError(f"{where}: a DTensor on a {len(placements)}-dimensional mesh in the forward; the "
+                           "measured normalisations take one sequence-parallel mesh dimension")
+    pl, tokens = placements[0], x.dim() - len(layer.normalized_shape)  # dims 1 .. tokens - 1 hold the tokens
+    split = pl.is_shard() and 0 < pl.dim % x.dim() < tokens
+    if not (split or pl.is_replicate()) or sharded.is_dtensor(weight) and not all(
+            p.is_replicate() for p in weight.placements):
+        raise RuntimeError(f"{where}: input {pl}, weight {getattr(weight, 'placements', None)} over the mesh: a "
+                           "measured normalisation takes its tokens split (SequenceParallel) or whole, its "
+                           "parameters replicated; leave it unmeasured (measure(model, norm=None))")
+    sharded.localise_buffers(layer)
+    sharded.note_sharded(layer, x.device_mesh, {name: "once" for name in layer._buffers
+                                                if name == "example_count" or name.endswith("_sqgradnorm")})
+    local = lambda t: t.to_local() if sharded.is_dtensor(t) else t  # noqa: E731
+    stats = None if stats is None else tuple(local(t) for t in stats)
+    return local(x), local(weight), stats, x.device_mesh.get_group() if split else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,10 +171,11 @@ class PEGradNormSeparatedRMSNorm(_MeasuredNorm, nn.RMSNorm):
         weight = self._parameters.get("weight")  # None without affine, or parametrized: not measured
         if not torch.is_grad_enabled() or weight is None or not weight.requires_grad:
             return y
+        xl, wl, _, group = _local_norm_inputs(self, x.detach(), weight.detach(), None)
         bufs = self._buffers
-        return normgnorm._NormFn.apply(x.detach(), weight.detach(), None, bufs.get("weight_sqgradnorm"), None,
+        return normgnorm._NormFn.apply(xl, wl, None, bufs.get("weight_sqgradnorm"), None,
                                        bufs["example_count"], self._compiled_sink(), self.eps, "", True, y, None,
-                                       (bufs.get("weight_sqgrad_coords"), None))
+                                       (bufs.get("weight_sqgrad_coords"), None), None, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +189,8 @@ class _FusedNorm(_MeasuredNorm):
     implementation (None: Triton on CUDA, the CPU kernel on CPU; normgnorm.resolve_backend). Under
     torch.compile every backend runs the one compiled route, the PyTorch path fused with the model.
     The kernel normalises over the last dimension only; elementwise_affine=False leaves nothing to
-    measure and runs torch's own.
+    measure and runs torch's own. A DTensor input (torch's SequenceParallel) is normalised by torch
+    and measured as the separated class measures it: the kernels read local memory.
     """
     separated = None  # the separated class, for what the kernel does not take
 
@@ -174,6 +208,8 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
     separated = "PEGradNormSeparatedLayerNorm"
 
     def forward(self, x):
+        if sharded.is_dtensor(x):  # sequence parallelism: torch's own normalisation, measured as separated
+            return PEGradNormSeparatedLayerNorm.forward(self, x)
         self._check_call(_examples(x, len(self.normalized_shape)))
         if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -198,6 +234,8 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
     separated = "PEGradNormSeparatedRMSNorm"
 
     def forward(self, x):
+        if sharded.is_dtensor(x):  # sequence parallelism: torch's own normalisation, measured as separated
+            return PEGradNormSeparatedRMSNorm.forward(self, x)
         self._check_call(_examples(x, len(self.normalized_shape)))
         if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -212,14 +212,16 @@ def _autocast_off(ctx):
 
 def _refuse_sharded(x, weight, rms):
     """A DTensor (a module that torch.distributed.tensor's parallelize_module shards: sequence or
-    tensor parallelism) is refused in one line: each rank holds part of every example's rows, and
-    the kernels read a tensor's local memory, which a DTensor does not hand them. Only a process that
+    tensor parallelism) handed to the fused way (layer_norm, rms_norm, PEGLayerNorm) is refused in
+    one line: each rank holds part of every example's rows, and the kernels read a tensor's local
+    memory, which a DTensor does not hand them. The measured layers hand the Function local tensors. Only a process that
     made DTensors has the module loaded, so the check costs a dict read elsewhere."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is not None and (isinstance(x, dtensor) or isinstance(weight, dtensor)):
         raise TypeError(f"a measured {'RMSNorm' if rms else 'LayerNorm'} was handed a DTensor (a module sharded by "
-                        "torch.distributed.tensor, e.g. SequenceParallel), which its per-example norms do not take: "
-                        "measure the model with norm=None, or leave the normalisations out of parallelize_module")
+                        "torch.distributed.tensor, e.g. SequenceParallel), which the fused kernels do not take: "
+                        "use the measured layer classes (measure(model)), which normalise a DTensor with torch's "
+                        "own and measure it from its local tensors")
 
 
 class _NormFn(torch.autograd.Function):
@@ -253,7 +255,7 @@ class _NormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_sqgradnorm, bias_sqgradnorm, example_count, sink, eps, backend, rms,
-                torch_output=None, stats=None, coords=None, pairs=None):
+                torch_output=None, stats=None, coords=None, pairs=None, group=None):
         if not torch.compiler.is_compiling():
             _refuse_sharded(x, weight, rms)
         ctx.bufs = (weight_sqgradnorm, bias_sqgradnorm, example_count)
@@ -261,6 +263,11 @@ class _NormFn(torch.autograd.Function):
         if ctx.separated:
             ctx.save_for_backward(x, *(stats or (None, None)))
             ctx.shape, ctx.eps, ctx.coords = weight.shape, eps, coords or (None, None)
+            # sequence parallelism (nanogns/layers/norms.py): x and the statistics are local, torch_output a
+            # DTensor whose gradient is measured on its local tensor, the per-example vectors summed over group
+            ctx.group = group
+            ctx.dy_placements = getattr(torch_output, "placements", None) if getattr(
+                torch_output, "device_mesh", None) is not None else None
             return torch_output.view_as(torch_output)
         # once: the backward runs what the forward ran; under torch.compile, and wherever a sink is
         # given, the torch path, traced with the model's ops
@@ -275,7 +282,8 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         if ctx.separated:
-            return None, None, None, None, None, None, _separated_sums(ctx, dy), None, None, None, dy, None, None, None
+            return (None, None, None, None, None, None, _separated_sums(ctx, dy), None, None, None, dy, None, None, None,
+                    None)
         x, weight, mean, rstd = ctx.saved_tensors
         need_dw, need_db = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
         with _autocast_off(ctx):
@@ -289,7 +297,7 @@ class _NormFn(torch.autograd.Function):
             for pair, sq, grad in zip(ctx.pairs, ctx.bufs, (dw, db)):
                 if pair is not None and grad is not None:
                     pair.add_(torch.stack([sq, torch.full_like(sq, num_examples)]))
-        return dx, dw, db, None, None, None, sink_grad, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, sink_grad, None, None, None, None, None, None, None, None
 
 
 def _sink_backward(dy, x, weight, mean, rstd, need_dw, need_db):
@@ -308,6 +316,10 @@ def _separated_sums(ctx, dy):
     added to the buffers (and the per-coordinate ones), or, given a sink, returned as its gradient."""
     x, mean, rstd = ctx.saved_tensors
     weight_sq, bias_sq, count = ctx.bufs
+    if ctx.dy_placements is not None:  # a DTensor (sequence parallelism): its local tensor, laid out as the output
+        if tuple(dy.placements) != tuple(ctx.dy_placements):
+            dy = dy.redistribute(placements=ctx.dy_placements)
+        dy = dy.to_local()
     N = math.prod(ctx.shape)
     B = x.shape[0] if x.dim() > len(ctx.shape) else 1  # an input of the normalised shape alone: one example
     x3, dy3 = x.reshape(B, -1, N), dy.reshape(B, -1, N)
@@ -318,11 +330,41 @@ def _separated_sums(ctx, dy):
     else:
         mean3, rstd3 = mean.reshape(B, -1, 1), rstd.reshape(B, -1, 1)
     need_dw, need_db = weight_sq is not None, bias_sq is not None
+    if ctx.group is not None:  # tokens split over the group: each rank's dγ_b, dβ_b summed before squaring
+        return _split_token_sums(ctx, dy3, x3, mean3, rstd3, need_dw, need_db, B)
     if ctx.sink:  # the sums as values, in ops the compiler fuses with torch's backward
         return torch_path.per_example_sums(dy3, x3, mean3, rstd3, need_dw, need_db,
                                            tuple(c is not None for c in ctx.coords))
     # the per-example dγ_b, dβ_b and their squared norms (on CPU in one native pass over x and dy)
     dw_b, db_b = cpu_ext.per_example_grads(dy3, x3, mean3, rstd3, need_dw, need_db, weight_sq, bias_sq)
+    for grads_b, coords in zip((dw_b, db_b), ctx.coords):
+        if grads_b is not None and coords is not None:
+            coords.add_(grads_b.square().sum(0))
+    count.add_(B)
+    return None
+
+
+def _split_token_sums(ctx, dy3, x3, mean3, rstd3, need_dw, need_db, B):
+    """_separated_sums where each rank of ctx.group holds some of every example's tokens (sequence
+    parallelism): the rank's per-example dγ_b, dβ_b [B, D] are partial sums over its tokens, so they
+    are summed over the group (one all_reduce of them laid end to end) before they are squared, and
+    every rank then adds the same whole sums (counted once over the group: nanogns/layers/sharded.py).
+    Eager only: the sink (torch.compile) is refused."""
+    if ctx.sink:
+        raise RuntimeError("a separated normalisation under sequence parallelism is measured in eager mode only "
+                           "(its backward sums per-example vectors over the group)")
+    weight_sq, bias_sq, count = ctx.bufs
+    dw_b, db_b = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db)
+    parts = [g for g in (dw_b, db_b) if g is not None]
+    if parts:
+        flat = torch.cat([g.reshape(-1) for g in parts])
+        torch.distributed.all_reduce(flat, group=ctx.group)
+        parts = list(flat.view(len(parts), *parts[0].shape).unbind())
+    summed = iter(parts)
+    dw_b, db_b = (next(summed) if g is not None else None for g in (dw_b, db_b))
+    measured = [(sq, g) for sq, g in ((weight_sq, dw_b), (bias_sq, db_b)) if g is not None]
+    if measured:
+        torch_path.add_squared_norms(*map(list, zip(*measured)))
     for grads_b, coords in zip((dw_b, db_b), ctx.coords):
         if grads_b is not None and coords is not None:
             coords.add_(grads_b.square().sum(0))

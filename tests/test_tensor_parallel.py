@@ -1,0 +1,32 @@
+"""The measured layers under torch's tensor and sequence parallelism (parallelize_module) on CPU with
+gloo, 2 and 4 processes (tests/tp_worker.py): ColwiseParallel and RowwiseParallel Linears (both
+classes), a SequenceParallel LayerNorm and RMSNorm (separated and fused; the block's output
+replicated, or split on the sequence again with the loss each rank's part), and with 4 processes
+FSDP2 over 2 data-parallel ranks x 2 TP ranks. Each parameter's (1/B) sum_b ||g_b||^2 and |G_B|^2
+from ExactGNS equal one process's on the whole batch (one backward per example) within 1e-5
+relative (through GNSMeter too), every rank's Linears chose their method alike, and a Linear whose tokens are
+split over the ranks is refused in one line."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.mark.parametrize("procs", [2, 4])
+def test_tensor_and_sequence_parallel_measure_what_one_process_measures(procs):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+           os.path.join(REPO, "tests", "tp_worker.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line.split(" methods=")[0] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    expected = ["ok tp gns layernorm", "ok tp shim layernorm", "ok sp gns layernorm", "ok sp shim rmsnorm",
+                "ok sp-out gns layernorm"]
+    if procs == 4:
+        expected += ["ok fsdp-tp gns layernorm", "ok fsdp-tp shim rmsnorm"]
+    meter = f"ok {'fsdp-tp' if procs == 4 else 'sp-out'} gns layernorm meter"
+    fused = ["ok sp-out shim layernorm fused", "ok sp-out shim rmsnorm fused"]
+    assert lines == expected + [meter, *fused, "ok refusals"], done.stdout
