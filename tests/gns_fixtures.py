@@ -221,3 +221,15 @@ def train_step(model, micro_batches, scaler=None, loss=regression_loss, per_exam
         (scaler.scale(batch_loss) if scaler is not None else batch_loss).backward()
         fill_buffers(model, x, y, B, scale, loss, per_example)
     return B
+
+
+def counting_hook(hooks):
+    """An accelerate ModelHook (hooks: accelerate.hooks) counting the forwards it runs before, in .calls."""
+    class Counting(hooks.ModelHook):
+        def __init__(self):
+            self.calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+    return Counting()

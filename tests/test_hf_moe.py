@@ -18,6 +18,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from gns_fixtures import counting_hook  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
 from nanogns.estimators.exact import ExactGNS  # noqa: E402
 from nanogns.layers import PEGradNormHFExperts, PEGradNormHFRouter, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
@@ -291,18 +292,10 @@ def test_router_that_does_not_pass_its_weight_to_f_linear_is_an_error(monkeypatc
 def test_accelerate_wrapped_experts_and_router_call_the_measured_forwards():
     hooks = pytest.importorskip("accelerate.hooks")
 
-    class Counting(hooks.ModelHook):
-        def __init__(self):
-            self.calls = 0
-
-        def pre_forward(self, module, *args, **kwargs):
-            self.calls += 1
-            return args, kwargs
-
     plain, data = tiny("mixtral").train(), batches(1)
     model = copy.deepcopy(plain)
     block = model.model.layers[0].mlp
-    counting = [Counting(), Counting()]
+    counting = [counting_hook(hooks), counting_hook(hooks)]
     hooks.add_hook_to_module(block.experts, counting[0])
     hooks.add_hook_to_module(block.gate, counting[1])
     with warnings.catch_warnings():

@@ -28,7 +28,7 @@ import nanogns.layers as buffered  # noqa: E402
 import nanogns.layers.buffers as buffers_module  # noqa: E402  (its warn-once memory)
 from nanogns.layers import MEASURED_CLASSES, find_sqgradnorm_buffers, layer_kinds, measure  # noqa: E402
 from nanogns.logread import load_log  # noqa: E402
-from gns_fixtures import tiny_hf  # noqa: E402
+from gns_fixtures import counting_hook, tiny_hf  # noqa: E402
 from gns_fixtures import one_thread  # noqa: E402,F401  (autouse: tiny tensors, one thread)
 from loop_fixtures import installed_package, run_script  # noqa: E402
 
@@ -600,20 +600,12 @@ def test_module_whose_forward_is_replaced_on_the_instance_is_left_out_naming_it(
 def test_accelerate_forward_wrapper_calls_the_measured_forward():
     hooks = pytest.importorskip("accelerate.hooks")
 
-    class Counting(hooks.ModelHook):
-        def __init__(self):
-            self.calls = 0
-
-        def pre_forward(self, module, *args, **kwargs):
-            self.calls += 1
-            return args, kwargs
-
     torch.manual_seed(8)
     plain = Positions(flat=False)
     batches = random_batches()
     expected, _ = brute_force(plain, batches, nano_loss)
     model = copy.deepcopy(plain)
-    counting = Counting()
+    counting = counting_hook(hooks)
     hooks.add_hook_to_module(model.head, counting)
     measure(model, strict=True)
     assert isinstance(model.head, buffered.PEGradNormLinear) and model.head._hf_hook is counting
