@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from nanogns.layers.buffers import (MeasuredLayer, _examples, _hand_out, _warn_once, register_sqgradnorm_buffers,
                                     sum_of_squares)
+from nanogns.layers import sharded
 from nanogns.layers.linear import PEGradNormLinear, PEGradNormShimLinear
 
 
@@ -170,6 +171,10 @@ class _MeasuredEmbedding(MeasuredLayer, nn.Embedding):
                 torch.embedding_renorm_(self.weight, ids, self.max_norm, self.norm_type)
         measure = (torch.is_grad_enabled() and self.weight.requires_grad
                    and "weight_sqgradnorm" in self._buffers)
+        if measure and (sharded.is_dtensor(self.weight) or sharded.is_dtensor(ids)):
+            raise RuntimeError(f"{self._measured_name or type(self).__name__}.weight: an Embedding under tensor "
+                               "parallelism (a DTensor weight or ids) is not measured; leave the Embeddings "
+                               "unmeasured (measure(model, embedding=None)) or keep them unsharded")
         return measure, measure and self._tie is not None
 
     def _hand_link(self, ids, out, linked):
