@@ -35,7 +35,7 @@ from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, all_sqgradnorm
                                     allreduce_buffers, allreduce_sqgradnorm_buffers, coordinate_buffers,
                                     find_sqgradnorm_buffers, register_sqgradnorm_buffers, sum_of_squares,
                                     zero_sqgradnorm_buffers)
-from nanogns.layers.experts import Experts, PEGradNormExperts, expert_reach  # noqa: F401
+from nanogns.layers.experts import Experts, PEGradNormExperts  # noqa: F401
 from nanogns.layers.hf_moe import PEGradNormHFExperts, PEGradNormHFRouter  # noqa: F401
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, link_tied, tie_weights  # noqa: F401
 from nanogns.layers.linear import (CUBLAS_ROUTE, DTYPE_NAMES, FUSED_GHOST_RATIO, HAS_TRITON, NORM_METHODS,  # noqa: F401

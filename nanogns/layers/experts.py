@@ -60,9 +60,15 @@ def route(expert_index, n_expert, B):
     counts = torch.cat([torch.stack([rows, groups, longest]).view(-1), outside.to(rows.dtype)]).tolist()
     if counts[-1]:
         raise ValueError(f"expert_index holds experts outside 0..{n_expert - 1}")
+    reached = groups  # on the device: what the backward adds to the examples each expert reached
     rows, groups, longest = counts[:n_expert], counts[n_expert:2 * n_expert], counts[2 * n_expert:3 * n_expert]
     return dict(token=token, slot=slot, expert=expert, group=group, position=position,
-                rows=rows, groups=groups, longest=longest)
+                rows=rows, groups=groups, longest=longest, reached=reached)
+
+
+def _per_expert_linear(rows, weight, counts):
+    """Rows sorted by expert (counts[e] of them for expert e) through their expert's matrix of weight [E, out, in]."""
+    return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(rows.split(counts))])
 
 
 def _padded(rows, routing, e, first_row, first_group):
@@ -84,9 +90,7 @@ class _ExpertLinearFn(torch.autograd.Function):
     def forward(ctx, rows, weight, routing, sq, count, reached, B, mode, max_chunk_numel):
         ctx.save_for_backward(rows, weight)
         ctx.routing, ctx.bufs, ctx.B, ctx.mode, ctx.max_chunk_numel = routing, (sq, count, reached), B, mode, max_chunk_numel
-        ctx.sink = False
-        parts = rows.split(routing["rows"])
-        return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(parts)])
+        return _per_expert_linear(rows, weight, routing["rows"])
 
     @staticmethod
     def backward(ctx, dy):
@@ -122,7 +126,7 @@ class _ExpertLinearFn(torch.autograd.Function):
         if count is not None:
             count.add_(ctx.B)
         if reached is not None:
-            reached.add_(torch.tensor(routing["groups"], dtype=torch.float32, device=reached.device))
+            reached.add_(routing["reached"])
         return dx, dw, None, None, None, None, None, None, None
 
 
@@ -134,6 +138,7 @@ class Experts(nn.Module):
     gives sum_j expert_weight_j * c_proj[e_j] gelu(c_fc[e_j] x) per token, x's shape. The weights are
     two [E, out, in] parameters (Linear's layout, one matrix per expert), without biases.
     """
+    expert_parameters = EXPERT_PARAMETERS  # the two [E, out, in] weights, in the order they are applied
 
     def __init__(self, n_expert, n_embd, hidden, device=None, dtype=None):
         super().__init__()
@@ -156,8 +161,16 @@ class Experts(nn.Module):
 
     def _expert_linear(self, rows, weight, routing, name, B, counted):
         """The rows through each expert's matrix `weight` ([E, out, in]): torch's ops here."""
-        parts = rows.split(routing["rows"])
-        return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(parts)])
+        return _per_expert_linear(rows, weight, routing["rows"])
+
+    def _activate(self, h):
+        """Between the two weights: GELU."""
+        return F.gelu(h)
+
+    def _combine(self, y, weights, routing, x2):
+        """Each routed row's output scaled by its routing weight, summed per token: [N, out], in y's dtype."""
+        y = y * weights[:, None].to(y.dtype)
+        return torch.zeros(x2.shape[0], y.shape[-1], dtype=y.dtype, device=y.device).index_add_(0, routing["token"], y)
 
     def forward(self, x, expert_index, expert_weight):
         shape = x.shape
@@ -165,16 +178,15 @@ class Experts(nn.Module):
         B = self._examples(x)
         routing = route(expert_index, self.n_expert, B)
         weights = expert_weight.reshape(-1, expert_weight.shape[-1])[routing["token"], routing["slot"]]
-        c_fc, c_proj, rows = self.c_fc, self.c_proj, x2[routing["token"]]
+        first, second = self.expert_parameters
+        w1, w2, rows = self._parameters[first], self._parameters[second], x2[routing["token"]]
         dtype = _autocast_dtype(x)
         if dtype is not None and x.is_floating_point():  # as autocast casts a Linear's operands
-            c_fc, c_proj, rows = c_fc.to(dtype), c_proj.to(dtype), rows.to(dtype)
-        counted = self._counts_with(("c_fc", "c_proj"))
-        h = F.gelu(self._expert_linear(rows, c_fc, routing, "c_fc", B, counted == "c_fc"))
-        y = self._expert_linear(h, c_proj, routing, "c_proj", B, counted == "c_proj")
-        y = y * weights[:, None].to(y.dtype)
-        out = torch.zeros(x2.shape[0], shape[-1], dtype=y.dtype, device=y.device).index_add_(0, routing["token"], y)
-        return out.view(*shape[:-1], shape[-1])
+            w1, w2, rows = w1.to(dtype), w2.to(dtype), rows.to(dtype)
+        counted = self._counts_with(self.expert_parameters)
+        h = self._activate(self._expert_linear(rows, w1, routing, first, B, counted == first))
+        y = self._expert_linear(h, w2, routing, second, B, counted == second)
+        return self._combine(y, weights, routing, x2).view(*shape[:-1], -1)
 
     def _counts_with(self, names):
         return None
@@ -190,7 +202,6 @@ class PEGradNormExperts(MeasuredLayer, Experts):
     """
     per_example_mode = "shapes"
     max_chunk_numel = 1 << 24
-    expert_parameters = EXPERT_PARAMETERS  # the [E, out, in] weights measured per expert
 
     def __init__(self, n_expert, n_embd, hidden, device=None, dtype=None):
         super().__init__(n_expert, n_embd, hidden, device=device, dtype=dtype)
@@ -228,15 +239,3 @@ class PEGradNormExperts(MeasuredLayer, Experts):
     # MeasuredLayer's sink is for layers compiled into the graph; this one never is
     def _new_sink(self):
         self.__dict__["_sink"] = None
-
-
-def expert_reach(model):
-    """{parameter name: [examples that reached each expert]} of every measured Experts layer's weights,
-    since the buffers were last zeroed (the counts, summed over micro-steps)."""
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, PEGradNormExperts):
-            reached = module.expert_examples.tolist()
-            for pname in module.expert_parameters:
-                found[f"{name}.{pname}" if name else pname] = reached
-    return found

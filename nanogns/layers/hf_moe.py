@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from nanogns.layers.buffers import MeasuredLayer, _autocast_dtype, register_sqgradnorm_buffers
-from nanogns.layers.experts import PEGradNormExperts, route
+from nanogns.layers.experts import Experts, PEGradNormExperts
 from nanogns.layers.linear import _LinearFn, _use_ghost
 
 HF_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
@@ -143,23 +143,16 @@ class PEGradNormHFExperts(_Made, PEGradNormExperts):
 
     @torch.compiler.disable
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        shape = hidden_states.shape
-        x2 = hidden_states.reshape(-1, shape[-1])
-        B = self._examples(hidden_states)
-        self._check_call(B)  # rows, not examples: only the second use in one forward is refused
-        routing = route(top_k_index, self.n_expert, B)
-        weights = top_k_weights.reshape(-1, top_k_weights.shape[-1])[routing["token"], routing["slot"]]
-        gate_up, down, rows = self.gate_up_proj, self.down_proj, x2[routing["token"]]
-        dtype = _autocast_dtype(hidden_states)
-        if dtype is not None and hidden_states.is_floating_point():  # as autocast casts F.linear's operands
-            gate_up, down, rows = gate_up.to(dtype), down.to(dtype), rows.to(dtype)
-        counted = self._counts_with(HF_EXPERT_PARAMETERS)
-        h = self._expert_linear(rows, gate_up, routing, "gate_up_proj", B, counted == "gate_up_proj")
-        h = self._apply_gate(h)
-        y = self._expert_linear(h, down, routing, "down_proj", B, counted == "down_proj")
-        y = y * weights[:, None]
-        out = torch.zeros_like(x2).index_add_(0, routing["token"], y.to(x2.dtype))
-        return out.view(shape)
+        self._check_call(self._examples(hidden_states))  # rows, not examples: only a second use is refused
+        return Experts.forward(self, hidden_states, top_k_index, top_k_weights)
+
+    def _activate(self, h):
+        """Between gate_up and down: the class's own gate (act_fn of one half times the other)."""
+        return self._apply_gate(h)
+
+    def _combine(self, y, weights, routing, x2):
+        """Each routed row's output scaled by its routing weight, summed per token, in x2's dtype."""
+        return torch.zeros_like(x2).index_add_(0, routing["token"], (y * weights[:, None]).to(x2.dtype))
 
 
 class _RouterTap(TorchFunctionMode):

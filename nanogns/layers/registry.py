@@ -95,7 +95,7 @@ def _token_rows(name, module, kinds, in_moe_block=False):
     """Why the layers in `module` (called `name` in the model) see tokens rather than examples, by
     what it is (kinds={Class: None}, TOKEN_BLOCKS, an expert's name outside a MOE_BLOCKS block), or None."""
     cls = type(module)
-    if isinstance(module, (Experts, PEGradNormExperts)) and kinds.get(cls, "") is not None:
+    if isinstance(module, Experts) and kinds.get(cls, "") is not None:
         return None  # routed experts that keep each row's example: measured per example
     if kinds and kinds.get(cls, "") is None:
         return f"in {name} ({cls.__name__}), left out by kinds={{{cls.__name__}: None}}"
