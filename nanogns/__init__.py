@@ -7,6 +7,7 @@ are Sufficient to Predict Gradient Noise Scale in Transformers"; McCandlish et a
     from nanogns.hf import GNSCallback    # Hugging Face's Trainer   (pip install "nanogns[hf]")
     from nanogns.lightning import GNSCallback  # Lightning         (pip install "nanogns[lightning]")
     from nanogns import measure           # put the measured layers into any model
+    from nanogns.olmo import GNSCallback  # OLMo-core's Trainer     (pip install "nanogns[olmo]")
 
 The package's parts:
     layers/      the measured Linear, Embedding, LayerNorm, RMSNorm and MoE experts, their buffers, measure()
@@ -30,6 +31,7 @@ _PUBLIC = {
     "GNSMeterError": "nanogns.meter",
     "measure": "nanogns.layers",
     "find_sqgradnorm_buffers": "nanogns.layers",
+    "split_tokens": "nanogns.layers",  # context parallelism: the normalisations' per-example vectors summed over it
     # every class measure() builds (nanogns.layers.MEASURED_CLASSES)
     "PEGradNormLinear": "nanogns.layers",
     "PEGradNormShimLinear": "nanogns.layers",

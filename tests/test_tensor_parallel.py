@@ -5,7 +5,8 @@ replicated, or split on the sequence again with the loss each rank's part), and 
 FSDP2 over 2 data-parallel ranks x 2 TP ranks. Each parameter's (1/B) sum_b ||g_b||^2 and |G_B|^2
 from ExactGNS equal one process's on the whole batch (one backward per example) within 1e-5
 relative (through GNSMeter too), every rank's Linears chose their method alike, and a Linear whose tokens are
-split over the ranks is refused in one line."""
+split over the ranks is refused in one line. Context parallelism (split_tokens): the normalisations measure
+what one process measures, with the tokens split over 2 ranks (2 data-parallel x 2 cp with 4 processes)."""
 import os
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def test_tensor_and_sequence_parallel_measure_what_one_process_measures(procs):
         expected += ["ok fsdp-tp gns layernorm", "ok fsdp-tp shim rmsnorm"]
     meter = f"ok {'fsdp-tp' if procs == 4 else 'sp-out'} gns layernorm meter"
     fused = ["ok sp-out shim layernorm fused", "ok sp-out shim rmsnorm fused"]
-    assert lines == expected + [meter, *fused, "ok refusals"], done.stdout
+    cp = ["ok cp layernorm shim", "ok cp rmsnorm shim", "ok cp layernorm fused"]
+    assert lines == expected + [meter, *fused, "ok refusals", *cp], done.stdout
 
 
 def test_an_embedding_under_tensor_parallelism_is_refused_in_one_line():

@@ -11,6 +11,8 @@ RMSNorm; "sp-out": the output reduce-scattered onto the sequence again, each ran
 with both Linear classes; with 4 ranks also FSDP2 over 2 data-parallel ranks x 2 TP ranks.
 The last configuration runs once more through GNSMeter (told the data-parallel ranks and their group),
 and "sp-out" with the fused normalisations (torch's normalisation for a DTensor, measured as separated).
+Then context parallelism (plain tensors, each example's tokens split over the ranks; with 4 processes
+2 data-parallel x 2 cp ranks): the normalisations measured through split_tokens, a measured Linear refused.
 Prints one "ok <configuration>" line per configuration on rank 0; raises on any mismatch.
 """
 import copy
@@ -66,9 +68,10 @@ def reference(model, xs, targets):
     return {name: (per_example[name] / n, total[name].square().sum().item()) for name in per_example}
 
 
-def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, split_output):
+def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, split_output, reduce=None):
     """One step of MICRO micro-steps on this rank's part of the batch; the ExactGNS row. split_output:
-    the output is this rank's slice of the sequence too, and the loss this rank's part of the mean."""
+    the output is this rank's slice of the sequence too, and the loss this rank's part of the mean.
+    reduce: what reduces the gradients after the last backward, if anything."""
     for x, target in zip(xs, targets):
         x, target = x[rank_examples], target[rank_examples]
         if shard_tokens is not None:  # sequence parallelism: the ranks hold the sequence's slices
@@ -79,7 +82,24 @@ def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, sp
         else:
             loss = example_losses(model(x), target).mean() / MICRO
         loss.backward()
+    if reduce is not None:
+        reduce()
     return estimator.measure(0, MICRO * B, None)
+
+
+def check(row, want, where):
+    """The row's (1/B) sum_b ||g_b||^2 and |G_B|^2 of each parameter against want's, within RTOL."""
+    got = {}
+    for col, value in row.items():
+        parsed = parse_column(col)
+        if parsed is not None and parsed[2] in ("norm", "pegn"):
+            got.setdefault(parsed[1], {})[parsed[2]] = value
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for name, (small, big) in want.items():
+        for kind, expected in (("pegn", small), ("norm", big)):
+            measured = got[name][kind] ** 2
+            assert abs(measured - expected) <= RTOL * abs(expected), \
+                f"{where}: {name} {kind}^2 {measured!r} != {expected!r}"
 
 
 def run(config, linear, norm, rank, world, meter=False, norm_class="shim"):
@@ -116,17 +136,7 @@ def run(config, linear, norm, rank, world, meter=False, norm_class="shim"):
     shard_tokens = (mesh["tp"].get_local_rank(), tp) if config.startswith("sp") else None
     row = measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, config == "sp-out")
 
-    got = {}
-    for col, value in row.items():
-        parsed = parse_column(col)
-        if parsed is not None and parsed[2] in ("norm", "pegn"):
-            got.setdefault(parsed[1], {})[parsed[2]] = value
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    for name, (small, big) in want.items():
-        for kind, expected in (("pegn", small), ("norm", big)):
-            measured = got[name][kind] ** 2
-            assert abs(measured - expected) <= RTOL * abs(expected), \
-                f"{config} {linear} {norm} rank {rank}: {name} {kind}^2 {measured!r} != {expected!r}"
+    check(row, want, f"{config} {linear} {norm} rank {rank}")
     # the Linears chose their method from the shapes alone (global ones): every rank the same
     methods = [layer.norm_method for layer in (model.fc, model.proj)]
     gathered = [None] * world
@@ -137,6 +147,43 @@ def run(config, linear, norm, rank, world, meter=False, norm_class="shim"):
     if rank == 0:
         extra = (" meter" if meter else "") + (f" {norm_class}" if norm_class != "shim" else "")
         print(f"ok {config} {linear} {norm}{extra} methods={methods}", flush=True)
+
+
+def context_parallel(norm, rank, world, norm_class="shim"):
+    """Context parallelism: each example's tokens split over the cp ranks (with 4 processes, 2 data-parallel
+    x 2 cp), the normalisation measured (split_tokens), the Linears not (they are refused); the gradients
+    summed over the cp ranks and averaged over the data-parallel ones, as FSDP over dp x cp does."""
+    torch.manual_seed(0)
+    plain = Block(norm)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    model = nanogns.measure(copy.deepcopy(plain), linear=None, norm=norm_class)
+    xs = [torch.randn(B, T, D) for _ in range(MICRO)]
+    targets = [torch.randn(B, T, D) for _ in range(MICRO)]
+    want = {name: v for name, v in reference(plain, xs, targets).items() if name.startswith("norm.")}
+    dp = 2 if world == 4 else 1
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "cp"))
+    assert nanogns.split_tokens(model, mesh["cp"].get_group()) == 1
+    estimator = ExactGNS(model, world_size=dp, group=mesh["dp"].get_group())
+
+    def reduce():
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dp
+
+    dp_rank, share = mesh["dp"].get_local_rank(), B // dp
+    row = measured_step(model, xs, targets, estimator, (mesh["cp"].get_local_rank(), world // dp),
+                        slice(dp_rank * share, (dp_rank + 1) * share), True, reduce)
+    check(row, want, f"cp {norm} {norm_class} rank {rank}")
+    if rank == 0:
+        print(f"ok cp {norm} {norm_class}", flush=True)
+    try:  # a measured Linear under context parallelism: refused in one line
+        nanogns.split_tokens(nanogns.measure(Block(norm)), mesh["cp"].get_group())
+    except ValueError as e:
+        assert "fc (PEGradNormLinear) is measured" in str(e) and "\n" not in str(e), str(e)
+    else:
+        raise AssertionError("split_tokens took a measured Linear")
 
 
 def refusals(rank):
@@ -171,5 +218,7 @@ if __name__ == "__main__":
     for norm in ("layernorm", "rmsnorm"):  # the fused classes, which hand a DTensor to torch's normalisation
         run("sp-out", "shim", norm, rank, world, norm_class="fused")
     refusals(rank)
+    for norm, norm_class in (("layernorm", "shim"), ("rmsnorm", "shim"), ("layernorm", "fused")):
+        context_parallel(norm, rank, world, norm_class)
     dist.barrier()
     dist.destroy_process_group()

@@ -24,7 +24,8 @@ puts them into any model. `import buffered` (the reference implementation's name
     config.py     the flags' classes, chosen for nanoGPT's model.py (the reference's layer_config)
     linear_kernel.py  the Triton GEMM of materialised Linear norms
     sharded.py    the layers under torch's tensor and sequence parallelism (parallelize_module): how
-                  each buffer's per-rank sums combine over the TP group, allreduce_sharded_buffers
+                  each buffer's per-rank sums combine over the TP group, allreduce_sharded_buffers;
+                  split_tokens, the normalisations under context parallelism (tokens split over ranks)
 
 Every layer must be applied once per forward (a layer used twice would need the cross terms
 between its uses: in a model measure() converted, an error); the one exception handled is the tied
@@ -45,7 +46,7 @@ from nanogns.layers.linear import (CUBLAS_ROUTE, DTYPE_NAMES, FUSED_GHOST_RATIO,
                                    choose_linear_norm_methods, linear_norm_methods, linear_sqnorms,
                                    materialised_route, measured_linears, read_route_table, route_table_path,
                                    set_linear_norm_methods, set_per_example_mode, table_method)
-from nanogns.layers.sharded import allreduce_sharded_buffers  # noqa: F401
+from nanogns.layers.sharded import allreduce_sharded_buffers, split_tokens  # noqa: F401
 from nanogns.layers.norms import (LAYERNORM_DEFAULTS, LayerNorm, PEGradNormFusedLayerNorm,  # noqa: F401
                                   PEGradNormFusedRMSNorm, PEGradNormSeparatedLayerNorm, PEGradNormSeparatedRMSNorm,
                                   layernorm_arguments, register_coordinate_buffers)

@@ -471,9 +471,9 @@ class _MeasuredLinear(MeasuredLayer, nn.Linear):
             x = x.to(dtype)
         y = self._linear(x, self.weight, self._parameters.get("bias"))
         dy_split = sharded.feature_sharded(sharded.grad_placements(y), y.dim(), f"{where}'s output gradient")
-        sharded.note_sharded(self, x.device_mesh, {"weight_sqgradnorm": "sum" if x_split or dy_split else "once",
-                                                   "bias_sqgradnorm": "sum" if dy_split else "once",
-                                                   "example_count": "once"})
+        sharded.note_sharded(self, x.device_mesh.get_group(),
+                             {"weight_sqgradnorm": "sum" if x_split or dy_split else "once",
+                              "bias_sqgradnorm": "sum" if dy_split else "once", "example_count": "once"})
         return _LinearNormTap.apply(y, x.detach().to_local(), self.bias is not None, w_sq, b_sq, self.example_count,
                                     None, None, None, ghost, self.max_chunk_numel, self._compiled_sink())
 

@@ -122,13 +122,18 @@ class PEGradNormSeparatedLayerNorm(_MeasuredNorm, LayerNorm):
 def _local_norm_inputs(layer, x, weight, stats):
     """A separated normalisation's x, weight and row statistics as its Function measures from them, and
     the process group over which its per-example vectors are summed before squaring (None: not). Plain
-    tensors go as they are. Under torch's SequenceParallel (DTensors on the TP mesh, the parameters
+    tensors go as they are, with the context-parallel group where split_tokens gave one (each rank holds
+    some of every example's tokens, as below; the input a plain tensor). Under torch's SequenceParallel (DTensors on the TP mesh, the parameters
     replicated, each rank holding some of every example's tokens) the local tensors, and the TP group:
     each rank's dgamma_b, dbeta_b are partial sums over its tokens, whose squares do not add; the summed
     vectors are the same on every rank, so its buffers count once over the group (nanogns/layers/sharded.py)."""
+    token_group = layer.__dict__.get("_token_group")  # context parallelism (sharded.split_tokens)
     if not sharded.is_dtensor(x):
-        return x, weight, stats, None
+        return x, weight, stats, token_group
     where = layer._measured_name or type(layer).__name__
+    if token_group is not None:
+        raise RuntimeError(f"{where}: a DTensor input (sequence parallelism) to a normalisation whose tokens are "
+                           "also split over context-parallel ranks (split_tokens): not measured; leave it unmeasured")
     placements = x.placements
     if len(placements) != 1:
         raise RuntimeError(f"{where}: a DTensor on a {len(placements)}-dimensional mesh in the forward; the "
@@ -141,7 +146,7 @@ def _local_norm_inputs(layer, x, weight, stats):
                            "measured normalisation takes its tokens split (SequenceParallel) or whole, its "
                            "parameters replicated; leave it unmeasured (measure(model, norm=None))")
     sharded.localise_buffers(layer)
-    sharded.note_sharded(layer, x.device_mesh, {name: "once" for name in layer._buffers
+    sharded.note_sharded(layer, x.device_mesh.get_group(), {name: "once" for name in layer._buffers
                                                 if name == "example_count" or name.endswith("_sqgradnorm")})
     local = lambda t: t.to_local() if sharded.is_dtensor(t) else t  # noqa: E731
     stats = None if stats is None else tuple(local(t) for t in stats)
@@ -190,7 +195,8 @@ class _FusedNorm(_MeasuredNorm):
     torch.compile every backend runs the one compiled route, the PyTorch path fused with the model.
     The kernel normalises over the last dimension only; elementwise_affine=False leaves nothing to
     measure and runs torch's own. A DTensor input (torch's SequenceParallel) is normalised by torch
-    and measured as the separated class measures it: the kernels read local memory.
+    and measured as the separated class measures it: the kernels read local memory. So are tokens split over
+    context-parallel ranks (split_tokens).
     """
     separated = None  # the separated class, for what the kernel does not take
 
@@ -208,8 +214,8 @@ class PEGradNormFusedLayerNorm(_FusedNorm, LayerNorm):
     separated = "PEGradNormSeparatedLayerNorm"
 
     def forward(self, x):
-        if sharded.is_dtensor(x):  # sequence parallelism: torch's own normalisation, measured as separated
-            return PEGradNormSeparatedLayerNorm.forward(self, x)
+        if sharded.is_dtensor(x) or "_token_group" in self.__dict__:  # tokens split over ranks: measured as
+            return PEGradNormSeparatedLayerNorm.forward(self, x)                # separated (the kernels read local memory)
         self._check_call(_examples(x, len(self.normalized_shape)))
         if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -234,8 +240,8 @@ class PEGradNormFusedRMSNorm(_FusedNorm, nn.RMSNorm):
     separated = "PEGradNormSeparatedRMSNorm"
 
     def forward(self, x):
-        if sharded.is_dtensor(x):  # sequence parallelism: torch's own normalisation, measured as separated
-            return PEGradNormSeparatedRMSNorm.forward(self, x)
+        if sharded.is_dtensor(x) or "_token_group" in self.__dict__:  # tokens split over ranks: measured as
+            return PEGradNormSeparatedRMSNorm.forward(self, x)                # separated (the kernels read local memory)
         self._check_call(_examples(x, len(self.normalized_shape)))
         if torch.compiler.is_compiling() and not self._measures():  # nothing to measure: torch's own
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -1,6 +1,7 @@
 """
 The measured layers under torch.distributed.tensor's tensor and sequence parallelism
-(parallelize_module: ColwiseParallel, RowwiseParallel, SequenceParallel).
+(parallelize_module: ColwiseParallel, RowwiseParallel, SequenceParallel), and under context parallelism
+(split_tokens, at the end: plain tensors, each example's tokens split over the ranks).
 
 Inside such a module's forward the input, the parameters and the output are DTensors on the TP
 mesh (one dimension). A measured layer computes its per-example sums from the local tensors and
@@ -75,10 +76,11 @@ def local_grad(dy, placements):
     return dy.to_local()
 
 
-def note_sharded(module, mesh, rules):
-    """Record on `module` the TP mesh its buffers combine over and each buffer's rule ("sum" or "once",
-    by buffer name); the buffers themselves stay plain local tensors (buffers.localise_buffers)."""
-    module.__dict__["_shard_mesh"] = mesh
+def note_sharded(module, group, rules):
+    """Record on `module` the process group its buffers combine over (the TP mesh's, or the context-parallel
+    ranks') and each buffer's rule ("sum" or "once", by buffer name); the buffers themselves stay plain
+    local tensors (buffers.localise_buffers)."""
+    module.__dict__["_shard_group"] = group
     module.__dict__["_shard_rules"] = rules
 
 
@@ -87,20 +89,53 @@ def allreduce_sharded_buffers(modules):
     """Combine the buffers of the sharded measured `modules` (note_sharded) over their TP groups: one
     all_reduce per group of all of them laid end to end, a "once" buffer contributed by the group's
     first rank only. Modules no parallelism touched are left alone; nothing runs without any."""
-    by_mesh = {}
+    by_group = {}
     for module in modules:
-        mesh = module.__dict__.get("_shard_mesh")
-        if mesh is None:
+        group = module.__dict__.get("_shard_group")
+        if group is None:
             continue
         for name, rule in module.__dict__["_shard_rules"].items():
             buf = module._buffers.get(name)
             if buf is not None:
-                by_mesh.setdefault(id(mesh), (mesh, {}))[1].setdefault(id(buf), (buf, rule))
-    for mesh, found in by_mesh.values():
-        first = mesh.get_local_rank() == 0
+                by_group.setdefault(id(group), (group, {}))[1].setdefault(id(buf), (buf, rule))
+    for group, found in by_group.values():
+        first = torch.distributed.get_rank(group) == 0
         bufs = []
         for buf, rule in found.values():
             if rule == "once" and not first:
                 buf.zero_()
             bufs.append(buf)
-        allreduce_buffers(bufs, group=mesh.get_group())
+        allreduce_buffers(bufs, group=group)
+
+
+def split_tokens(model, group):
+    """
+    Context parallelism: tell the measured layers of `model` that each example's tokens are split over the
+    ranks of `group` (the context-parallel process group), the parameters replicated over it and every rank
+    holding the same examples. Each rank's per-example gradient of a parameter is then a partial sum over its
+    tokens, g_b = sum_r g_b^(r), whose squares do not add. A normalisation sums its per-example [B, D] vectors
+    over the group before squaring (one small all_reduce per layer per micro-step, in its backward), and its
+    sums then count once over the group. A measured Linear or Embedding would need the other ranks'
+    activations: refused here, in one line naming it. Call after measure() and before the first forward, on
+    every rank; group None undoes it. Returns the number of normalisations told.
+    """
+    from nanogns.layers.buffers import MeasuredLayer
+    from nanogns.layers.norms import _MeasuredNorm
+    told = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, MeasuredLayer) or not any(
+                n.endswith("_sqgradnorm") for n in module._buffers):
+            continue
+        if not isinstance(module, _MeasuredNorm):
+            raise ValueError(f"split_tokens: {name or 'the model'} ({type(module).__name__}) is measured, but under "
+                             "context parallelism its per-example norms would need the other ranks' activations; "
+                             "measure the normalisations alone: measure(model, linear=None, embedding=None)")
+        if group is None:
+            for key in ("_token_group", "_shard_group", "_shard_rules"):
+                module.__dict__.pop(key, None)
+            continue
+        module.__dict__["_token_group"] = group
+        note_sharded(module, group, {n: "once" for n in module._buffers
+                                     if n == "example_count" or n.endswith("_sqgradnorm")})
+        told += 1
+    return told

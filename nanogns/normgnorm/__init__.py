@@ -345,14 +345,15 @@ def _separated_sums(ctx, dy):
 
 
 def _split_token_sums(ctx, dy3, x3, mean3, rstd3, need_dw, need_db, B):
-    """_separated_sums where each rank of ctx.group holds some of every example's tokens (sequence
-    parallelism): the rank's per-example dγ_b, dβ_b [B, D] are partial sums over its tokens, so they
+    """_separated_sums where each rank of ctx.group holds some of every example's tokens (sequence or
+    context parallelism): the rank's per-example dγ_b, dβ_b [B, D] are partial sums over its tokens, so they
     are summed over the group (one all_reduce of them laid end to end) before they are squared, and
     every rank then adds the same whole sums (counted once over the group: nanogns/layers/sharded.py).
     Eager only: the sink (torch.compile) is refused."""
     if ctx.sink:
-        raise RuntimeError("a separated normalisation under sequence parallelism is measured in eager mode only "
-                           "(its backward sums per-example vectors over the group)")
+        raise RuntimeError("a normalisation whose tokens are split over ranks (sequence or context parallelism) is "
+                           "measured in eager mode only (its backward sums per-example vectors over the group); "
+                           "leave the model uncompiled")
     weight_sq, bias_sq, count = ctx.bufs
     dw_b, db_b = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db)
     parts = [g for g in (dw_b, db_b) if g is not None]
