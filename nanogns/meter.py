@@ -395,15 +395,15 @@ def _keep_out_of_ddp_broadcast(given, model):
     broadcasts them.
     """
     ddp_class = torch.nn.parallel.DistributedDataParallel
-    ours = {id(b) for b in layers.all_sqgradnorm_buffers(model)}
-    names = [name for name, b in model.named_buffers() if id(b) in ours]
     wrapper = given
     while not isinstance(wrapper, ddp_class) and isinstance(getattr(wrapper, "_orig_mod", None), torch.nn.Module):
         wrapper = wrapper._orig_mod  # torch.compile's
     if not isinstance(wrapper, ddp_class):
-        ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-        ddp_class._set_params_and_buffers_to_ignore_for_model(model, ignored + [n for n in names if n not in ignored])
-    elif getattr(wrapper, "broadcast_buffers", False) and not set(names) <= set(wrapper.parameters_to_ignore):
+        layers.keep_out_of_ddp_broadcast(model)  # measure() did; a model measured by hand may not have
+        return
+    ours = {id(b) for b in layers.all_sqgradnorm_buffers(model)}
+    names = {name for name, b in model.named_buffers() if id(b) in ours}
+    if wrapper.broadcast_buffers and not names <= set(wrapper.parameters_to_ignore):
         raise GNSMeterError("GNSMeter: this DistributedDataParallel broadcasts rank 0's buffers at every forward "
                             "(broadcast_buffers=True), which would overwrite each rank's per-example sums: build the "
                             "meter on the plain model before wrapping it, or wrap with broadcast_buffers=False")

@@ -410,7 +410,13 @@ def test_the_buffers_stay_out_of_ddps_broadcast_and_a_broadcasting_wrapper_is_re
         assert len(ours) > 28 and not ours & set(wrapped.named_module_buffers)
         GNSMeter(wrapped)  # a wrapper that leaves them alone is taken
 
-        measured = buffered.measure(tiny_hf("gpt2").train())  # measured, then wrapped without the meter
+        measured = buffered.measure(tiny_hf("gpt2").train())  # measured, then wrapped without the meter:
+        wrapped_measured = DistributedDataParallel(measured)  # measure() kept the buffers out of it too
+        assert not ours & set(wrapped_measured.named_module_buffers)
+        GNSMeter(wrapped_measured).close()
+        del wrapped_measured
+        measured = buffered.measure(tiny_hf("gpt2").train())
+        del measured._ddp_params_and_buffers_to_ignore  # a wrapper that broadcasts them: refused
         with pytest.raises(ValueError, match="broadcast_buffers") as error:
             GNSMeter(DistributedDataParallel(measured))
         assert "\n" not in str(error.value)

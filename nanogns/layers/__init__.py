@@ -34,7 +34,8 @@ token embedding / output head, linked by tie_weights() (or measure()).
 # What other code reads from here (nanogns.layers.X), each from its module
 from nanogns.layers.buffers import (CPU_DOT_PIECE, MeasuredLayer, all_sqgradnorm_buffers,  # noqa: F401
                                     allreduce_buffers, allreduce_sqgradnorm_buffers, coordinate_buffers,
-                                    find_sqgradnorm_buffers, register_sqgradnorm_buffers, sum_of_squares,
+                                    find_sqgradnorm_buffers, keep_out_of_ddp_broadcast,
+                                    register_sqgradnorm_buffers, sum_of_squares,
                                     zero_sqgradnorm_buffers)
 from nanogns.layers.experts import Experts, PEGradNormExperts  # noqa: F401
 from nanogns.layers.hf_moe import PEGradNormHFExperts, PEGradNormHFRouter  # noqa: F401

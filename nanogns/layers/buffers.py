@@ -149,6 +149,19 @@ def allreduce_buffers(bufs, group=None):
     torch._foreach_copy_(bufs, [part.view_as(b) for part, b in zip(flat.split([b.numel() for b in bufs]), bufs)])
 
 
+def keep_out_of_ddp_broadcast(model):
+    """Name `model`'s per-example-norm buffers in the list DistributedDataParallel (and torch's composable
+    replicate, which builds one) reads when it is built, _ddp_params_and_buffers_to_ignore: with
+    broadcast_buffers=True, its default, it would copy rank 0's buffers into every rank at each forward and
+    overwrite each rank's sums. measure() calls it, so a model measured before it is wrapped is safe."""
+    ddp_class = torch.nn.parallel.DistributedDataParallel
+    ours = {id(b) for b in all_sqgradnorm_buffers(model)}
+    names = [name for name, b in model.named_buffers() if id(b) in ours]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    ddp_class._set_params_and_buffers_to_ignore_for_model(model, ignored + [n for n in names if n not in ignored])
+    return names
+
+
 @torch.no_grad()
 def zero_sqgradnorm_buffers(model):
     """Zero every per-example-norm buffer in place (after each optimizer step)."""

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from nanogns.layers.buffers import MeasuredLayer, find_sqgradnorm_buffers
+from nanogns.layers.buffers import MeasuredLayer, find_sqgradnorm_buffers, keep_out_of_ddp_broadcast
 from nanogns.layers.embedding import PEGradNormEmbedding, PEGradNormShimEmbedding, _MeasuredEmbedding, link_tied
 from nanogns.layers.experts import EXPERT_PARAMETERS, Experts, PEGradNormExperts
 from nanogns.layers import routed
@@ -56,6 +56,9 @@ SOURCE_KINDS = {
         ("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral"), ("qwen2", "Qwen2"),
         ("qwen2_moe", "Qwen2Moe"), ("qwen3", "Qwen3"), ("qwen3_moe", "Qwen3Moe"), ("phi3", "Phi3"),
         ("granite", "Granite"), ("smollm3", "SmolLM3"), ("deepseek_v3", "DeepseekV3"), ("olmoe", "Olmoe")]},
+    # OLMo-core's (olmo_core.nn.layer_norm; size, eps, optional bias, normalised in float32): torch's maths.
+    # Its variants with another rounding order or a fused kernel are other classes, not listed.
+    "olmo_core.nn.layer_norm.LayerNorm": "layernorm", "olmo_core.nn.layer_norm.RMSNorm": "rmsnorm",
 }
 TRANSPOSED_WEIGHT = {"transformers.pytorch_utils.Conv1D"}  # weight [in, out]
 # Hugging Face's mixture-of-experts blocks measured exactly (nanogns/layers/hf_moe.py): {block class:
@@ -172,6 +175,10 @@ def _build_like(module, kind, cls, weight, bias):
                    max_norm=getattr(module, "max_norm", None), norm_type=getattr(module, "norm_type", 2.0),
                    device="meta")
     shape = tuple(getattr(module, "normalized_shape", weight.shape))
+    if tuple(weight.shape) != shape:  # OLMo-core's weight_shape: gains broadcast over several windows
+        raise ValueError(f"its weight {tuple(weight.shape)} is not of its normalised shape {shape}")
+    if kind == "rmsnorm" and bias is not None:  # OLMo-core's RMSNorm(bias=True): torch's has none
+        raise ValueError("an RMSNorm with a bias (torch's RMSNorm, the measured class, has none)")
     if kind == "layernorm":  # nanoGPT's LayerNorm(ndim, bias) has no eps attribute: its 1e-5
         return cls(shape, eps=getattr(module, "eps", 1e-5), bias=bias is not None, device="meta")
     # rmsnorm: torch's eps, or Hugging Face's variance_epsilon; None is torch's default
@@ -560,4 +567,5 @@ def measure(model, linear="gns", embedding="gns", norm="shim", kinds=None, stric
         if strict:
             raise ValueError(message)
         warnings.warn(message, stacklevel=2)
+    keep_out_of_ddp_broadcast(model)  # a DDP (or replicate) built on it later leaves each rank's sums its own
     return model
