@@ -123,7 +123,7 @@ class GNSMeter:
         self.estimator = None
         self.loaded_state = None  # load_state_dict()'s, for the estimator when it is built
         rank = 0
-        if self.world_size > 1 and distributed_world_size() > 1:
+        if distributed_world_size() > 1:  # under tensor or context parallelism too, where world_size is 1
             import torch.distributed as dist
             rank = dist.get_rank()
         self.out_dir = out_dir if rank == 0 else None  # one writer

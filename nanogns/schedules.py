@@ -229,12 +229,13 @@ def schedule_for_run(config, world_size, master_process, ddp_device=None):
 # twice the minimum steps and twice the minimum examples; a batch f * B_noise moves along that
 # trade-off. B_noise grows as the loss falls, so the batch follows it up.
 
-def target_accumulation(target_examples, batch_size, floor, ceiling, world_size=1):
+def target_accumulation(target_examples, batch_size, floor, ceiling, world_size=1, powers_of_two=False):
     """Global accumulation steps for a batch of target_examples: rounded up to whole micro-batches
-    of batch_size examples, then to a multiple of world_size (each rank takes its share), clamped
-    to [floor, ceiling] (both multiples of world_size)."""
+    of batch_size examples, then to a multiple of world_size (each rank takes its share), or with
+    powers_of_two to a power of two (OLMo-core changes its batch by whole factors only), clamped to
+    [floor, ceiling] (both multiples of world_size, or powers of two)."""
     steps = math.ceil(target_examples / batch_size) if math.isfinite(target_examples) else floor
-    steps = world_size * math.ceil(steps / world_size)
+    steps = 1 << max(steps - 1, 0).bit_length() if powers_of_two else world_size * math.ceil(steps / world_size)
     return min(max(steps, floor), ceiling)
 
 
@@ -253,8 +254,9 @@ class GNSBatchController:
     """
 
     def __init__(self, gns_source, *, fraction, batch_size, floor, ceiling, warmup_steps, update_tokens,
-                 allow_decrease=False, world_size=1, ddp_device=None):
+                 allow_decrease=False, world_size=1, ddp_device=None, powers_of_two=False):
         self.gns_source = gns_source
+        self.powers_of_two = powers_of_two  # the count a power of two (target_accumulation)
         self.fraction, self.batch_size = fraction, batch_size
         self.floor, self.ceiling, self.world_size = floor, ceiling, world_size
         self.warmup_steps, self.update_tokens, self.allow_decrease = warmup_steps, update_tokens, allow_decrease
@@ -269,7 +271,8 @@ class GNSBatchController:
             self.target = float('nan')
             return self.accumulation
         self.target = self.fraction * gns
-        steps = target_accumulation(self.target, self.batch_size, self.floor, self.ceiling, self.world_size)
+        steps = target_accumulation(self.target, self.batch_size, self.floor, self.ceiling, self.world_size,
+                                    self.powers_of_two)
         too_soon = self.changed_at is not None and tokens - self.changed_at < self.update_tokens
         if steps == self.accumulation or too_soon or (steps < self.accumulation and not self.allow_decrease):
             return self.accumulation

@@ -343,6 +343,13 @@ def test_target_accumulation_rounds_up_and_clamps(target, world, expected):
     assert schedules.target_accumulation(target, batch_size=4, floor=2, ceiling=10, world_size=world) == expected
 
 
+@pytest.mark.parametrize("target, expected", [(1, 1), (4, 1), (5, 2), (9, 4), (17, 8), (33, 16), (1000, 16),
+                                              (float("nan"), 1)])
+def test_target_accumulation_in_powers_of_two_rounds_up_to_one(target, expected):
+    """OLMo-core's batch changes by whole factors: the count a power of two, clamped."""
+    assert schedules.target_accumulation(target, batch_size=4, floor=1, ceiling=16, powers_of_two=True) == expected
+
+
 def controller(**changes):
     settings = dict(fraction=1.0, batch_size=4, floor=1, ceiling=8, warmup_steps=3, update_tokens=0,
                     allow_decrease=False)
