@@ -737,10 +737,10 @@ def test_hugging_face_under_bfloat16_autocast(name, linear, embedding, norm):
 # ---------------------------------------------------------------- downstream, unchanged
 
 def readme_example():
-    """The README's code block under "Measuring the GNS of any model"."""
-    with open(os.path.join(REPO, "README.md")) as f:
+    """The code block under "Measuring the GNS of any model" in docs/library.md (the README links it)."""
+    with open(os.path.join(REPO, "docs", "library.md")) as f:
         text = f.read()
-    section = text[text.index("### Measuring the GNS of any model"):]
+    section = text[text.index("## Measuring the GNS of any model"):]
     return section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
 
 
