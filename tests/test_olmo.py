@@ -1,9 +1,16 @@
 """
 nanogns.olmo.GNSCallback and the measured layers in OLMo-core's models. In one process: OLMo-core's
-llama-like transformer measured by nanogns.measure (its RMSNorm a known class; one with a bias, or
-gains of another shape, left out with the reason) against per-example gradients from torch.func; the
-callback's settings refused in one line.
+llama-like transformer measured by nanogns.measure (its RMSNorm a known class; one with a bias left out
+with the reason) against per-example gradients from torch.func; the callback's settings refused in one
+line. Then OLMo-core's own Trainer (tests/olmo_worker.py, tests/olmo_harness.py): one process, and 2
+and 4 gloo ranks under DDP, FSDP, HSDP, tensor and context parallelism, each run's log.csv equal to the
+single process's; a resume from OLMo-core's checkpoint; the batch from the GNS; the refusals.
 """
+import csv
+import math
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -16,6 +23,7 @@ from olmo_core.nn.layer_norm import RMSNorm as OlmoRMSNorm  # noqa: E402
 from olmo_core.nn.transformer import TransformerConfig  # noqa: E402
 
 import nanogns  # noqa: E402
+from conftest import REPO  # noqa: E402
 from gns_fixtures import sqgradnorm_sums  # noqa: E402
 from nanogns.olmo import GNSCallback, GNSCallbackError  # noqa: E402
 
@@ -77,3 +85,88 @@ def test_the_callbacks_settings_are_checked_in_one_line(settings, words):
     with pytest.raises(GNSCallbackError, match=words.replace("(", r"\(")) as caught:
         GNSCallback(**settings)
     assert "\n" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- OLMo-core's Trainer (tests/olmo_worker.py)
+
+def run_worker(out, procs, *configs):
+    """tests/olmo_worker.py's configurations, in one process (procs 0) or on `procs` gloo ranks; its output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+    worker = os.path.join(REPO, "tests", "olmo_worker.py")
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+              if procs else [sys.executable])
+    done = subprocess.run([*launch, worker, str(out), *configs], cwd=str(out), capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    oks = [line.split(" {")[0] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert oks == [f"ok {config}" for config in configs], done.stdout[-3000:]
+    return done.stdout
+
+
+def gns_cells(out, config):
+    """{(step, column): value} of the per-parameter columns of OUT/<config>/gns/log.csv."""
+    with open(os.path.join(out, config, "gns", "log.csv")) as f:
+        rows = list(csv.DictReader(f))
+    return {(row["step"], key): float(value) for row in rows for key, value in row.items()
+            if key.startswith("train/gns/") and key.rsplit("/", 1)[1] in ("norm", "pegn", "batch_size")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The single-process run, its resume and batch control and refusals, and its log's cells."""
+    out = tmp_path_factory.mktemp("olmo-one")
+    run_worker(out, 0, "single", "resume-single", "bs", "refusals")
+    return out, gns_cells(out, "single")
+
+
+def measured_part(cells, config):
+    """The columns a configuration measures: all but the Embedding under TP, the normalisations under CP."""
+    if config.endswith("tp"):
+        return {k: v for k, v in cells.items() if "/embeddings." not in k[1]}
+    if config.endswith("cp"):
+        return {k: v for k, v in cells.items() if "norm." in k[1]}
+    return cells
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs, configs", [(2, ("ddp", "fsdp", "tp", "cp", "resume-fsdp", "bs", "refusals")),
+                                            (4, ("hsdp", "fsdp_tp", "fsdp_cp"))])
+def test_the_callback_logs_under_each_parallelism_what_one_process_logs(one_process, tmp_path, procs, configs):
+    """DDP, FSDP, HSDP, TP, Ulysses CP, FSDP x TP and FSDP x CP on gloo ranks: every cell of log.csv (each
+    parameter's |G_B|, |G_1| and B at each step) equals the single process's within 1e-5 relative, over
+    what each measures; a run resumed from OLMo-core's checkpoint writes the straight run's log; the batch
+    from the GNS grows alike on every rank; what cannot be measured is refused in one line."""
+    single_dir, single = one_process
+    assert len({column for _, column in single}) == 3 * 21 and len({step for step, _ in single}) == 3
+    run_worker(tmp_path, procs, *configs)
+    for config in [c for c in configs if c not in ("bs", "refusals")]:
+        got = gns_cells(tmp_path, config)
+        want = measured_part(single, config.removeprefix("resume-"))
+        assert got.keys() == want.keys(), (config, sorted(set(got) ^ set(want))[:5])
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5), (config, key)
+    with open(os.path.join(single_dir, "single", "gns", "log.csv")) as a, \
+            open(os.path.join(single_dir, "resume-single", "gns", "log.csv")) as b:
+        assert a.read() == b.read()  # resumed from step 1's checkpoint: the same log, to the byte
+
+
+def test_the_log_is_read_by_the_analysis(one_process):
+    out, _ = one_process
+    done = subprocess.run([sys.executable, os.path.join(REPO, "gns-analysis.py"), os.path.join(out, "single", "gns"),
+                           "--no-plots"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    assert "3 steps with GNS measurements under 'train/gns', 21 parameters (RMSNorm 5, Linear 15, Embedding 1)" \
+        in done.stdout, done.stdout
+
+
+def test_the_batch_from_the_gns_grows_by_olmo_cores_rules(one_process):
+    """Warm-up 2 steps: the start (4 examples) for the first two rows, then the ceiling (8) once the data
+    loader's batches allow it; the row says the target and the batch's tokens."""
+    out, _ = one_process
+    with open(os.path.join(out, "bs", "gns", "log.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [row["bs_controller/batch_tokens"] for row in rows] == ["64", "64", "128", "128"]
+    assert [row["train/gns/lm_head.norm.weight/batch_size"] for row in rows] == ["4", "4", "8", "8"]
+    targets = [float(row["bs_controller/target_examples"]) for row in rows]
+    assert math.isnan(targets[0]) and math.isnan(targets[1]) and all(t > 8 for t in targets[2:])

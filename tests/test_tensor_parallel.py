@@ -30,7 +30,7 @@ def test_tensor_and_sequence_parallel_measure_what_one_process_measures(procs):
         expected += ["ok fsdp-tp gns layernorm", "ok fsdp-tp shim rmsnorm"]
     meter = f"ok {'fsdp-tp' if procs == 4 else 'sp-out'} gns layernorm meter"
     fused = ["ok sp-out shim layernorm fused", "ok sp-out shim rmsnorm fused"]
-    cp = ["ok cp layernorm shim", "ok cp rmsnorm shim", "ok cp layernorm fused"]
+    cp = ["ok cp layernorm shim", "ok cp rmsnorm shim", "ok cp layernorm fused", "ok cp rmsnorm shim average"]
     assert lines == expected + [meter, *fused, "ok refusals", *cp], done.stdout
 
 

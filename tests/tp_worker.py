@@ -68,17 +68,18 @@ def reference(model, xs, targets):
     return {name: (per_example[name] / n, total[name].square().sum().item()) for name in per_example}
 
 
-def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, split_output, reduce=None):
+def measured_step(model, xs, targets, estimator, shard_tokens, rank_examples, split_output, reduce=None,
+                  loss_scale=1):
     """One step of MICRO micro-steps on this rank's part of the batch; the ExactGNS row. split_output:
-    the output is this rank's slice of the sequence too, and the loss this rank's part of the mean.
-    reduce: what reduces the gradients after the last backward, if anything."""
+    the output is this rank's slice of the sequence too, and the loss this rank's part of the mean (times
+    loss_scale). reduce: what reduces the gradients after the last backward, if anything."""
     for x, target in zip(xs, targets):
         x, target = x[rank_examples], target[rank_examples]
         if shard_tokens is not None:  # sequence parallelism: the ranks hold the sequence's slices
             x = x.chunk(shard_tokens[1], dim=1)[shard_tokens[0]].contiguous()
         if split_output:
             target = target.chunk(shard_tokens[1], dim=1)[shard_tokens[0]]
-            loss = ((model(x) - target).square().sum((1, 2)) / (T * D)).mean() / MICRO
+            loss = loss_scale * ((model(x) - target).square().sum((1, 2)) / (T * D)).mean() / MICRO
         else:
             loss = example_losses(model(x), target).mean() / MICRO
         loss.backward()
@@ -149,10 +150,11 @@ def run(config, linear, norm, rank, world, meter=False, norm_class="shim"):
         print(f"ok {config} {linear} {norm}{extra} methods={methods}", flush=True)
 
 
-def context_parallel(norm, rank, world, norm_class="shim"):
+def context_parallel(norm, rank, world, norm_class="shim", average=False):
     """Context parallelism: each example's tokens split over the cp ranks (with 4 processes, 2 data-parallel
     x 2 cp), the normalisation measured (split_tokens), the Linears not (they are refused); the gradients
-    summed over the cp ranks and averaged over the data-parallel ones, as FSDP over dp x cp does."""
+    summed over the cp ranks and averaged over the data-parallel ones. average: each rank's loss is cp times
+    its share and the gradients are averaged over dp x cp, as OLMo-core's context parallelism does."""
     torch.manual_seed(0)
     plain = Block(norm)
     with torch.no_grad():
@@ -164,20 +166,21 @@ def context_parallel(norm, rank, world, norm_class="shim"):
     want = {name: v for name, v in reference(plain, xs, targets).items() if name.startswith("norm.")}
     dp = 2 if world == 4 else 1
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "cp"))
-    assert nanogns.split_tokens(model, mesh["cp"].get_group()) == 1
+    cp = world // dp
+    assert nanogns.split_tokens(model, mesh["cp"].get_group(), average=average) == 1
     estimator = ExactGNS(model, world_size=dp, group=mesh["dp"].get_group())
 
     def reduce():
         for p in model.parameters():
             dist.all_reduce(p.grad)
-            p.grad /= dp
+            p.grad /= dp * cp if average else dp
 
     dp_rank, share = mesh["dp"].get_local_rank(), B // dp
-    row = measured_step(model, xs, targets, estimator, (mesh["cp"].get_local_rank(), world // dp),
-                        slice(dp_rank * share, (dp_rank + 1) * share), True, reduce)
+    row = measured_step(model, xs, targets, estimator, (mesh["cp"].get_local_rank(), cp),
+                        slice(dp_rank * share, (dp_rank + 1) * share), True, reduce, cp if average else 1)
     check(row, want, f"cp {norm} {norm_class} rank {rank}")
     if rank == 0:
-        print(f"ok cp {norm} {norm_class}", flush=True)
+        print(f"ok cp {norm} {norm_class}{' average' if average else ''}", flush=True)
     try:  # a measured Linear under context parallelism: refused in one line
         nanogns.split_tokens(nanogns.measure(Block(norm)), mesh["cp"].get_group())
     except ValueError as e:
@@ -220,5 +223,6 @@ if __name__ == "__main__":
     refusals(rank)
     for norm, norm_class in (("layernorm", "shim"), ("rmsnorm", "shim"), ("layernorm", "fused")):
         context_parallel(norm, rank, world, norm_class)
+    context_parallel("rmsnorm", rank, world, average=True)
     dist.barrier()
     dist.destroy_process_group()

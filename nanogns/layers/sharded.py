@@ -108,7 +108,7 @@ def allreduce_sharded_buffers(modules):
         allreduce_buffers(bufs, group=group)
 
 
-def split_tokens(model, group):
+def split_tokens(model, group, average=False):
     """
     Context parallelism: tell the measured layers of `model` that each example's tokens are split over the
     ranks of `group` (the context-parallel process group), the parameters replicated over it and every rank
@@ -118,6 +118,8 @@ def split_tokens(model, group):
     sums then count once over the group. A measured Linear or Embedding would need the other ranks'
     activations: refused here, in one line naming it. Call after measure() and before the first forward, on
     every rank; group None undoes it. Returns the number of normalisations told.
+    average: each rank's loss is its tokens' share times the group's size, and the gradient is averaged
+    over the group (OLMo-core's context parallelism): the per-example vectors are averaged, not summed.
     """
     from nanogns.layers.buffers import MeasuredLayer
     from nanogns.layers.norms import _MeasuredNorm
@@ -134,7 +136,7 @@ def split_tokens(model, group):
             for key in ("_token_group", "_shard_group", "_shard_rules"):
                 module.__dict__.pop(key, None)
             continue
-        module.__dict__["_token_group"] = group
+        module.__dict__["_token_group"] = (group, 1.0 / torch.distributed.get_world_size(group) if average else 1.0)
         note_sharded(module, group, {n: "once" for n in module._buffers
                                      if n == "example_count" or n.endswith("_sqgradnorm")})
         told += 1

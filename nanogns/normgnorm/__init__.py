@@ -355,11 +355,15 @@ def _split_token_sums(ctx, dy3, x3, mean3, rstd3, need_dw, need_db, B):
                            "measured in eager mode only (its backward sums per-example vectors over the group); "
                            "leave the model uncompiled")
     weight_sq, bias_sq, count = ctx.bufs
+    # (group, scale): context parallelism's, whose summed vectors are scaled (averaged, for OLMo-core's loss)
+    group, scale = ctx.group if isinstance(ctx.group, tuple) else (ctx.group, 1.0)
     dw_b, db_b = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db)
     parts = [g for g in (dw_b, db_b) if g is not None]
     if parts:
         flat = torch.cat([g.reshape(-1) for g in parts])
-        torch.distributed.all_reduce(flat, group=ctx.group)
+        torch.distributed.all_reduce(flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
         parts = list(flat.view(len(parts), *parts[0].shape).unbind())
     summed = iter(parts)
     dw_b, db_b = (next(summed) if g is not None else None for g in (dw_b, db_b))
