@@ -12,7 +12,8 @@ parallelism wraps them), then give the Trainer the callback:
 
 On every optimizer step the callback writes the step's row into log.csv for gns-analysis.py (in
 out_dir, default the Trainer's save_folder/gns; its step column counts from 0, OLMo-core's step 1 its 0) and puts the live GNS ('gns/total', 'gns/LayerNorm')
-into OLMo-core's own metrics, where its console, wandb and comet callbacks see them. It measures at
+into OLMo-core's own metrics, where its wandb and comet callbacks see them (and its console logger, to
+whose list the callback adds them). It measures at
 pre_optim_step, after the last micro-batch's backward and before the train module clips: the GNS is
 that of the gradient before clipping. Its state rides in OLMo-core's checkpoints (the trainer state's
 "callbacks"), so a run resumed from one carries on the live GNS and the log.
@@ -55,7 +56,7 @@ from nanogns.meter import GNSMeter
 from nanogns.schedules import GNSBatchController
 
 try:
-    from olmo_core.train.callbacks import Callback
+    from olmo_core.train.callbacks import Callback, ConsoleLoggerCallback
 except ImportError:
     raise ImportError("nanogns.olmo.GNSCallback is a callback for OLMo-core's Trainer: pip install 'nanogns[olmo]' "
                       "(ai2-olmo-core)") from None
@@ -155,6 +156,9 @@ class GNSCallback(Callback):
                   "rank_microbatch_tokens": getattr(train_module, "rank_microbatch_size", None),
                   "bs_controller": self.bs_controller}
         self._meter = GNSMeter(model, out_dir=out_dir, world_size=dp, group=group, config=config)
+        for callback in self.trainer.callbacks.values():  # the console prints the metrics it lists: the GNS too
+            if isinstance(callback, ConsoleLoggerCallback) and "gns/*" not in callback.metrics:
+                callback.metrics.append("gns/*")
         if self.bs_controller == "gns":
             self._controller = self._build_controller(model, loader)
 

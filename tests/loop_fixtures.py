@@ -77,14 +77,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def readme_examples():
-    """The three code blocks of the README's "Measuring the GNS in your own training": our loop, the
-    Hugging Face Trainer, Lightning."""
+    """The four code blocks of the README's "Measuring the GNS in your own training": our loop, the
+    Hugging Face Trainer, Lightning, OLMo-core."""
     with open(os.path.join(REPO, "README.md")) as f:
         text = f.read()
     start = text.index("### Measuring the GNS in your own training")
     section = text[start:text.index("\n### ", start + 1)]
     blocks = section.split("```python\n")[1:]
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     return [block[:block.index("\n```\n")] for block in blocks]
 
 

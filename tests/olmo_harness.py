@@ -62,7 +62,9 @@ What OLMo-core 3.0.0 does (read in its source; the starred points checked by run
     attributes (block.attention.w_q, ...). So a swapped module must keep the attribute names, and a
     buffer the hook adds is garbage after build() (* checked: a torch.ones buffer comes back as junk;
     under TP a sequence-parallel norm's buffer becomes a Replicate DTensor on the tp mesh) unless the
-    module's reset_parameters() or the callback (pre_train / pre_step) sets it. Persistent buffers are
+    module's reset_parameters() or the callback (pre_train / pre_step) sets it (* with
+    model_hook=nanogns.measure the losses are unchanged, but its weight_sqgradnorm / example_count
+    buffers read junk like -1.3e10 and 1.8e20 after build() in one process). Persistent buffers are
     in the model state dict: saved in checkpoints and loaded (strict) on resume.
     The Trainer also runs a dry-run batch (random tokens, the rank batch in micro-batches,
     train_batch(dry_run=True)) before step 1, forward AND backward; its gradients are zeroed before
@@ -91,17 +93,18 @@ What OLMo-core 3.0.0 does (read in its source; the starred points checked by run
     (else RuntimeError); it must stay divisible by rank_microbatch_size x dp world size (checked only
     in pre_train). Set in post_step of step s, it takes effect at step s+1 (the loader rebuilds its
     iterator); single and ddp agree after a doubling at step 2.
-(g) Wall times on this 2-core machine, 3 steps, global batch 4, seq 16 (torchrun start + imports ~3-4
-    s of it; build + fit 0.2-2 s): single (python) 2.8 s, single (torchrun, 1 proc) 4.0 s, ddp 4.7 s,
-    fsdp 4.6 s, hsdp 4.2 s, tp 5.1 s, cp 4.8 s (2 procs); fsdp_tp 10.2 s, fsdp_cp 8.4 s (4 procs).
-    With checkpoints every step: ~12 s for 2 steps (the distributed checkpoint saves dominate).
+(g) Wall times on this 2-core machine, 3 steps, global batch 4, seq 16; torchrun start-up and imports
+    are ~3-4 s of each, build() 0.02-0.3 s, fit() 0.15-2 s: single (plain python) 2.7 s, single
+    (torchrun, 1 proc) 3.8 s; 2 procs: ddp 4.7-5.2 s, fsdp 4.6-6.2 s, hsdp 4.2-7.9 s, tp 5.1-8.9 s,
+    cp 4.8-6.6 s (15 s once under load from other jobs); 4 procs: fsdp_tp 10.2 s, fsdp_cp 8.4-8.9 s.
+    Checkpointing every step: ~12 s for 2 steps on 2 procs (the distributed checkpoint saves).
 """
 import argparse
 import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -119,7 +122,6 @@ from olmo_core.distributed.parallel import (
     DataParallelType,
     get_cp_mesh,
     get_dp_model_mesh,
-    get_dp_process_group,
     get_tp_mesh,
 )
 from olmo_core.distributed.utils import get_rank, get_world_size, is_distributed
@@ -242,7 +244,6 @@ class Run:
     dp_model_mesh: Any = None  # what DDP/FSDP reduce over (dp, or dp_cp under CP)
     tp_mesh: Any = None
     cp_mesh: Any = None
-    extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def losses(self) -> List[float]:
@@ -253,7 +254,9 @@ def build(work_dir, parallel, *, steps, global_batch, micro_batch, seq_len, call
           seed=0, max_grad_norm=1.0, save_interval=None, model_hook=None, n_tokens=None,
           d_model=32, n_layers=2, n_heads=2):
     """The Trainer of a tiny run. global_batch and micro_batch are in instances (sequences of seq_len
-    tokens); micro_batch is per rank. Call setup() first (once per process)."""
+    tokens); micro_batch is per rank. Call setup() first (once per process). The token file is
+    written once per work_dir (n_tokens, default one batch more than the steps take); with save_interval,
+    a work_dir holding checkpoints resumes."""
     work_dir = Path(work_dir)
     world = get_world_size() if is_distributed() else 1
     tokens = work_dir / "tokens.bin"
@@ -360,8 +363,8 @@ def main():
         out.mkdir(parents=True, exist_ok=True)
         result = dict(parallel=args.parallel, world=get_world_size() if is_distributed() else 1,
                       losses=run.losses,
-                      grad_norms=[m["optim/total grad norm"] for _, m in sorted(run.recorder.metrics.items())
-                                  if "train/CE loss" in m],
+                      grad_norms=[m["optim/total grad norm"] for _, m in
+                                  sorted(run.recorder.metrics.items()) if "train/CE loss" in m],
                       init_sqnorms=init, placements=placements(run.model),
                       build_s=t1 - t0, fit_s=t2 - t1)
         (out / "result.json").write_text(json.dumps(result, indent=1))

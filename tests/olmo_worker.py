@@ -31,7 +31,7 @@ def rank0():
 def build(work, parallel, callback, steps=STEPS, layers=None, **kwargs):
     layers = LAYERS.get(parallel, {}) if layers is None else layers
     return harness.build(work, parallel, steps=steps, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
-                         seq_len=SEQ_LEN, lr=1e-2, callbacks={"gns": callback},
+                         seq_len=SEQ_LEN, lr=1e-3, callbacks={"gns": callback},
                          model_hook=lambda model: nanogns.measure(model, **layers), **kwargs)
 
 

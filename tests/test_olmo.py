@@ -170,3 +170,13 @@ def test_the_batch_from_the_gns_grows_by_olmo_cores_rules(one_process):
     assert [row["train/gns/lm_head.norm.weight/batch_size"] for row in rows] == ["4", "4", "8", "8"]
     targets = [float(row["bs_controller/target_examples"]) for row in rows]
     assert math.isnan(targets[0]) and math.isnan(targets[1]) and all(t > 8 for t in targets[2:])
+
+
+@pytest.mark.slow
+def test_the_readme_example_runs_as_written(tmp_path, tmp_path_factory):
+    """The README's OLMo-core example as a user's script outside the checkout, with the package installed:
+    20 rows for gns-analysis.py, and the live GNS on OLMo-core's console."""
+    from loop_fixtures import installed_package, run_readme_example
+    output = run_readme_example(3, tmp_path, "out-olmo/gns", "21 parameters (RMSNorm 5, Linear 15, Embedding 1)",
+                                installed_package(tmp_path_factory))
+    assert "gns/total=" in output and "gns/LayerNorm=" in output

@@ -29,7 +29,7 @@ import sys
 
 import torch
 
-from nanogns.layers.buffers import allreduce_buffers, localise_buffers  # noqa: F401
+from nanogns.layers.buffers import MeasuredLayer, allreduce_buffers, localise_buffers  # noqa: F401
 
 
 def dtensor_class():
@@ -121,14 +121,12 @@ def split_tokens(model, group, average=False):
     average: each rank's loss is its tokens' share times the group's size, and the gradient is averaged
     over the group (OLMo-core's context parallelism): the per-example vectors are averaged, not summed.
     """
-    from nanogns.layers.buffers import MeasuredLayer
-    from nanogns.layers.norms import _MeasuredNorm
     told = 0
     for name, module in model.named_modules():
         if not isinstance(module, MeasuredLayer) or not any(
                 n.endswith("_sqgradnorm") for n in module._buffers):
             continue
-        if not isinstance(module, _MeasuredNorm):
+        if not hasattr(module, "normalized_shape"):  # a measured LayerNorm or RMSNorm has one (norms.py)
             raise ValueError(f"split_tokens: {name or 'the model'} ({type(module).__name__}) is measured, but under "
                              "context parallelism its per-example norms would need the other ranks' activations; "
                              "measure the normalisations alone: measure(model, linear=None, embedding=None)")
