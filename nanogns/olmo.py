@@ -132,6 +132,11 @@ class GNSCallback(Callback):
         mesh = train_module.world_mesh
         tp = bool(getattr(train_module, "tp_enabled", False))
         cp = bool(getattr(train_module, "cp_enabled", False))
+        compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        if compiled and (tp or cp):  # the measured layers' sharded maths runs eagerly only (layers/sharded.py)
+            raise GNSCallbackError(f"GNSCallback: a compiled model (compile_model=True) under "
+                                   f"{'tensor' if tp else 'context'} parallelism is not measured: the measured "
+                                   f"layers take DTensors and split tokens in eager mode only; train it uncompiled")
         embeddings = (layers.PEGradNormEmbedding, layers.PEGradNormShimEmbedding)
         if tp and any(isinstance(m, embeddings) and "weight_sqgradnorm" in m._buffers for m in model.modules()):
             raise GNSCallbackError("GNSCallback: under tensor parallelism the Embeddings are not measured (their "

@@ -28,11 +28,16 @@ def rank0():
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def build(work, parallel, callback, steps=STEPS, layers=None, **kwargs):
+def build(work, parallel, callback, steps=STEPS, layers=None, compiled=False, **kwargs):
     layers = LAYERS.get(parallel, {}) if layers is None else layers
+
+    def hook(model):
+        nanogns.measure(model, **layers)
+        if compiled:  # as compile_model=True does on CUDA (OLMo-core skips it on a CPU)
+            for block in model.blocks.values():
+                block.compile(fullgraph=False)
     return harness.build(work, parallel, steps=steps, global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH,
-                         seq_len=SEQ_LEN, lr=1e-3, callbacks={"gns": callback},
-                         model_hook=lambda model: nanogns.measure(model, **layers), **kwargs)
+                         seq_len=SEQ_LEN, lr=1e-3, callbacks={"gns": callback}, model_hook=hook, **kwargs)
 
 
 def measured(out, parallel):
@@ -75,13 +80,15 @@ def batch_from_gns(out):
 def refusals(out):
     """Each refused setting raises one line when the Trainer is built (at the callback's post_attach)."""
     parallel = "tp" if dist.is_initialized() else "single"
-    cases = [("single", dict(linear=None, embedding=None, norm=None), "no measured layers")]
+    cases = [("single", dict(linear=None, embedding=None, norm=None), False, "no measured layers")]
     if dist.is_initialized():
-        cases = [("tp", {}, "under tensor parallelism the Embeddings are not measured"),
-                 ("cp", dict(embedding=None), "blocks.0.attention.w_q (PEGradNormLinear) is measured")]
-    for parallel, layers, words in cases:
+        cases = [("tp", {}, False, "under tensor parallelism the Embeddings are not measured"),
+                 ("cp", dict(embedding=None), False, "blocks.0.attention.w_q (PEGradNormLinear) is measured"),
+                 ("cp", None, True, "a compiled model (compile_model=True) under context parallelism")]
+    for parallel, layers, compiled, words in cases:
         try:
-            build(f"{out}/refused-{parallel}", parallel, GNSCallback(out_dir=f"{out}/refused"), layers=layers)
+            build(f"{out}/refused-{parallel}", parallel, GNSCallback(out_dir=f"{out}/refused"), layers=layers,
+                  compiled=compiled)
         except GNSCallbackError as e:
             assert words in str(e) and "\n" not in str(e), str(e)
         else:
