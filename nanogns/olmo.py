@@ -20,9 +20,8 @@ that of the gradient before clipping. Its state rides in OLMo-core's checkpoints
 
 What each parallelism measures (the train module's dp, tp and cp configs):
 - DDP, FSDP, HSDP: every measured layer; the sums add over the data-parallel ranks.
-- tensor parallelism: the Linears and normalisations (nanogns/layers/sharded.py: a weight's shards add,
-  a replicated bias and a sequence-parallel norm count once); the Embeddings are refused: measure the
-  model with embedding=None.
+- tensor parallelism: every layer (nanogns/layers/sharded.py: a weight's shards add, the vocabulary-sharded
+  Embedding's too; a replicated bias and a sequence-parallel norm count once).
 - context parallelism: each example's tokens are split over the cp ranks, so a per-example norm needs
   every rank's part of the example. The normalisations sum their per-example vectors over the cp group
   before squaring (split_tokens: one [B, D] all_reduce per layer per micro-batch) and are exact; a
@@ -137,11 +136,6 @@ class GNSCallback(Callback):
             raise GNSCallbackError(f"GNSCallback: a compiled model (compile_model=True) under "
                                    f"{'tensor' if tp else 'context'} parallelism is not measured: the measured "
                                    f"layers take DTensors and split tokens in eager mode only; train it uncompiled")
-        embeddings = (layers.PEGradNormEmbedding, layers.PEGradNormShimEmbedding)
-        if tp and any(isinstance(m, embeddings) and "weight_sqgradnorm" in m._buffers for m in model.modules()):
-            raise GNSCallbackError("GNSCallback: under tensor parallelism the Embeddings are not measured (their "
-                                   "weight is sharded over the vocabulary): measure the model with "
-                                   "nanogns.measure(model, embedding=None)")
         if cp:
             from olmo_core.distributed.parallel import get_cp_mesh
             try:

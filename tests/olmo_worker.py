@@ -3,8 +3,8 @@ Worker for tests/test_olmo.py: tiny OLMo-core runs (tests/olmo_harness.py) measu
 one after another in the same processes,
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/olmo_worker.py OUT ddp fsdp tp cp
     python tests/olmo_worker.py OUT single resume
-Each parallelism measures what it can measure exactly (tensor parallelism: every layer but the Embedding;
-context parallelism: the normalisations) and writes OUT/<configuration>/gns/log.csv; rank 0 prints
+Each parallelism measures what it can measure exactly (context parallelism: the normalisations; the others
+every layer) and writes OUT/<configuration>/gns/log.csv; rank 0 prints
 "ok <configuration>" and the live GNS that OLMo-core's metrics got at the last step. The other configurations:
 - resume-<parallelism>: STEPS steps saved at step 1, then a new Trainer in the same folder resumes from that
   checkpoint to the end: OUT/resume-<parallelism>/gns/log.csv, to be compared with the straight run's;
@@ -20,8 +20,7 @@ import nanogns
 from nanogns.olmo import GNSCallback, GNSCallbackError
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN = 3, 4, 1, 16
-LAYERS = {"tp": dict(embedding=None), "cp": dict(linear=None, embedding=None),
-          "fsdp_tp": dict(embedding=None), "fsdp_cp": dict(linear=None, embedding=None)}
+LAYERS = {"cp": dict(linear=None, embedding=None), "fsdp_cp": dict(linear=None, embedding=None)}
 
 
 def rank0():
@@ -82,8 +81,7 @@ def refusals(out):
     parallel = "tp" if dist.is_initialized() else "single"
     cases = [("single", dict(linear=None, embedding=None, norm=None), False, "no measured layers")]
     if dist.is_initialized():
-        cases = [("tp", {}, False, "under tensor parallelism the Embeddings are not measured"),
-                 ("cp", dict(embedding=None), False, "blocks.0.attention.w_q (PEGradNormLinear) is measured"),
+        cases = [("cp", dict(embedding=None), False, "blocks.0.attention.w_q (PEGradNormLinear) is measured"),
                  ("cp", None, True, "a compiled model (compile_model=True) under context parallelism")]
     for parallel, layers, compiled, words in cases:
         try:

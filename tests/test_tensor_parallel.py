@@ -31,30 +31,34 @@ def test_tensor_and_sequence_parallel_measure_what_one_process_measures(procs):
     meter = f"ok {'fsdp-tp' if procs == 4 else 'sp-out'} gns layernorm meter"
     fused = ["ok sp-out shim layernorm fused", "ok sp-out shim rmsnorm fused"]
     cp = ["ok cp layernorm shim", "ok cp rmsnorm shim", "ok cp layernorm fused", "ok cp rmsnorm shim average"]
-    assert lines == expected + [meter, *fused, "ok refusals", *cp], done.stdout
+    embeddings = ["ok embedding rowwise gns", "ok embedding rowwise shim", "ok embedding colwise gns"]
+    assert lines == expected + [meter, *fused, "ok refusals", *embeddings, *cp], done.stdout
 
 
-def test_an_embedding_under_tensor_parallelism_is_refused_in_one_line():
-    """A measured Embedding whose weight parallelize_module shards (RowwiseParallel on the vocabulary)
-    raises one line at the forward that says to leave the Embeddings unmeasured; unmeasured, it runs."""
+def test_an_embedding_with_max_norm_under_tensor_parallelism_is_refused_in_one_line():
+    """A measured Embedding with max_norm under RowwiseParallel raises one line at the forward that says to
+    leave it unmeasured; without max_norm it is measured (tests/tp_worker.py checks the numbers); unmeasured,
+    it runs."""
     code = ("import torch, torch.distributed as dist, torch.nn as nn\n"
             "from torch.distributed.device_mesh import init_device_mesh\n"
+            "from torch.distributed.tensor import Replicate\n"
             "from torch.distributed.tensor.parallel import parallelize_module, RowwiseParallel\n"
             "import nanogns\n"
             "dist.init_process_group('gloo', rank=0, world_size=1, store=dist.HashStore())\n"
             "mesh = init_device_mesh('cpu', (1,))\n"
-            "for embedding in ('gns', 'shim', None):\n"
-            "    model = nanogns.measure(nn.Sequential(nn.Embedding(16, 8), nn.LayerNorm(8)), embedding=embedding)\n"
-            "    parallelize_module(model, mesh, {'0': RowwiseParallel()})\n"
+            "for embedding, max_norm in (('gns', 1.0), ('shim', 1.0), ('gns', None), (None, None)):\n"
+            "    model = nanogns.measure(nn.Sequential(nn.Embedding(16, 8, max_norm=max_norm), nn.LayerNorm(8)),\n"
+            "                            embedding=embedding)\n"
+            "    parallelize_module(model, mesh, {'0': RowwiseParallel(input_layouts=Replicate())})\n"
             "    try:\n"
             "        model(torch.randint(0, 16, (2, 4))).sum().backward()\n"
-            "        print('ran', embedding)\n"
+            "        print('ran', embedding, model[0].weight_sqgradnorm.item() > 0 if embedding else '')\n"
             "    except RuntimeError as e:\n"
             "        print(e)\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    refusal = ("0.weight: an Embedding under tensor parallelism (a DTensor weight or ids) is not measured; leave the "
-               "Embeddings unmeasured (measure(model, embedding=None)) or keep them unsharded")
-    assert done.stdout.splitlines() == [refusal, refusal, "ran None"], done.stdout
+    refusal = ("0.weight: an Embedding with max_norm under tensor parallelism is not measured (torch renormalises "
+               "its rows in place); leave the Embeddings unmeasured (measure(model, embedding=None))")
+    assert done.stdout.splitlines() == [refusal, refusal, "ran gns True", "ran None "], done.stdout

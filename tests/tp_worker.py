@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 import nanogns
@@ -189,6 +189,27 @@ def context_parallel(norm, rank, world, norm_class="shim", average=False):
         raise AssertionError("split_tokens took a measured Linear")
 
 
+def embedding_parallel(style, embedding, rank, world):
+    """A measured Embedding (13 rows, padding_idx 3: an uneven vocabulary split, a padding id among the ids)
+    whose weight parallelize_module shards over the vocabulary (RowwiseParallel) or the features
+    (ColwiseParallel), then a LayerNorm; each parameter's norms as one process measures them."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(13, D, padding_idx=3), nn.LayerNorm(D))
+    model = nanogns.measure(copy.deepcopy(plain), embedding=embedding)
+    xs = [torch.randint(0, 13, (B, T)) for _ in range(MICRO)]
+    xs[0][0, :3] = 3
+    targets = [torch.randn(B, T, D) for _ in range(MICRO)]
+    want = reference(plain, xs, targets)
+    mesh = init_device_mesh("cpu", (world,))
+    plan = (RowwiseParallel(input_layouts=Replicate()) if style == "rowwise" else
+            ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(model, mesh, {"0": plan})
+    row = measured_step(model, xs, targets, ExactGNS(model, world_size=1), None, slice(0, B), False)
+    check(row, want, f"embedding {style} {embedding} rank {rank}")
+    if rank == 0:
+        print(f"ok embedding {style} {embedding}", flush=True)
+
+
 def refusals(rank):
     """What is not measured says so in one line: a Linear whose tokens are split over the ranks (its
     parameters replicated under SequenceParallel)."""
@@ -221,6 +242,8 @@ if __name__ == "__main__":
     for norm in ("layernorm", "rmsnorm"):  # the fused classes, which hand a DTensor to torch's normalisation
         run("sp-out", "shim", norm, rank, world, norm_class="fused")
     refusals(rank)
+    for style, embedding in (("rowwise", "gns"), ("rowwise", "shim"), ("colwise", "gns")):
+        embedding_parallel(style, embedding, rank, world)
     for norm, norm_class in (("layernorm", "shim"), ("rmsnorm", "shim"), ("layernorm", "fused")):
         context_parallel(norm, rank, world, norm_class)
     context_parallel("rmsnorm", rank, world, average=True)

@@ -114,7 +114,10 @@ class _EmbeddingNormTap(torch.autograd.Function):
     def forward(ctx, y, ids, w_sq, count, num_embeddings, padding_idx, linked, sink=None):
         ctx.save_for_backward(ids)
         ctx.bufs, ctx.sink = (w_sq, None, count), sink is not None
-        ctx.num_embeddings, ctx.embedding_dim, ctx.padding_idx = num_embeddings, y.shape[-1], padding_idx
+        # a DTensor y (tensor parallelism: _MeasuredEmbedding._sharded): ids are local, dy measured on its local tensor
+        ctx.dy_placements = sharded.grad_placements(y) if sharded.is_dtensor(y) else None
+        ctx.num_embeddings, ctx.padding_idx = num_embeddings, padding_idx
+        ctx.embedding_dim = y.to_local().shape[-1] if ctx.dy_placements is not None else y.shape[-1]
         ctx.set_materialize_grads(False)
         if not linked:
             return y.view_as(y)
@@ -122,7 +125,8 @@ class _EmbeddingNormTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dq=None, ds=None):
-        _, sink_grad = _embedding_backward_norms(ctx, dy, dq, ds, fused=False)
+        local = dy if ctx.dy_placements is None or dy is None else sharded.local_grad(dy, ctx.dy_placements)
+        _, sink_grad = _embedding_backward_norms(ctx, local, dq, ds, fused=False)
         return dy, None, None, None, None, None, None, sink_grad
 
 
@@ -166,16 +170,54 @@ class _MeasuredEmbedding(MeasuredLayer, nn.Embedding):
         self._check_call(_examples(ids, 0))
         if self._tie is not None:
             self._tie.pop("link", None)  # never leave a previous forward's link behind
+        if self.max_norm is not None and sharded.is_dtensor(self.weight):
+            raise RuntimeError(f"{self._measured_name or type(self).__name__}.weight: an Embedding with max_norm under "
+                               "tensor parallelism is not measured (torch renormalises its rows in place); leave the "
+                               "Embeddings unmeasured (measure(model, embedding=None))")
         if self.max_norm is not None:
             with torch.no_grad():
                 torch.embedding_renorm_(self.weight, ids, self.max_norm, self.norm_type)
         measure = (torch.is_grad_enabled() and self.weight.requires_grad
                    and "weight_sqgradnorm" in self._buffers)
-        if measure and (sharded.is_dtensor(self.weight) or sharded.is_dtensor(ids)):
-            raise RuntimeError(f"{self._measured_name or type(self).__name__}.weight: an Embedding under tensor "
-                               "parallelism (a DTensor weight or ids) is not measured; leave the Embeddings "
-                               "unmeasured (measure(model, embedding=None)) or keep them unsharded")
         return measure, measure and self._tie is not None
+
+    def _sharded(self, ids):
+        """
+        Under tensor parallelism (parallelize_module: RowwiseParallel shards the weight over the vocabulary,
+        ColwiseParallel over the features; the ids replicated): torch's own lookup and backward (either
+        class), and each rank measures its shard of every example's weight gradient from the local output
+        gradient, as the shim does: its vocabulary rows' (the tokens of other rows dropped) or its feature
+        columns'. The shards' squared norms add over the TP group (nanogns/layers/sharded.py).
+        """
+        where = f"{self._measured_name or type(self).__name__}.weight"
+        weight = self.weight
+        ids_local = ids.to_local() if sharded.is_dtensor(ids) else ids
+        if self._tie is not None:
+            raise RuntimeError(f"{where}: a tied embedding under tensor parallelism is not measured; leave the "
+                               "Embeddings unmeasured (measure(model, embedding=None))")
+        if sharded.is_dtensor(ids) and not all(p.is_replicate() for p in ids.placements):
+            raise RuntimeError(f"{where}: ids {ids.placements} over the mesh: an Embedding under tensor "
+                               "parallelism is measured with its ids replicated; leave it unmeasured "
+                               "(measure(model, embedding=None))")
+        placements = weight.placements if sharded.is_dtensor(weight) else None
+        if placements is None or len(placements) != 1 or not placements[0].is_shard():
+            raise RuntimeError(f"{where}: weight {placements} over the mesh: an Embedding under tensor "
+                               "parallelism is measured with its weight sharded over one mesh dimension "
+                               "(RowwiseParallel or ColwiseParallel); leave it unmeasured (measure(model, embedding=None))")
+        sharded.localise_buffers(self)
+        sharded.note_sharded(self, weight.device_mesh.get_group(), {"weight_sqgradnorm": "sum", "example_count": "once"})
+        y = F.embedding(ids, weight, self.padding_idx)
+        local_rows, num_embeddings, padding_idx = ids_local, self.num_embeddings, self.padding_idx
+        if placements[0].dim % 2 == 0:  # rows: this rank's vocabulary [start, start + n); other ids measured as padding
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            (n, _), (start, _) = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, placements)
+            outside = (ids_local < start) | (ids_local >= start + n)
+            if self.padding_idx is not None:
+                outside |= ids_local == self.padding_idx
+            local_rows = torch.where(outside, n, ids_local - start)
+            num_embeddings, padding_idx = n + 1, n
+        return _EmbeddingNormTap.apply(y, local_rows, self.weight_sqgradnorm, self.example_count, num_embeddings,
+                                       padding_idx, False, self._compiled_sink())
 
     def _hand_link(self, ids, out, linked):
         if not linked:
@@ -197,6 +239,8 @@ class PEGradNormEmbedding(_MeasuredEmbedding):
         measure, linked = self._prepare(ids)
         if not measure:
             return F.embedding(ids, self.weight, self.padding_idx)
+        if sharded.is_dtensor(self.weight) or sharded.is_dtensor(ids):  # tensor parallelism: torch's backward
+            return self._sharded(ids)
         out = _EmbeddingFn.apply(ids, self.weight, self.weight_sqgradnorm, self.example_count,
                                  self.padding_idx, linked, self._compiled_sink())
         return self._hand_link(ids, out, linked)
@@ -208,6 +252,8 @@ class PEGradNormShimEmbedding(_MeasuredEmbedding):
     def forward(self, ids):
         ids = self._batch_ids(ids)
         measure, linked = self._prepare(ids)
+        if measure and (sharded.is_dtensor(self.weight) or sharded.is_dtensor(ids)):  # tensor parallelism
+            return self._sharded(ids)
         y = F.embedding(ids, self.weight, self.padding_idx)
         if not measure:
             return y
