@@ -17,7 +17,8 @@ backward, before the data-parallel sum and before the tracker reads the buffers 
 
 There both Linear classes run torch's linear and backward on the DTensors (.grad is torch's) and
 measure beside it as the shim does; the ghost/materialise choice is made from the global shapes, so
-every rank makes the same. The normalisations, separated and fused alike, normalise with torch's own
+every rank makes the same. Both Embedding classes do the same: a vocabulary-sharded weight (RowwiseParallel)
+measures its rows' share of each example's gradient, a feature-sharded one (ColwiseParallel) its columns'. The normalisations, separated and fused alike, normalise with torch's own
 and measure from the local tensors. A Linear whose tokens are split over the ranks (its parameters
 replicated) is refused in one line: its norm would need the other ranks' activations. Eager mode only:
 under torch.compile nothing here runs.
