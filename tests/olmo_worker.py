@@ -52,7 +52,7 @@ def resumed(out, parallel):
     tokens = (STEPS + 1) * GLOBAL_BATCH * SEQ_LEN  # the straight run's data, though the first run is shorter
     first = build(work, parallel, GNSCallback(out_dir=f"{work}/gns"), steps=1, save_interval=1, n_tokens=tokens)
     first.trainer.fit()  # saves at step 1, and closes its log
-    second = build(work, parallel, GNSCallback(out_dir=f"{work}/gns"), save_interval=1)
+    second = build(work, parallel, GNSCallback(out_dir=f"{work}/gns"), save_interval=STEPS)  # one save, at the end
     second.trainer.fit()  # loads step 1's checkpoint, the callback's state with it
     if rank0():
         print(f"ok resume-{parallel}", flush=True)
