@@ -33,7 +33,7 @@ demo: $(RUNTIME_STAMP)
 	$(PY) gns-analysis.py out-shakespeare-char-cpu
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 GPU_PY ?= python3
 GPU_OUT ?= gpu-check
