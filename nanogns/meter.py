@@ -161,10 +161,7 @@ class GNSMeter:
         step = self.step_count if step is None else int(step)
         if self.out_dir is not None and self.logger is None:
             self.open_log()
-        if self.estimator is None:
-            self.estimator = exact.ExactGNS(self.model, self.world_size, beta=self.beta, group=self.group)
-            if self.loaded_state is not None:
-                exact.load_states([self.estimator], self.loaded_state)
+        self.build_estimator()
         if not any(p.grad is not None for _, p, _, _ in self.estimator.tracker.entries):
             counted = max(int(count.item()) for _, _, _, count in self.estimator.tracker.entries)
             if counted:  # what those examples added is dropped: no .grad to go with it
@@ -200,6 +197,16 @@ class GNSMeter:
             self.logger.log({"iter_num": step, **values, **row})
             self.logger.step()
         return {**row, **self.live()}
+
+    def build_estimator(self):
+        """The exact estimator, built now if step() has not built it yet (it does at the first step, after any
+        fully_shard), with a loaded state's averages: for what reads the live GNS before the first step of a
+        resumed run (nanogns.olmo's batch controller). Returns it."""
+        if self.estimator is None:
+            self.estimator = exact.ExactGNS(self.model, self.world_size, beta=self.beta, group=self.group)
+            if self.loaded_state is not None:
+                exact.load_states([self.estimator], self.loaded_state)
+        return self.estimator
 
     def discard(self):
         """Drop what the micro-steps since the last step() added (an abandoned step: an out-of-memory

@@ -242,7 +242,7 @@ class GNSCallback(Callback):
         meter = self._meter
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         return GNSBatchController(
-            lambda: exact.live_gns([meter.estimator], group) if meter.estimator is not None else (math.nan, 0),
+            lambda: exact.live_gns([meter.build_estimator()], group),  # a resumed run's averages before its first step
             fraction=self.bs_gns_fraction, batch_size=start // seq_len, floor=1, ceiling=factor,
             warmup_steps=self.bs_warmup_steps, update_tokens=update_tokens, allow_decrease=self.bs_allow_decrease,
             ddp_device="cpu" if distributed and torch.distributed.get_backend() == "gloo" else (

@@ -8,7 +8,8 @@ every layer) and writes OUT/<configuration>/gns/log.csv; rank 0 prints
 "ok <configuration>" and the live GNS that OLMo-core's metrics got at the last step. The other configurations:
 - resume-<parallelism>: STEPS steps saved at step 1, then a new Trainer in the same folder resumes from that
   checkpoint to the end: OUT/resume-<parallelism>/gns/log.csv, to be compared with the straight run's;
-- bs: the batch from the GNS (bs_controller="gns"), which grows to its ceiling on every rank alike;
+- bs: the batch from the GNS (bs_controller="gns"), which grows to its ceiling on every rank alike, and the
+  same run resumed after the change (OUT/bs-resumed/gns/log.csv, to be compared with OUT/bs's);
 - refusals: what the callback cannot measure, one line each (under 2 ranks: tensor and context parallelism).
 """
 import sys
@@ -58,14 +59,24 @@ def resumed(out, parallel):
         print(f"ok resume-{parallel}", flush=True)
 
 
+def controlled(out_dir):
+    """A callback whose batch doubles (its ceiling) as soon as the EMA has averaged 2 steps."""
+    return GNSCallback(out_dir=out_dir, bs_controller="gns", bs_max_tokens=2 * GLOBAL_BATCH * SEQ_LEN,
+                       bs_warmup_steps=2, bs_update_tokens=0)
+
+
 def batch_from_gns(out):
-    """The batch doubles (its ceiling) as soon as the EMA has averaged 2 steps, on every rank."""
+    """The batch doubles at step 3, on every rank; the same run saved at step 3 and resumed writes its log."""
     start = GLOBAL_BATCH * SEQ_LEN
-    callback = GNSCallback(out_dir=f"{out}/bs/gns", bs_controller="gns", bs_max_tokens=2 * start,
-                           bs_warmup_steps=2, bs_update_tokens=0)
-    run = build(f"{out}/bs", "ddp" if dist.is_initialized() else "single", callback, steps=4,
-                n_tokens=12 * start)
+    parallel = "ddp" if dist.is_initialized() else "single"
+    run = build(f"{out}/bs", parallel, controlled(f"{out}/bs/gns"), steps=5, n_tokens=12 * start)
     run.trainer.fit()
+    build(f"{out}/bs-resumed", parallel, controlled(f"{out}/bs-resumed/gns"), steps=3, n_tokens=12 * start,
+          save_interval=3).trainer.fit()
+    resumed = build(f"{out}/bs-resumed", parallel, controlled(f"{out}/bs-resumed/gns"), steps=5,
+                    n_tokens=12 * start, save_interval=5)
+    resumed.trainer.fit()  # from step 3's checkpoint, its batch already doubled
+    assert resumed.trainer.data_loader.global_batch_size == 2 * start
     sizes = [None] * dist.get_world_size() if dist.is_initialized() else [None]
     if dist.is_initialized():
         dist.all_gather_object(sizes, run.trainer.data_loader.global_batch_size)

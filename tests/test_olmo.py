@@ -159,16 +159,20 @@ def test_the_log_is_read_by_the_analysis(one_process):
         in done.stdout, done.stdout
 
 
-def test_the_batch_from_the_gns_grows_by_olmo_cores_rules(one_process):
+def test_the_batch_from_the_gns_grows_by_olmo_cores_rules_and_resumes(one_process):
     """Warm-up 2 steps: the start (4 examples) for the first two rows, then the ceiling (8) once the data
-    loader's batches allow it; the row says the target and the batch's tokens."""
+    loader's batches allow it; the row says the target and the batch's tokens. Saved at step 3 (its batch
+    doubled) and resumed, the run writes the same log."""
     out, _ = one_process
     with open(os.path.join(out, "bs", "gns", "log.csv")) as f:
-        rows = list(csv.DictReader(f))
-    assert [row["bs_controller/batch_tokens"] for row in rows] == ["64", "64", "128", "128"]
-    assert [row["train/gns/lm_head.norm.weight/batch_size"] for row in rows] == ["4", "4", "8", "8"]
+        text = f.read()
+    rows = list(csv.DictReader(text.splitlines()))
+    assert [row["bs_controller/batch_tokens"] for row in rows] == ["64", "64", "128", "128", "128"]
+    assert [row["train/gns/lm_head.norm.weight/batch_size"] for row in rows] == ["4", "4", "8", "8", "8"]
     targets = [float(row["bs_controller/target_examples"]) for row in rows]
     assert math.isnan(targets[0]) and math.isnan(targets[1]) and all(t > 8 for t in targets[2:])
+    with open(os.path.join(out, "bs-resumed", "gns", "log.csv")) as f:
+        assert f.read() == text
 
 
 @pytest.mark.slow
