@@ -51,7 +51,7 @@ def test_an_embedding_with_max_norm_under_tensor_parallelism_is_refused_in_one_l
             "                            embedding=embedding)\n"
             "    parallelize_module(model, mesh, {'0': RowwiseParallel(input_layouts=Replicate())})\n"
             "    try:\n"
-            "        model(torch.randint(0, 16, (2, 4))).sum().backward()\n"
+            "        (model(torch.randint(0, 16, (2, 4))) * torch.randn(2, 4, 8)).sum().backward()  # not a constant\n"
             "        print('ran', embedding, model[0].weight_sqgradnorm.item() > 0 if embedding else '')\n"
             "    except RuntimeError as e:\n"
             "        print(e)\n")
