@@ -121,9 +121,10 @@ class PEGradNormSeparatedLayerNorm(_MeasuredNorm, LayerNorm):
 
 def _local_norm_inputs(layer, x, weight, stats):
     """A separated normalisation's x, weight and row statistics as its Function measures from them, and
-    the process group over which its per-example vectors are summed before squaring (None: not). Plain
-    tensors go as they are, with the context-parallel group where split_tokens gave one (each rank holds
-    some of every example's tokens, as below; the input a plain tensor). Under torch's SequenceParallel (DTensors on the TP mesh, the parameters
+    (the process group over which its per-example vectors are summed before squaring, the factor the sum
+    is scaled by), or None where they are not. Plain tensors go as they are, with the context-parallel
+    group where split_tokens gave one (each rank holds some of every example's tokens, as below; the input
+    a plain tensor). Under torch's SequenceParallel (DTensors on the TP mesh, the parameters
     replicated, each rank holding some of every example's tokens) the local tensors, and the TP group:
     each rank's dgamma_b, dbeta_b are partial sums over its tokens, whose squares do not add; the summed
     vectors are the same on every rank, so its buffers count once over the group (nanogns/layers/sharded.py)."""
@@ -150,7 +151,7 @@ def _local_norm_inputs(layer, x, weight, stats):
                                                 if name == "example_count" or name.endswith("_sqgradnorm")})
     local = lambda t: t.to_local() if sharded.is_dtensor(t) else t  # noqa: E731
     stats = None if stats is None else tuple(local(t) for t in stats)
-    return local(x), local(weight), stats, x.device_mesh.get_group() if split else None
+    return local(x), local(weight), stats, (x.device_mesh.get_group(), 1.0) if split else None
 
 
 # ---------------------------------------------------------------------------------------------

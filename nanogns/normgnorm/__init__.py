@@ -264,7 +264,8 @@ class _NormFn(torch.autograd.Function):
             ctx.save_for_backward(x, *(stats or (None, None)))
             ctx.shape, ctx.eps, ctx.coords = weight.shape, eps, coords or (None, None)
             # sequence parallelism (nanogns/layers/norms.py): x and the statistics are local, torch_output a
-            # DTensor whose gradient is measured on its local tensor, the per-example vectors summed over group
+            # DTensor whose gradient is measured on its local tensor; group (process group, scale): the
+            # per-example vectors summed over it and scaled, before squaring (sequence or context parallelism)
             ctx.group = group
             ctx.dy_placements = getattr(torch_output, "placements", None) if getattr(
                 torch_output, "device_mesh", None) is not None else None
@@ -355,8 +356,7 @@ def _split_token_sums(ctx, dy3, x3, mean3, rstd3, need_dw, need_db, B):
                            "measured in eager mode only (its backward sums per-example vectors over the group); "
                            "leave the model uncompiled")
     weight_sq, bias_sq, count = ctx.bufs
-    # (group, scale): context parallelism's, whose summed vectors are scaled (averaged, for OLMo-core's loss)
-    group, scale = ctx.group if isinstance(ctx.group, tuple) else (ctx.group, 1.0)
+    group, scale = ctx.group  # the vectors' sum is scaled: averaged for OLMo-core's context-parallel loss
     dw_b, db_b = torch_path.per_example_affine_grads(dy3, x3, mean3, rstd3, need_dw, need_db)
     parts = [g for g in (dw_b, db_b) if g is not None]
     if parts:
